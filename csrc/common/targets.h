@@ -1,0 +1,15 @@
+// The FFI targets te_jax registers, as (target name, handler stem) pairs.
+// The CPU module registers <stem>Cpu and the CUDA module <stem>Cuda for each,
+// so both platforms always expose the same set.
+#pragma once
+
+#define TE_JAX_FFI_TARGETS(X)                          \
+  X(te_jax_quantize_fp8, QuantizeFp8Tensor)            \
+  X(te_jax_quantize_fp8_current, QuantizeFp8Current)   \
+  X(te_jax_quantize_mxfp8, QuantizeMxfp8)              \
+  X(te_jax_quantize_fp8_block, QuantizeFp8Block)       \
+  X(te_jax_quantize_nvfp4, QuantizeNvfp4)              \
+  X(te_jax_dequantize_fp8, DequantizeFp8Tensor)        \
+  X(te_jax_dequantize_mxfp8, DequantizeMxfp8)          \
+  X(te_jax_dequantize_fp8_block, DequantizeFp8Block)   \
+  X(te_jax_dequantize_nvfp4, DequantizeNvfp4)

@@ -1,0 +1,286 @@
+"""Quantize and dequantize ops: FFI custom calls with pure-JAX reference twins.
+
+Every op takes matrices ``x [..., M, N]``; leading axes are a batch (the
+kernels loop over it, and ``vmap`` adds to it). Each validates its inputs at
+trace time, then runs the ``te_jax_*`` custom call or, when the backend is
+"reference", the function of the same name in ``te_jax.quantize.reference``.
+The columnwise copy of every mode is the quantization of the transposed
+matrix ``[..., N, M]``; an output that was not asked for is an empty
+``[..., 0]`` array.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import te_jax._ffi  # noqa: F401  (registers the FFI targets)
+from te_jax import backend as backend_lib
+from te_jax.quantize import numerics as nm
+from te_jax.quantize import reference as ref
+
+HIGH_PRECISION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MXFP8_BLOCK = ref.MXFP8_BLOCK
+NVFP4_BLOCK = ref.NVFP4_BLOCK
+FP8_BLOCK = ref.FP8_BLOCK
+
+
+# ---- validation ------------------------------------------------------------------
+
+
+def check_high_precision(x, name: str = "x") -> None:
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+        got = getattr(x, "dtype", type(x).__name__)
+        raise TypeError(f"te_jax: {name} must be a floating-point array, got {got}")
+    if jnp.dtype(x.dtype) not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"te_jax: {name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def check_fp8_dtype(qdtype) -> jnp.dtype:
+    nm.fp8_max(qdtype)  # raises ValueError naming the allowed dtypes
+    return jnp.dtype(qdtype)
+
+
+def _check_matrix(x, name: str = "x") -> None:
+    check_high_precision(x, name)
+    if x.ndim < 2:
+        raise ValueError(f"te_jax: {name} must be a matrix [..., M, N], got shape {x.shape}")
+
+
+def _check_layouts(rowwise: bool, colwise: bool) -> None:
+    if not (rowwise or colwise):
+        raise ValueError("te_jax: ask for at least one of rowwise=True or colwise=True")
+
+
+def check_blocks(shape, block: int, *, rowwise: bool, colwise: bool, block_2d: bool = False, mode: str) -> None:
+    """The block size must divide N (rowwise blocks) and M (columnwise or 2D blocks)."""
+    m, n = shape[-2], shape[-1]
+    if (rowwise or block_2d) and n % block:
+        raise ValueError(
+            f"te_jax: {mode} needs the last axis (N={n}) to be a multiple of {block}; "
+            f"got shape {tuple(shape)}. Pad the tensor or pick another recipe."
+        )
+    if (colwise or block_2d) and m % block:
+        raise ValueError(
+            f"te_jax: {mode} {'2D blocks' if block_2d else 'columnwise copy'} needs the flattened "
+            f"row axis (M={m}) to be a multiple of {block}; got shape {tuple(shape)}."
+        )
+
+
+# ---- helpers -----------------------------------------------------------------------
+
+
+def _sds(x, rows: int, cols: int, dtype, enabled: bool = True) -> jax.ShapeDtypeStruct:
+    shape = (*x.shape[:-2], rows, cols) if enabled else (*x.shape[:-2], 0)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def _scalar_sds(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((*x.shape[:-2], 1), jnp.float32)
+
+
+def _ffi(target: str, results, *args, **attrs):
+    return jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")(*args, **attrs)
+
+
+def key_words(key) -> jax.Array:
+    """The two uint32 words of a JAX PRNG key (typed or raw) that seed stochastic rounding."""
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    if key.dtype != jnp.uint32 or key.ndim < 1 or key.shape[-1] < 2:
+        raise TypeError(f"te_jax: expected a JAX PRNG key, got {key.dtype}{list(key.shape)}")
+    return key[..., :2]
+
+
+# ---- quantize ----------------------------------------------------------------------
+
+
+def quantize_fp8_tensor(x, scale, *, qdtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, backend=None):
+    """Per-tensor FP8 with a given float32 scale ``[..., 1]``; the amax comes from the same pass.
+
+    Returns ``(q [...,M,N], q_t [...,N,M], amax [...,1], scale_inv [...,1])``.
+    """
+    _check_matrix(x)
+    qdtype = check_fp8_dtype(qdtype)
+    _check_layouts(rowwise, colwise)
+    scale = jnp.asarray(scale, jnp.float32).reshape(*x.shape[:-2], 1)
+    if backend_lib.resolve(backend) == "reference":
+        return ref.quantize_fp8_tensor(x, scale, qdtype=qdtype, rowwise=rowwise, colwise=colwise)
+    m, n = x.shape[-2:]
+    results = (_sds(x, m, n, qdtype, rowwise), _sds(x, n, m, qdtype, colwise), _scalar_sds(x), _scalar_sds(x))
+    return tuple(_ffi("te_jax_quantize_fp8", results, x, scale, rowwise=rowwise, colwise=colwise))
+
+
+def quantize_fp8_current(
+    x, *, qdtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, power_2=False, epsilon=0.0, backend=None
+):
+    """Per-tensor current scaling: amax, then scale = fp8_max / max(amax, epsilon), then the cast.
+
+    Returns ``(q, q_t, amax, scale, scale_inv)``.
+    """
+    _check_matrix(x)
+    qdtype = check_fp8_dtype(qdtype)
+    _check_layouts(rowwise, colwise)
+    if not (np.isfinite(epsilon) and epsilon >= 0):
+        raise ValueError(f"te_jax: amax_epsilon must be a finite number >= 0, got {epsilon}")
+    if backend_lib.resolve(backend) == "reference":
+        return ref.quantize_fp8_current(
+            x, qdtype=qdtype, rowwise=rowwise, colwise=colwise, power_2=power_2, epsilon=epsilon
+        )
+    m, n = x.shape[-2:]
+    s = _scalar_sds(x)
+    results = (_sds(x, m, n, qdtype, rowwise), _sds(x, n, m, qdtype, colwise), s, s, s)
+    out = _ffi(
+        "te_jax_quantize_fp8_current", results, x,
+        rowwise=rowwise, colwise=colwise, power_2=bool(power_2), epsilon=np.float32(epsilon),
+    )
+    return tuple(out)
+
+
+def quantize_mxfp8(x, *, qdtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, backend=None):
+    """MXFP8: 1x32 blocks, E8M0 scale codes (uint8).
+
+    Returns ``(q [...,M,N], s [...,M,N/32], q_t [...,N,M], s_t [...,N,M/32])``.
+    """
+    _check_matrix(x)
+    qdtype = check_fp8_dtype(qdtype)
+    _check_layouts(rowwise, colwise)
+    check_blocks(x.shape, MXFP8_BLOCK, rowwise=rowwise, colwise=colwise, mode="MXFP8")
+    if backend_lib.resolve(backend) == "reference":
+        return ref.quantize_mxfp8(x, qdtype=qdtype, rowwise=rowwise, colwise=colwise)
+    m, n = x.shape[-2:]
+    b = MXFP8_BLOCK
+    results = (
+        _sds(x, m, n, qdtype, rowwise), _sds(x, m, n // b, jnp.uint8, rowwise),
+        _sds(x, n, m, qdtype, colwise), _sds(x, n, m // b, jnp.uint8, colwise),
+    )
+    return tuple(_ffi("te_jax_quantize_mxfp8", results, x, rowwise=rowwise, colwise=colwise))
+
+
+def quantize_fp8_block(
+    x, *, qdtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, block_2d=False, power_2=True, backend=None
+):
+    """Float8 block scaling: 1x128 or (``block_2d``) 128x128 blocks; float32 1/scale per block.
+
+    Returns ``(q, s, q_t, s_t)`` with ``s`` ``[...,M,N/128]`` or ``[...,M/128,N/128]``.
+    """
+    _check_matrix(x)
+    qdtype = check_fp8_dtype(qdtype)
+    _check_layouts(rowwise, colwise)
+    check_blocks(x.shape, FP8_BLOCK, rowwise=rowwise, colwise=colwise, block_2d=block_2d, mode="Float8 block scaling")
+    if backend_lib.resolve(backend) == "reference":
+        return ref.quantize_fp8_block(
+            x, qdtype=qdtype, rowwise=rowwise, colwise=colwise, block_2d=block_2d, power_2=power_2
+        )
+    m, n = x.shape[-2:]
+    b = FP8_BLOCK
+    br = b if block_2d else 1
+    results = (
+        _sds(x, m, n, qdtype, rowwise), _sds(x, m // br, n // b, jnp.float32, rowwise),
+        _sds(x, n, m, qdtype, colwise), _sds(x, n // br, m // b, jnp.float32, colwise),
+    )
+    out = _ffi(
+        "te_jax_quantize_fp8_block", results, x,
+        rowwise=rowwise, colwise=colwise, block_2d=bool(block_2d), power_2=bool(power_2),
+    )
+    return tuple(out)
+
+
+def quantize_nvfp4(
+    x, key=None, *, rowwise=True, colwise=False, block_2d=False, rht=False, stochastic_rounding=False, backend=None
+):
+    """NVFP4: packed E2M1 (two per byte), E4M3 block scales, per-tensor float32 amax.
+
+    ``rht`` applies the 16-point random Hadamard transform to the columnwise
+    copy; ``stochastic_rounding`` draws its bits from ``key`` (a JAX PRNG key).
+
+    Returns ``(q [...,M,N/2], s [...,M,N/16], q_t [...,N,M/2], s_t [...,N,M/16],
+    amax [...,1], amax_t [...,1])``.
+    """
+    _check_matrix(x)
+    _check_layouts(rowwise, colwise)
+    if rht and block_2d:
+        raise ValueError("te_jax: the random Hadamard transform applies to 1D (1x16) NVFP4 blocks only")
+    check_blocks(x.shape, NVFP4_BLOCK, rowwise=rowwise, colwise=colwise or rht, block_2d=block_2d, mode="NVFP4")
+    if stochastic_rounding:
+        if key is None:
+            raise ValueError("te_jax: NVFP4 stochastic rounding needs a PRNG key")
+        words = key_words(key)
+    else:
+        words = jnp.zeros((2,), jnp.uint32)
+    words = jnp.broadcast_to(words, (*x.shape[:-2], 2))
+    if x.shape[-2] * x.shape[-1] >= 2**32:
+        raise ValueError("te_jax: NVFP4 supports matrices of fewer than 2^32 elements")
+    flags = dict(rowwise=rowwise, colwise=colwise, block_2d=bool(block_2d), rht=bool(rht),
+                 stochastic_rounding=bool(stochastic_rounding))
+    if backend_lib.resolve(backend) == "reference":
+        return ref.quantize_nvfp4(x, words, **flags)
+    m, n = x.shape[-2:]
+    b = NVFP4_BLOCK
+    e4 = jnp.float8_e4m3fn
+    results = (
+        _sds(x, m, n // 2, jnp.uint8, rowwise), _sds(x, m, n // b, e4, rowwise),
+        _sds(x, n, m // 2, jnp.uint8, colwise), _sds(x, n, m // b, e4, colwise),
+        _scalar_sds(x), _scalar_sds(x),
+    )
+    return tuple(_ffi("te_jax_quantize_nvfp4", results, x, words, **flags))
+
+
+# ---- dequantize --------------------------------------------------------------------
+
+
+def _check_out_dtype(out_dtype) -> jnp.dtype:
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"te_jax: dequantize produces float32, bfloat16 or float16, not {out_dtype}")
+    return out_dtype
+
+
+def _check_quantized(q, dtypes, what: str) -> None:
+    if q.ndim < 2:
+        raise ValueError(f"te_jax: quantized data must be a matrix [..., M, N], got shape {q.shape}")
+    if jnp.dtype(q.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        raise TypeError(f"te_jax: {what} data must be {', '.join(str(jnp.dtype(d)) for d in dtypes)}, got {q.dtype}")
+
+
+def dequantize_fp8_tensor(q, scale_inv, *, out_dtype=jnp.float32, backend=None):
+    """``q * scale_inv`` for per-tensor FP8 (``scale_inv [..., 1]``)."""
+    _check_quantized(q, nm.FP8_DTYPES, "per-tensor FP8")
+    out_dtype = _check_out_dtype(out_dtype)
+    scale_inv = jnp.asarray(scale_inv, jnp.float32).reshape(*q.shape[:-2], 1)
+    if backend_lib.resolve(backend) == "reference":
+        return ref.dequantize_fp8_tensor(q, scale_inv, out_dtype=out_dtype)
+    return _ffi("te_jax_dequantize_fp8", jax.ShapeDtypeStruct(q.shape, out_dtype), q, scale_inv)
+
+
+def dequantize_mxfp8(q, s, *, out_dtype=jnp.float32, backend=None):
+    _check_quantized(q, nm.FP8_DTYPES, "MXFP8")
+    out_dtype = _check_out_dtype(out_dtype)
+    check_blocks(q.shape, MXFP8_BLOCK, rowwise=True, colwise=False, mode="MXFP8")
+    if backend_lib.resolve(backend) == "reference":
+        return ref.dequantize_mxfp8(q, s, out_dtype=out_dtype)
+    return _ffi("te_jax_dequantize_mxfp8", jax.ShapeDtypeStruct(q.shape, out_dtype), q, s.astype(jnp.uint8))
+
+
+def dequantize_fp8_block(q, s, *, block_2d=False, out_dtype=jnp.float32, backend=None):
+    _check_quantized(q, nm.FP8_DTYPES, "Float8 block")
+    out_dtype = _check_out_dtype(out_dtype)
+    check_blocks(q.shape, FP8_BLOCK, rowwise=True, colwise=False, block_2d=block_2d, mode="Float8 block scaling")
+    if backend_lib.resolve(backend) == "reference":
+        return ref.dequantize_fp8_block(q, s, block_2d=block_2d, out_dtype=out_dtype)
+    return _ffi(
+        "te_jax_dequantize_fp8_block", jax.ShapeDtypeStruct(q.shape, out_dtype), q, s.astype(jnp.float32),
+        block_2d=bool(block_2d),
+    )
+
+
+def dequantize_nvfp4(q, s, amax, *, out_dtype=jnp.float32, backend=None):
+    """NVFP4 packed codes ``[..., M, N/2]`` back to ``[..., M, N]`` values."""
+    _check_quantized(q, (jnp.uint8,), "NVFP4")
+    out_dtype = _check_out_dtype(out_dtype)
+    amax = jnp.asarray(amax, jnp.float32).reshape(*q.shape[:-2], 1)
+    if backend_lib.resolve(backend) == "reference":
+        return ref.dequantize_nvfp4(q, s, amax, out_dtype=out_dtype)
+    shape = (*q.shape[:-1], q.shape[-1] * 2)
+    return _ffi("te_jax_dequantize_nvfp4", jax.ShapeDtypeStruct(shape, out_dtype), q, s, amax)

@@ -1,0 +1,166 @@
+"""Stateless quantizers: one small frozen dataclass per scaling mode.
+
+A quantizer turns a high-precision tensor into a ``ScaledTensor``::
+
+    q = CurrentScalingQuantizer(jnp.float8_e4m3fn).quantize(x, colwise=True)
+
+The protocol every quantizer follows (custom recipes may return their own):
+
+* ``quantize(x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1,
+  key=None) -> ScaledTensor``; ``x`` is viewed as the matrix
+  ``[prod(shape[:flatten_axis]), prod(shape[flatten_axis:])]`` and the
+  columnwise copy is the transpose of that matrix.
+* stateful quantizers (delayed scaling) also have ``init_state()`` and
+  ``update_state(state, amax)``; stateless ones take ``state=None``.
+
+Quantizers are frozen and hashable, so they can be static arguments of jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+
+from te_jax.ops import quantize as qops
+from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode, flattened_shape
+
+
+@runtime_checkable
+class Quantizer(Protocol):
+    def quantize(self, x: jax.Array, state: Any = None, *, rowwise: bool = True, colwise: bool = False,
+                 flatten_axis: int = -1, key: jax.Array | None = None) -> ScaledTensor: ...
+
+
+def as_matrix(x: jax.Array, flatten_axis: int) -> jax.Array:
+    """``x`` reshaped to ``[M, N]`` around ``flatten_axis``."""
+    qops.check_high_precision(x)
+    if x.ndim == 0:
+        raise ValueError("te_jax: cannot quantize a scalar; give a tensor of rank >= 1")
+    return x.reshape(flattened_shape(x.shape, flatten_axis))
+
+
+def _fp8_dtype(dtype) -> jnp.dtype:
+    return qops.check_fp8_dtype(dtype)
+
+
+def _scaled(x, mode, qdtype, flatten_axis, rowwise, colwise, q, s, q_t, s_t, amax=None, amax_t=None, **layout):
+    return ScaledTensor(
+        data=q if rowwise else None,
+        scale_inv=s if rowwise else None,
+        colwise_data=q_t if colwise else None,
+        colwise_scale_inv=s_t if colwise else None,
+        amax=amax,
+        colwise_amax=amax_t,
+        mode=mode,
+        qdtype=jnp.dtype(qdtype),
+        shape=tuple(x.shape),
+        flatten_axis=flatten_axis,
+        **layout,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScalingQuantizer:
+    """Per-tensor FP8 with the scale computed from this tensor's own amax.
+
+    Attributes:
+      dtype: jnp.float8_e4m3fn or jnp.float8_e5m2.
+      power_2_scales: round the scale down to a power of two.
+      amax_epsilon: lower bound on the amax used for the scale.
+    """
+
+    dtype: Any = jnp.float8_e4m3fn
+    power_2_scales: bool = False
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", _fp8_dtype(self.dtype))
+        if not (self.amax_epsilon >= 0 and self.amax_epsilon < float("inf")):
+            raise ValueError(f"amax_epsilon must be a finite number >= 0, got {self.amax_epsilon}")
+
+    def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
+        x2 = as_matrix(x, flatten_axis)
+        q, q_t, amax, _, scale_inv = qops.quantize_fp8_current(
+            x2, qdtype=self.dtype, rowwise=rowwise, colwise=colwise,
+            power_2=self.power_2_scales, epsilon=self.amax_epsilon, backend=backend,
+        )
+        return _scaled(x, ScalingMode.FP8_TENSOR, self.dtype, flatten_axis, rowwise, colwise,
+                       q, scale_inv, q_t, scale_inv, amax=amax)
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8Quantizer:
+    """MXFP8: 1x32 blocks along the contraction axis with E8M0 (power-of-two) scales."""
+
+    dtype: Any = jnp.float8_e4m3fn
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", _fp8_dtype(self.dtype))
+
+    def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
+        x2 = as_matrix(x, flatten_axis)
+        q, s, q_t, s_t = qops.quantize_mxfp8(x2, qdtype=self.dtype, rowwise=rowwise, colwise=colwise, backend=backend)
+        return _scaled(x, ScalingMode.MXFP8, self.dtype, flatten_axis, rowwise, colwise, q, s, q_t, s_t)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockQuantizer:
+    """Float8 block scaling: 1x128 blocks, or 128x128 with ``block_2d``.
+
+    Attributes:
+      dtype: jnp.float8_e4m3fn or jnp.float8_e5m2.
+      block_2d: 128x128 blocks (weights) instead of 1x128 (inputs, gradients).
+      power_2_scales: power-of-two scales (False: float32 scales).
+    """
+
+    dtype: Any = jnp.float8_e4m3fn
+    block_2d: bool = False
+    power_2_scales: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", _fp8_dtype(self.dtype))
+
+    def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
+        x2 = as_matrix(x, flatten_axis)
+        q, s, q_t, s_t = qops.quantize_fp8_block(
+            x2, qdtype=self.dtype, rowwise=rowwise, colwise=colwise, block_2d=self.block_2d,
+            power_2=self.power_2_scales, backend=backend,
+        )
+        return _scaled(x, ScalingMode.FP8_BLOCK, self.dtype, flatten_axis, rowwise, colwise, q, s, q_t, s_t,
+                       block_2d=self.block_2d)
+
+
+@dataclasses.dataclass(frozen=True)
+class NVFP4Quantizer:
+    """NVFP4: E2M1 values in 1x16 (or 16x16) blocks with E4M3 scales and a float32 global scale.
+
+    Attributes:
+      block_2d: 16x16 blocks (weights).
+      rht: random Hadamard transform on the columnwise copy (wgrad operands).
+      stochastic_rounding: round stochastically (gradients); needs ``key``.
+    """
+
+    block_2d: bool = False
+    rht: bool = False
+    stochastic_rounding: bool = False
+
+    def __post_init__(self):
+        if self.rht and self.block_2d:
+            raise ValueError("NVFP4Quantizer: rht applies to 1D blocks; it cannot be combined with block_2d")
+
+    @property
+    def dtype(self):
+        return jnp.dtype(jnp.float4_e2m1fn)
+
+    def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
+        x2 = as_matrix(x, flatten_axis)
+        q, s, q_t, s_t, amax, amax_t = qops.quantize_nvfp4(
+            x2, key, rowwise=rowwise, colwise=colwise, block_2d=self.block_2d, rht=self.rht and colwise,
+            stochastic_rounding=self.stochastic_rounding, backend=backend,
+        )
+        return _scaled(x, ScalingMode.NVFP4, self.dtype, flatten_axis, rowwise, colwise, q, s, q_t, s_t,
+                       amax=amax, amax_t=amax_t if colwise else None, block_2d=self.block_2d,
+                       rht=self.rht and colwise)
