@@ -4,20 +4,19 @@ The choice is made at trace time, per call (``backend=`` on every op) or for a
 block of code::
 
     with te_jax.backend.use("reference"):
-        y = jax.jit(f)(x)   # traced here, so it uses the reference
+        y = jax.jit(f)(x)
 
-The reference is the spec the kernels are tested against; it is slower, and
-it is never picked silently.
+The setting is part of jit's cache key, so a function already compiled with
+the kernels is traced again inside the block. The reference is the spec the
+kernels are tested against; it is slower, and it is never picked silently.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator
+import jax
 
 BACKENDS = ("ffi", "reference")
-_current: contextvars.ContextVar[str] = contextvars.ContextVar("te_jax_backend", default="ffi")
+_current = jax.make_user_context(default_value="ffi")
 
 
 def _check(name: str) -> str:
@@ -26,20 +25,15 @@ def _check(name: str) -> str:
     return name
 
 
-@contextlib.contextmanager
-def use(name: str) -> Iterator[None]:
-    """Makes ops traced inside this block use backend ``name`` ("ffi" or "reference")."""
-    token = _current.set(_check(name))
-    try:
-        yield
-    finally:
-        _current.reset(token)
+def use(name: str):
+    """Context manager: ops traced inside it use backend ``name`` ("ffi" or "reference")."""
+    return _current(_check(name))
 
 
 def current() -> str:
-    return _current.get()
+    return _current.value
 
 
 def resolve(backend: str | None) -> str:
     """The backend for one call: the explicit argument, else the context's."""
-    return _current.get() if backend is None else _check(backend)
+    return _current.value if backend is None else _check(backend)

@@ -13,3 +13,11 @@
   X(te_jax_dequantize_mxfp8, DequantizeMxfp8)          \
   X(te_jax_dequantize_fp8_block, DequantizeFp8Block)   \
   X(te_jax_dequantize_nvfp4, DequantizeNvfp4)
+
+// The GEMM custom calls (docs/gemm_ffi.md), registered by each platform module
+// like TE_JAX_FFI_TARGETS.
+#define TE_JAX_GEMM_TARGETS(X)            \
+  X(te_jax_gemm_fp8, GemmFp8)             \
+  X(te_jax_gemm_fp8_block, GemmFp8Block)  \
+  X(te_jax_gemm_mxfp8, GemmMxfp8)         \
+  X(te_jax_gemm_nvfp4, GemmNvfp4)

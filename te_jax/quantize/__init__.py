@@ -1,6 +1,7 @@
 """Quantization: ScaledTensor, scaling modes, quantizers and the reference numerics."""
 
 from te_jax.quantize import numerics, reference
+from te_jax.quantize.delayed import DelayedScalingQuantizer  # noqa: F401
 from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode, flattened_shape
 from te_jax.quantize.quantizers import (
     CurrentScalingQuantizer,

@@ -1,0 +1,78 @@
+"""``te_jax.autocast``: the block of code in which te_jax layers quantize.
+
+::
+
+    with te_jax.autocast(recipe=te_jax.recipe.Float8CurrentScaling()):
+        y = model.apply(variables, x)
+
+The setting is read when a layer is traced. It is part of jit's cache key,
+so a function compiled outside the block is traced again inside it (and vice
+versa). Blocks nest; the innermost one wins, and an inner
+``autocast(enabled=False)`` turns quantization off for its body. Outside any
+block, te_jax layers compute in high precision. This context is the only
+module-level mutable state in te_jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from te_jax import recipe as recipe_lib
+from te_jax.sharding import MeshResource
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastConfig:
+    """What an autocast block sets: whether to quantize, how, and the mesh axes.
+
+    Attributes:
+      enabled: quantize te_jax layers.
+      recipe: the recipe (None when disabled).
+      mesh_resource: the mesh axes amaxes are reduced over, or None.
+    """
+
+    enabled: bool = False
+    recipe: recipe_lib.Recipe | None = None
+    mesh_resource: MeshResource | None = None
+
+
+_current = jax.make_user_context(default_value=AutocastConfig())
+
+
+def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
+             mesh_resource: MeshResource | None = None):
+    """Context manager: te_jax layers traced inside it quantize with ``recipe``.
+
+    Args:
+      enabled: False computes in high precision (also inside an enabled block).
+      recipe: a ``te_jax.recipe`` recipe; None means ``DelayedScaling()``.
+      mesh_resource: ``te_jax.MeshResource`` naming the mesh axes that amaxes
+        are reduced over inside shard_map; None reduces over every manual axis.
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(f"te_jax: autocast(enabled=...) must be True or False, got {enabled!r}")
+    if recipe is not None and not isinstance(recipe, recipe_lib.Recipe):
+        raise ValueError(
+            f"te_jax: autocast(recipe=...) must be a te_jax.recipe recipe (DelayedScaling, Float8CurrentScaling, "
+            f"MXFP8BlockScaling, NVFP4BlockScaling, Float8BlockScaling, CustomRecipe), got {recipe!r}"
+        )
+    if mesh_resource is not None and not isinstance(mesh_resource, MeshResource):
+        raise ValueError(f"te_jax: autocast(mesh_resource=...) must be a te_jax.MeshResource, got {mesh_resource!r}")
+    if enabled:
+        config = AutocastConfig(True, recipe if recipe is not None else recipe_lib.DelayedScaling(), mesh_resource)
+    else:
+        config = AutocastConfig(False, None, mesh_resource)
+    return _current(config)
+
+
+def current() -> AutocastConfig:
+    """The innermost autocast's setting (disabled outside any block)."""
+    return _current.value
+
+
+def current_recipe() -> recipe_lib.Recipe | None:
+    """The active recipe, or None when quantization is off."""
+    config = current()
+    return config.recipe if config.enabled else None

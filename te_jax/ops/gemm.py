@@ -1,0 +1,495 @@
+"""GEMM op: FP8, Float8-block, MXFP8 and NVFP4 matrix products as FFI custom calls.
+
+Two layers (the contract is ``docs/gemm_ffi.md``):
+
+* ``gemm_fp8``, ``gemm_fp8_block``, ``gemm_mxfp8``, ``gemm_nvfp4`` take the
+  contraction-last operands ``A [..., M, K]`` and ``B [N, K]`` (or
+  ``[..., N, K]`` with A's leading axes: a batched GEMM) with their scales, in
+  the custom call's argument order, and return ``out [..., M, N]``. Each
+  validates at trace time, then runs the ``te_jax_gemm_*`` custom call or, with
+  the "reference" backend, its pure-JAX twin (dequantize, float32 matmul).
+* ``gemm(lhs, rhs, contracting_dims, batch_dims)`` multiplies ScaledTensors like
+  ``lax.dot_general``, picking the rowwise or columnwise copy of each.
+
+Transformations: the custom call is wrapped in ``custom_partitioning`` (sharded
+operands are never gathered; a sharded contraction gives partial products and
+one psum) and in ``custom_vmap`` (a vmapped axis becomes a leading batch axis;
+per-tensor scales or biases that differ along it run one GEMM per element).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+import te_jax._ffi  # noqa: F401  (registers the FFI targets)
+from te_jax import backend as backend_lib
+from te_jax.quantize import numerics as nm
+from te_jax.quantize import reference as ref
+from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
+
+WORKSPACE_BYTES_GPU = 32 * 1024 * 1024
+OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_PER_TENSOR = ("a_t", "b_t", "bias")  # roles of arguments that are not tiled along M, N or K
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Static description of one custom call: what each argument is and how it tiles.
+
+    Roles: "a"/"b" the operands, "a_s"/"b_s" block scales ``[..., rows/r, K/k_block]``,
+    "a_t"/"b_t" per-tensor ``[1]`` values, "bias" (appended when ``has_bias``).
+    """
+
+    target: str
+    roles: tuple[str, ...]
+    attrs: tuple[tuple[str, bool], ...]
+    out_dtype: jnp.dtype
+    has_bias: bool
+    n_lead: int  # A's leading axes
+    b_batched: bool  # B carries A's leading axes
+    pack: int = 1  # K elements per stored column of A and B (2: packed NVFP4)
+    k_block: int = 0  # K elements per block scale (0: no block scales)
+    a_rows: int = 1  # rows of A per block-scale row (128: 2D blocks)
+    b_rows: int = 1
+
+    @property
+    def all_roles(self) -> tuple[str, ...]:
+        return self.roles + (("bias",) if self.has_bias else ())
+
+
+# ---- the custom call, per platform -----------------------------------------------
+
+
+def _ffi_call(lay: _Layout, *args):
+    """The custom call; the workspace is 32 MiB when lowered for a GPU and empty on CPU."""
+    a, b = args[lay.roles.index("a")], args[lay.roles.index("b")]
+    if not lay.has_bias:
+        args = (*args, jnp.zeros((0,), lay.out_dtype))
+    out = jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[-2]), lay.out_dtype)
+
+    def call(workspace_bytes: int):
+        results = (out, jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
+        return lambda *xs: jax.ffi.ffi_call(lay.target, results)(*xs, **dict(lay.attrs))[0]
+
+    return lax.platform_dependent(*args, cpu=call(0), cuda=call(WORKSPACE_BYTES_GPU))
+
+
+# ---- sharding ----------------------------------------------------------------------
+
+_partitioned = custom_partitioning(_ffi_call, static_argnums=(0,))
+
+
+def _sharding_rule(lay: _Layout, mesh, value_types, result_types):
+    """Shardy rule: leading axes and M pass through from A, N from B, K is reduced.
+
+    Block-scaled K is the compound ``(kb kq)``: only whole blocks (kb) get
+    sharded, and the scales' K/k_block axis is kb. 2D blocks do the same to M or N.
+    """
+    lead = [f"l{i}" for i in range(lay.n_lead)]
+    m, n = ("(mb mq)" if lay.a_rows > 1 else "m"), ("(nb nq)" if lay.b_rows > 1 else "n")
+    k = "(kb kq)" if lay.k_block else "k"
+    b_lead = lead if lay.b_batched else []
+    dims = {
+        "a": [*lead, m, k], "b": [*b_lead, n, k],
+        "a_s": [*lead, "mb" if lay.a_rows > 1 else "m", "kb"],
+        "b_s": [*b_lead, "nb" if lay.b_rows > 1 else "n", "kb"],
+        "a_t": ["ta"], "b_t": ["tb"], "bias": [n],
+    }
+    rule = ", ".join(" ".join(dims[r]) for r in lay.all_roles) + " -> " + " ".join([*lead, m, n])
+    sizes = {"mq": lay.a_rows} if lay.a_rows > 1 else {}
+    sizes |= {"nq": lay.b_rows} if lay.b_rows > 1 else {}
+    if lay.k_block:
+        sizes["kq"] = lay.k_block // lay.pack
+    return rule, dict(reduction_factors=("kb", "kq") if lay.k_block else ("k",), **sizes)
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _plan(lay: _Layout, mesh, arg_shapes):
+    """Shardings that keep every operand where it is: (args, result, contraction mesh axes).
+
+    A mesh axis serves one role (leading > M > K > N); a sharding that does not
+    split its dimension into whole blocks is dropped (that operand is gathered).
+    """
+    specs = [tuple(getattr(s.sharding, "spec", ())) + (None,) * len(s.shape) for s in arg_shapes]
+    ia, ib = lay.roles.index("a"), lay.roles.index("b")
+    a_shape, b_shape = arg_shapes[ia].shape, arg_shapes[ib].shape
+    a_spec, b_spec = specs[ia][: len(a_shape)], specs[ib][: len(b_shape)]
+    used: set[str] = set()
+
+    def take(entry, units: int):
+        axes = tuple(x for x in _mesh_axes(entry) if x not in used)
+        if not axes or units % math.prod(mesh.shape[x] for x in axes):
+            return None
+        used.update(axes)
+        return axes
+
+    lead = [take(a_spec[i], a_shape[i]) for i in range(lay.n_lead)]
+    m = take(a_spec[-2], a_shape[-2] // lay.a_rows)
+    k_units = a_shape[-1] * lay.pack // (lay.k_block or 1)
+    k = take(a_spec[-1], k_units) or take(b_spec[-1], k_units)
+    n = take(b_spec[-2], b_shape[-2] // lay.b_rows)
+    a_dims, b_dims = (*lead, m, k), (*(lead if lay.b_batched else ()), n, k)
+    per_role = {"a": a_dims, "a_s": a_dims, "b": b_dims, "b_s": b_dims, "a_t": (None,), "b_t": (None,),
+                "bias": (n,)}
+    args = tuple(NamedSharding(mesh, PartitionSpec(*per_role[r])) for r in lay.all_roles)
+    return args, NamedSharding(mesh, PartitionSpec(*lead, m, n)), k
+
+
+def _infer_sharding(lay, mesh, arg_shapes, result_shape):
+    return _plan(lay, mesh, arg_shapes)[1]
+
+
+def _partition(lay: _Layout, mesh, arg_shapes, result_shape):
+    arg_shardings, out_sharding, k_axes = _plan(lay, mesh, arg_shapes)
+    if not k_axes:
+        return mesh, functools.partial(_ffi_call, lay), out_sharding, arg_shardings
+    partial_lay = dataclasses.replace(lay, out_dtype=jnp.dtype(jnp.float32), has_bias=False)
+
+    def partial_products(*args):
+        # float32 partial sums over the local K, one all-reduce, then bias and cast.
+        operands = args[:-1] if lay.has_bias else args
+        out = lax.psum(_ffi_call(partial_lay, *operands), k_axes)
+        if lay.has_bias:
+            out = out + args[-1].astype(jnp.float32)
+        return out.astype(lay.out_dtype)
+
+    return mesh, partial_products, out_sharding, arg_shardings
+
+
+_partitioned.def_partition(
+    partition=_partition, infer_sharding_from_operands=_infer_sharding, sharding_rule=_sharding_rule
+)
+
+
+# ---- batching ----------------------------------------------------------------------
+
+
+def _vmap_rule(lay: _Layout, axis_size: int, in_batched, *args):
+    roles = lay.all_roles
+    if any(b for r, b in zip(roles, in_batched) if r in _PER_TENSOR):
+        # Each batch element has its own per-tensor scale or bias: one GEMM each.
+        def one(xs):
+            it = iter(xs)
+            return _call(lay, *(next(it) if b else x for x, b in zip(args, in_batched)))
+
+        return lax.map(one, tuple(x for x, b in zip(args, in_batched) if b)), True
+    b_batched = lay.b_batched or any(b for r, b in zip(roles, in_batched) if r in ("b", "b_s"))
+    a, a_batched = args[roles.index("a")], in_batched[roles.index("a")]
+    lead = (axis_size, *a.shape[int(a_batched):-2])
+
+    def expand(x, role, batched):
+        if role in _PER_TENSOR or (role in ("b", "b_s") and not b_batched):
+            return x
+        x = x if batched else x[None]
+        if role in ("b", "b_s") and not lay.b_batched:  # B was shared: give it A's leading axes
+            x = x.reshape(x.shape[0], *(1,) * lay.n_lead, *x.shape[1:])
+        return jnp.broadcast_to(x, (*lead, *x.shape[-2:]))
+
+    new = dataclasses.replace(lay, n_lead=lay.n_lead + 1, b_batched=b_batched)
+    return _call(new, *(expand(x, r, b) for x, r, b in zip(args, roles, in_batched))), True
+
+
+def _call(lay: _Layout, *args):
+    run = jax.custom_batching.custom_vmap(lambda *xs: _partitioned(lay, *xs))
+    run.def_vmap(functools.partial(_vmap_rule, lay))
+    return run(*args)
+
+
+# ---- validation --------------------------------------------------------------------
+
+
+def _check_operands(a, b, pack: int) -> tuple[int, bool, int]:
+    """A [..., M, K/pack] and B [N, K/pack] or [..., N, K/pack]: (leading axes, B batched, K)."""
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError(f"te_jax: GEMM operands must be A [..., M, K] and B [..., N, K]; got {a.shape}, {b.shape}")
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"te_jax: A {a.shape} and B {b.shape} must share the last (contraction) axis")
+    if b.ndim > 2 and b.shape[:-2] != a.shape[:-2]:
+        raise ValueError(f"te_jax: a batched B {b.shape} must have A's leading axes {a.shape[:-2]}")
+    return a.ndim - 2, b.ndim > 2, a.shape[-1] * pack
+
+
+def _check_fp8_pair(a, b) -> None:
+    fp8 = [jnp.dtype(d) for d in nm.FP8_DTYPES]
+    if jnp.dtype(a.dtype) not in fp8 or jnp.dtype(b.dtype) not in fp8:
+        raise TypeError(f"te_jax: FP8 GEMM operands must be float8_e4m3fn or float8_e5m2, got {a.dtype}, {b.dtype}")
+    if a.dtype == b.dtype == jnp.float8_e5m2:
+        raise TypeError("te_jax: E5M2 x E5M2 GEMMs are not supported; quantize one operand as E4M3 "
+                        "(Format.HYBRID keeps E5M2 for gradients only)")
+
+
+def _check_k(k: int, block: int, mode: str) -> None:
+    if k % block:
+        raise ValueError(f"te_jax: {mode} GEMM needs K ({k}) to be a multiple of {block}; pad the contraction axis")
+
+
+def _check_block_scales(s, data, k: int, rows: int, k_block: int, dtype, name: str):
+    if data.shape[-2] % rows:
+        raise ValueError(f"te_jax: {name}: 2D blocks need the operand's rows ({data.shape[-2]}) to be a multiple "
+                         f"of {rows}")
+    want = (*data.shape[:-2], data.shape[-2] // rows, k // k_block)
+    if tuple(s.shape) != want or jnp.dtype(s.dtype) != jnp.dtype(dtype):
+        raise ValueError(f"te_jax: {name} must be {jnp.dtype(dtype)}{list(want)}, got {s.dtype}{list(s.shape)}")
+    return s
+
+
+def _tensor_scale(s, name: str):
+    s = jnp.asarray(s)
+    if s.size != 1:
+        raise ValueError(f"te_jax: {name} must hold one float32 value ([1]), got shape {s.shape}")
+    return s.reshape(1).astype(jnp.float32)
+
+
+def _run(lay_fields: dict, args: tuple, dequantize, bias, out_dtype, fast_accum: bool, backend):
+    """Checks out_dtype and bias, then runs the custom call or the reference twin."""
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"te_jax: GEMM out_dtype must be float32, bfloat16 or float16, not {out_dtype}")
+    roles = lay_fields["roles"]
+    a, b = args[roles.index("a")], args[roles.index("b")]
+    n_lead, b_batched, _ = _check_operands(a, b, lay_fields.get("pack", 1))
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (b.shape[-2],):
+            raise ValueError(f"te_jax: bias must be [N] = [{b.shape[-2]}], got shape {bias.shape}")
+        if jnp.dtype(bias.dtype) not in (out_dtype, jnp.dtype(jnp.float32)):
+            bias = bias.astype(jnp.float32)
+    if backend_lib.resolve(backend) == "reference":
+        da, db = dequantize()
+        out = jnp.matmul(da, jnp.swapaxes(db, -1, -2), precision=lax.Precision.HIGHEST,
+                         preferred_element_type=jnp.float32)
+        if bias is not None:
+            out = out + bias.astype(jnp.float32)
+        return out.astype(out_dtype)
+    attrs = (*lay_fields.pop("attrs", ()), ("fast_accum", bool(fast_accum)))
+    lay = _Layout(**lay_fields, attrs=attrs, out_dtype=out_dtype, has_bias=bias is not None, n_lead=n_lead,
+                  b_batched=b_batched)
+    return _call(lay, *args, *(() if bias is None else (bias,)))
+
+
+# ---- one function per custom call ----------------------------------------------------
+
+
+def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, backend=None):
+    """Per-tensor FP8: ``out = cast((a * a_scale_inv) @ (b * b_scale_inv)^T + bias)``.
+
+    Args:
+      a: FP8 ``[..., M, K]``; b: FP8 ``[N, K]`` or ``[..., N, K]`` (not both E5M2).
+      a_scale_inv, b_scale_inv: float32 ``[1]`` decode scales.
+      bias: ``[N]`` or None. out_dtype: float32, bfloat16 or float16.
+      fast_accum: Hopper FP8 fast accumulation (ignored on CPU).
+      backend: "ffi" or "reference" (default: ``te_jax.backend``'s context).
+    """
+    _check_fp8_pair(a, b)
+    a_scale_inv, b_scale_inv = _tensor_scale(a_scale_inv, "a_scale_inv"), _tensor_scale(b_scale_inv, "b_scale_inv")
+    deq = lambda: (ref.dequantize_fp8_tensor(a, a_scale_inv), ref.dequantize_fp8_tensor(b, b_scale_inv))  # noqa: E731
+    return _run(dict(target="te_jax_gemm_fp8", roles=("a", "b", "a_t", "b_t")), (a, b, a_scale_inv, b_scale_inv),
+                deq, bias, out_dtype, fast_accum, backend)
+
+
+def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=False, out_dtype=jnp.bfloat16,
+                   fast_accum=True, backend=None):
+    """Float8 block scaling: float32 1/scale per 1x128 block, or per 128x128 block when ``*_block_2d``.
+
+    ``a_s`` is ``[..., M, K/128]`` (``[..., M/128, K/128]`` for 2D), ``b_s``
+    likewise for B. 128x128 x 128x128 is refused. Other args as ``gemm_fp8``.
+    """
+    _check_fp8_pair(a, b)
+    _, _, k = _check_operands(a, b, 1)
+    _check_k(k, ref.FP8_BLOCK, "Float8 block scaling")
+    if a_block_2d and b_block_2d:
+        raise ValueError("te_jax: 128x128 x 128x128 block-scaled GEMMs are not supported; quantize one operand "
+                         "with 1x128 blocks (Float8BlockQuantizer(block_2d=False))")
+    ra, rb = (ref.FP8_BLOCK if a_block_2d else 1), (ref.FP8_BLOCK if b_block_2d else 1)
+    a_s = _check_block_scales(a_s, a, k, ra, ref.FP8_BLOCK, jnp.float32, "a_s")
+    b_s = _check_block_scales(b_s, b, k, rb, ref.FP8_BLOCK, jnp.float32, "b_s")
+    deq = lambda: (ref.dequantize_fp8_block(a, a_s, block_2d=a_block_2d),  # noqa: E731
+                   ref.dequantize_fp8_block(b, b_s, block_2d=b_block_2d))
+    fields = dict(target="te_jax_gemm_fp8_block", roles=("a", "a_s", "b", "b_s"), k_block=ref.FP8_BLOCK,
+                  a_rows=ra, b_rows=rb, attrs=(("a_block_2d", bool(a_block_2d)), ("b_block_2d", bool(b_block_2d))))
+    return _run(fields, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend)
+
+
+def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, backend=None):
+    """MXFP8: uint8 E8M0 scales ``a_s [..., M, K/32]``, ``b_s [..., N, K/32]``. Other args as ``gemm_fp8``."""
+    _check_fp8_pair(a, b)
+    _, _, k = _check_operands(a, b, 1)
+    _check_k(k, ref.MXFP8_BLOCK, "MXFP8")
+    a_s = _check_block_scales(a_s, a, k, 1, ref.MXFP8_BLOCK, jnp.uint8, "a_s")
+    b_s = _check_block_scales(b_s, b, k, 1, ref.MXFP8_BLOCK, jnp.uint8, "b_s")
+    deq = lambda: (ref.dequantize_mxfp8(a, a_s), ref.dequantize_mxfp8(b, b_s))  # noqa: E731
+    fields = dict(target="te_jax_gemm_mxfp8", roles=("a", "a_s", "b", "b_s"), k_block=ref.MXFP8_BLOCK)
+    return _run(fields, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend)
+
+
+def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True,
+               backend=None):
+    """NVFP4: packed E2M1 ``a [..., M, K/2]`` (uint8), E4M3 scales ``a_s [..., M, K/16]``, global amax ``[1]``.
+
+    Each operand decodes as ``e2m1 * s_b * S_dec`` with ``S_dec = 1 /
+    nvfp4_global_encode_scale(amax)``. Other args as ``gemm_fp8``.
+    """
+    if a.dtype != jnp.uint8 or b.dtype != jnp.uint8:
+        raise TypeError(f"te_jax: NVFP4 GEMM operands must be packed uint8, got {a.dtype}, {b.dtype}")
+    _, _, k = _check_operands(a, b, 2)
+    _check_k(k, ref.NVFP4_BLOCK, "NVFP4")
+    a_s = _check_block_scales(a_s, a, k, 1, ref.NVFP4_BLOCK, jnp.float8_e4m3fn, "a_s")
+    b_s = _check_block_scales(b_s, b, k, 1, ref.NVFP4_BLOCK, jnp.float8_e4m3fn, "b_s")
+    a_amax, b_amax = _tensor_scale(a_amax, "a_amax"), _tensor_scale(b_amax, "b_amax")
+    deq = lambda: (ref.dequantize_nvfp4(a, a_s, a_amax), ref.dequantize_nvfp4(b, b_s, b_amax))  # noqa: E731
+    fields = dict(target="te_jax_gemm_nvfp4", roles=("a", "a_s", "a_t", "b", "b_s", "b_t"), pack=2,
+                  k_block=ref.NVFP4_BLOCK)
+    return _run(fields, (a, a_s, a_amax, b, b_s, b_amax), deq, bias, out_dtype, fast_accum, backend)
+
+
+# ---- dot_general on ScaledTensors ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+    """One ScaledTensor as a contraction-last GEMM operand ``[*batch, rows, K]``."""
+
+    data: jax.Array
+    scale: jax.Array | None
+    amax: jax.Array | None
+    free_shape: tuple[int, ...]
+    colwise: bool
+
+
+def _normalize(dims, ndim: int, what: str) -> tuple[int, ...]:
+    dims = (dims,) if isinstance(dims, int) else tuple(dims)
+    out = tuple(int(d) % ndim if -ndim <= int(d) < ndim else None for d in dims)
+    if None in out or len(set(out)) != len(out):
+        raise ValueError(f"te_jax: {what} {dims} are not distinct axes of a rank-{ndim} operand")
+    return out
+
+
+def _pick(t: ScaledTensor, contract: tuple[int, ...], batch: tuple[int, ...], side: str) -> _Operand:
+    """The copy of ``t`` whose rows run along ``contract``, reshaped to ``[*batch, rows, K]``."""
+    nd, nb = len(t.shape), len(batch)
+    f = t.flatten_axis % nd
+    if set(contract) == set(range(f, nd)):
+        colwise, batch_axes, free = False, tuple(range(nb)), tuple(range(nb, f))
+    elif set(contract) == set(range(f)):
+        colwise, batch_axes, free = True, tuple(range(f, f + nb)), tuple(range(f + nb, nd))
+    else:
+        raise ValueError(
+            f"te_jax: {side} contracts axes {contract} of a ScaledTensor of shape {t.shape} with flatten_axis={f}; "
+            f"a quantized operand contracts either all axes from flatten_axis on {tuple(range(f, nd))} (rowwise "
+            f"copy) or all axes before it {tuple(range(f))} (columnwise copy). Quantize it with a matching flatten_axis."
+        )
+    if set(batch) != set(batch_axes):
+        raise ValueError(f"te_jax: {side} batch axes {batch} must be {batch_axes}: the axes next to the contraction "
+                         f"that lead the {'columnwise' if colwise else 'rowwise'} copy")
+    if not (t.has_colwise if colwise else t.has_rowwise):
+        which, flag = ("columnwise", "colwise") if colwise else ("rowwise", "rowwise")
+        raise ValueError(f"te_jax: {side} contracts axes {contract}, which needs the {which} copy of the ScaledTensor, "
+                         f"but it has none; quantize it with {flag}=True")
+    data, scale = (t.colwise_data, t.colwise_scale_inv) if colwise else (t.data, t.scale_inv)
+    lead = tuple(t.shape[i] for i in batch_axes)
+    data = data.reshape(*lead, -1, data.shape[-1])
+    if t.mode is not ScalingMode.FP8_TENSOR:
+        rows_per_scale = ref.FP8_BLOCK if t.block_2d and t.mode is ScalingMode.FP8_BLOCK else 1
+        if lead and data.shape[-2] % rows_per_scale:
+            raise ValueError(f"te_jax: {side}: batching 2D-block scales needs the rows per batch element "
+                             f"({data.shape[-2]}) to be a multiple of {rows_per_scale}")
+        scale = scale.reshape(*lead, data.shape[-2] // rows_per_scale, scale.shape[-1])
+    amax = t.colwise_amax if colwise and t.mode is ScalingMode.NVFP4 else t.amax
+    return _Operand(data, scale, amax, tuple(t.shape[i] for i in free), colwise)
+
+
+def _gemm_scaled(lhs: ScaledTensor, rhs: ScaledTensor, lc, rc, lb, rb, bias, **kw) -> jax.Array:
+    if lhs.mode is not rhs.mode:
+        raise ValueError(f"te_jax: both GEMM operands must use one scaling mode, got {lhs.mode.name} x "
+                         f"{rhs.mode.name}; quantize them with the same recipe")
+    if list(np.argsort(lc)) != list(np.argsort(rc)):
+        raise ValueError(f"te_jax: contracting dims {lc} and {rc} must pair the axes in the same order on both sides")
+    a, b = _pick(lhs, lc, lb, "lhs"), _pick(rhs, rc, rb, "rhs")
+    mode = lhs.mode
+    if mode is ScalingMode.FP8_TENSOR:
+        out = gemm_fp8(a.data, b.data, a.scale, b.scale, bias, **kw)
+    elif mode is ScalingMode.FP8_BLOCK:
+        out = gemm_fp8_block(a.data, a.scale, b.data, b.scale, bias, a_block_2d=lhs.block_2d,
+                             b_block_2d=rhs.block_2d, **kw)
+    elif mode is ScalingMode.MXFP8:
+        out = gemm_mxfp8(a.data, a.scale, b.data, b.scale, bias, **kw)
+    else:
+        a_rht, b_rht = lhs.rht and a.colwise, rhs.rht and b.colwise
+        if a_rht != b_rht:
+            raise ValueError("te_jax: an NVFP4 columnwise copy with the random Hadamard transform (rht=True) can only "
+                             "be multiplied with another one (the transforms cancel); quantize both wgrad operands "
+                             "with rht=True, or neither")
+        out = gemm_nvfp4(a.data, a.scale, a.amax, b.data, b.scale, b.amax, bias, **kw)
+    return out.reshape(*out.shape[:-2], *a.free_shape, *b.free_shape)
+
+
+def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_dtype=jnp.bfloat16, bias=None,
+         fast_accum=True, backend=None) -> jax.Array:
+    """``lax.dot_general`` of quantized operands through the GEMM custom calls.
+
+    Each ScaledTensor contributes the copy whose rows run along the
+    contraction: contracting the axes from its ``flatten_axis`` on uses the
+    rowwise copy, contracting the axes before it the columnwise copy (so
+    ``x @ W``, ``dy @ W^T`` and ``x^T @ dy`` all work from one quantization).
+    Batch axes must lead that copy. Both operands must share a ScalingMode;
+    NVFP4 columnwise copies with the Hadamard transform pair only with each other.
+
+    If exactly one operand is a ScaledTensor (a custom recipe left the other
+    in high precision), it is dequantized to float32 and multiplied with
+    ``lax.dot_general`` at HIGHEST precision, accumulating in float32; if
+    neither is, this is a plain ``lax.dot_general`` accumulating in float32.
+
+    Args:
+      lhs, rhs: ScaledTensors or float32/bfloat16/float16 arrays.
+      contracting_dims: ``((lhs axes), (rhs axes))``, paired in order.
+      batch_dims: ``((lhs axes), (rhs axes))``.
+      out_dtype: float32, bfloat16 or float16.
+      bias: ``[N]`` or the shape of rhs's free axes, added in float32, or None.
+      fast_accum: Hopper FP8 fast accumulation (ignored on CPU).
+      backend: "ffi" or "reference" (default: ``te_jax.backend``'s context).
+
+    Returns:
+      ``[*batch, *lhs free axes, *rhs free axes]`` in ``out_dtype``.
+    """
+    lq, rq = isinstance(lhs, ScaledTensor), isinstance(rhs, ScaledTensor)
+    l_nd, r_nd = len(lhs.shape), len(rhs.shape)
+    lc, rc = _normalize(contracting_dims[0], l_nd, "contracting dims"), _normalize(contracting_dims[1], r_nd,
+                                                                                    "contracting dims")
+    lb, rb = _normalize(batch_dims[0], l_nd, "batch dims"), _normalize(batch_dims[1], r_nd, "batch dims")
+    if len(lc) != len(rc) or len(lb) != len(rb) or not lc or set(lc) & set(lb) or set(rc) & set(rb):
+        raise ValueError(f"te_jax: invalid dims: contracting {contracting_dims}, batch {batch_dims}")
+    for (i, j), what in [*((p, "contracting") for p in zip(lc, rc)), *((p, "batch") for p in zip(lb, rb))]:
+        if lhs.shape[i] != rhs.shape[j]:
+            raise ValueError(f"te_jax: {what} axes lhs {i} and rhs {j} differ in size: {lhs.shape} vs {rhs.shape}")
+    rhs_free = tuple(d for i, d in enumerate(rhs.shape) if i not in rc + rb)
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape not in ((math.prod(rhs_free),), rhs_free):
+            raise ValueError(f"te_jax: bias must be [N] = [{math.prod(rhs_free)}] or {rhs_free}, got {bias.shape}")
+        bias = bias.reshape(-1)
+    kw = dict(out_dtype=out_dtype, fast_accum=fast_accum, backend=backend)
+    if lq and rq:
+        return _gemm_scaled(lhs, rhs, lc, rc, lb, rb, bias, **kw)
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
+        raise TypeError(f"te_jax: GEMM out_dtype must be float32, bfloat16 or float16, not {out_dtype}")
+    lhs = lhs.dequantize(jnp.float32, backend=backend) if lq else lhs
+    rhs = rhs.dequantize(jnp.float32, backend=backend) if rq else rhs
+    out = lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)), precision=lax.Precision.HIGHEST if lq or rq else None,
+                          preferred_element_type=jnp.float32)
+    if bias is not None:
+        out = out + bias.astype(jnp.float32).reshape(rhs_free)
+    return out.astype(out_dtype)

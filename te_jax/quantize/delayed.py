@@ -1,0 +1,202 @@
+"""Delayed scaling: per-tensor FP8 quantized with a scale derived from past amaxes.
+
+The state of one tensor is ``{"amax_history": f32[L], "scale": f32[1]}``,
+initially zeros and one. Each step (ARCHITECTURE.md, "Delayed scaling"):
+
+1. quantize with the stored scale (the kernel returns this step's amax from
+   the same pass);
+2. ``history[0] = amax``;
+3. ``a = max(history)`` ("max"), ``history[0]`` ("most_recent"), or
+   ``amax_compute_algo(history)``;
+4. ``scale = (fp8_max / a) / 2**margin`` (or ``scaling_factor_compute_algo(a,
+   scale, fp8_max, margin)``), keeping the old scale when ``a`` is 0 or not
+   finite; a quotient that overflows float32 is clamped to FLT_MAX;
+5. roll the history by -1 and zero ``history[0]``.
+
+``init_state`` and ``update_state`` are pure; nothing is mutated.
+
+Training carries the update as the *gradient* of the state (see
+``te_jax.train``); ``state_gradient`` gives that form and
+``apply_state_gradient`` turns it back into the new state. The form is made
+so that the elementwise max of two of them is the form of one update with the
+larger amax: that is how a tensor quantized twice in a step (a layer applied
+twice, micro-batches) merges. The history is the new history; the scale is
+stored negated (so max picks the smaller scale, that of the larger amax),
+with -inf for "amax was 0, keep the old scale" and +inf for "amax was not
+finite, keep the old scale"; an all -inf form (the zero of the max-merge)
+means "not used this step" and keeps the old state. The merge is exact when
+``amax_compute_algo`` is non-decreasing in each history entry and the scale
+non-increasing in the amax, as the built-in algorithms are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax.ops import quantize as qops
+from te_jax.quantize import numerics as nm
+from te_jax.quantize.quantizers import as_matrix
+from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
+
+State = dict[str, jax.Array]
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+AMAX_REDUCTIONS = ("max", "mean")
+
+
+def init_state(amax_history_len: int = 1024) -> State:
+    """The initial state: a zero amax history of length ``amax_history_len`` and scale 1."""
+    return {"amax_history": jnp.zeros((amax_history_len,), jnp.float32), "scale": jnp.ones((1,), jnp.float32)}
+
+
+def as_float32(state: State) -> State:
+    """The state with float32 leaves (training helpers hand them in as a max-merging dtype)."""
+    return {k: v if v.dtype == jnp.float32 else lax.convert_element_type(v, jnp.float32) for k, v in state.items()}
+
+
+def _update(state: State, amax, fp8_max: float, margin: int, amax_compute_algo, scaling_factor_compute_algo):
+    state = as_float32(state)
+    history, scale = state["amax_history"], state["scale"]
+    history = history.at[..., 0].set(jnp.asarray(amax, jnp.float32).reshape(history.shape[:-1]))
+    if amax_compute_algo == "max":
+        a = jnp.max(history, axis=-1, keepdims=True)
+    elif amax_compute_algo == "most_recent":
+        a = history[..., :1]
+    else:
+        a = jnp.asarray(amax_compute_algo(history), jnp.float32).reshape(scale.shape)
+    if scaling_factor_compute_algo is None:
+        new = (jnp.float32(fp8_max) / a) / jnp.float32(2.0**margin)
+    else:
+        new = jnp.asarray(scaling_factor_compute_algo(a, scale, fp8_max, margin), jnp.float32).reshape(scale.shape)
+    new = jnp.where(new > nm.F32_MAX, nm.F32_MAX, new)
+    ok = (a > 0) & nm.is_finite(a)
+    new_scale = jnp.where(ok, new, scale)
+    new_history = jnp.roll(history, -1, axis=-1).at[..., 0].set(0.0)
+    return {"amax_history": new_history, "scale": new_scale}, a
+
+
+def update_state(
+    state: State,
+    amax: jax.Array,
+    *,
+    fp8_max: float,
+    margin: int = 0,
+    amax_compute_algo: str | Callable = "max",
+    scaling_factor_compute_algo: Callable | None = None,
+) -> State:
+    """The state after a step whose tensor had amax ``amax`` (steps 2-5 above)."""
+    return _update(state, amax, fp8_max, margin, amax_compute_algo, scaling_factor_compute_algo)[0]
+
+
+def state_gradient(state: State, amax: jax.Array, **config) -> State:
+    """``update_state``'s result in the max-mergeable form the training helpers carry as a gradient."""
+    new, a = _update(state, amax, **config)
+    inf = jnp.float32(jnp.inf)
+    flag = jnp.where(nm.is_finite(a), -inf, inf)
+    ok = (a > 0) & nm.is_finite(a)
+    return {"amax_history": new["amax_history"], "scale": jnp.where(ok, -new["scale"], flag)}
+
+
+def apply_state_gradient(state: State, grad: State) -> State:
+    """The new state from the old one and a (max-merged) ``state_gradient``."""
+    state, grad = as_float32(state), as_float32(grad)
+    history = jnp.where(grad["amax_history"] == -jnp.inf, state["amax_history"], grad["amax_history"])
+    scale = jnp.where(nm.is_finite(grad["scale"]), -grad["scale"], state["scale"])
+    return {"amax_history": history, "scale": scale}
+
+
+def is_state(tree: Any) -> bool:
+    """Whether ``tree`` has the layout of a delayed-scaling state."""
+    return isinstance(tree, dict) and set(tree) == {"amax_history", "scale"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScalingQuantizer:
+    """Per-tensor FP8 quantized with the stored scale of an amax-history state.
+
+    Attributes:
+      dtype: jnp.float8_e4m3fn or jnp.float8_e5m2.
+      margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo:
+        as in ``te_jax.recipe.DelayedScaling``.
+      reduce_amax: callers reduce this tensor's amax across devices before
+        ``update_state`` (``te_jax.sharding.reduce_amax``).
+      amax_reduction: "max" or "mean".
+    """
+
+    dtype: Any = jnp.float8_e4m3fn
+    margin: int = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str | Callable = "max"
+    scaling_factor_compute_algo: Callable | None = None
+    reduce_amax: bool = True
+    amax_reduction: str = "max"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", qops.check_fp8_dtype(self.dtype))
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"te_jax: margin must be an int >= 0, got {self.margin!r}")
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
+                or self.amax_history_len < 1:
+            raise ValueError(f"te_jax: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(f"te_jax: amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS} or a callable, "
+                             f"got {self.amax_compute_algo!r}")
+        if self.amax_reduction not in AMAX_REDUCTIONS:
+            raise ValueError(f"te_jax: amax_reduction must be one of {AMAX_REDUCTIONS}, got {self.amax_reduction!r}")
+
+    @property
+    def fp8_max(self) -> float:
+        return nm.fp8_max(self.dtype)
+
+    def _config(self) -> dict:
+        return dict(fp8_max=self.fp8_max, margin=self.margin, amax_compute_algo=self.amax_compute_algo,
+                    scaling_factor_compute_algo=self.scaling_factor_compute_algo)
+
+    def init_state(self) -> State:
+        return init_state(self.amax_history_len)
+
+    def update_state(self, state: State, amax: jax.Array) -> State:
+        return update_state(state, amax, **self._config())
+
+    def state_gradient(self, state: State, amax: jax.Array) -> State:
+        return state_gradient(state, amax, **self._config())
+
+    def check_state(self, state: Any) -> None:
+        if state is None:
+            raise ValueError("te_jax: DelayedScalingQuantizer needs its state; create it with init_state() "
+                             "(Flax layers keep it in the \"fp8_meta\" collection: init the model under autocast)")
+        if not is_state(state):
+            raise ValueError(f"te_jax: a delayed-scaling state is {{'amax_history', 'scale'}}, got {type(state)}")
+        shape = state["amax_history"].shape
+        if shape != (self.amax_history_len,) or state["scale"].shape != (1,):
+            raise ValueError(
+                f"te_jax: delayed-scaling state has amax_history {shape} and scale {state['scale'].shape}; "
+                f"the recipe wants ({self.amax_history_len},) and (1,). Re-initialize fp8_meta after changing "
+                "amax_history_len."
+            )
+
+    def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
+        """Quantizes with ``state["scale"]``; the result's ``amax`` is this step's amax."""
+        self.check_state(state)
+        x2 = as_matrix(x, flatten_axis)
+        scale = as_float32(state)["scale"]
+        q, q_t, amax, scale_inv = qops.quantize_fp8_tensor(
+            x2, scale, qdtype=self.dtype, rowwise=rowwise, colwise=colwise, backend=backend
+        )
+        return ScaledTensor(
+            data=q if rowwise else None,
+            scale_inv=scale_inv if rowwise else None,
+            colwise_data=q_t if colwise else None,
+            colwise_scale_inv=scale_inv if colwise else None,
+            amax=amax,
+            colwise_amax=None,
+            mode=ScalingMode.FP8_TENSOR,
+            qdtype=self.dtype,
+            shape=tuple(x.shape),
+            flatten_axis=flatten_axis,
+        )

@@ -1,0 +1,80 @@
+"""Mesh axes te_jax knows about, and the cross-device reduction of amaxes.
+
+``MeshResource`` names which axes of the user's mesh play which role; it is
+given to ``te_jax.autocast(mesh_resource=...)``. Inside ``shard_map`` the
+amaxes that delayed scaling keeps are reduced over those axes (the ones that
+are manual there), so every device ends a step with the same state. Under
+plain ``jit`` with sharded arrays an amax is already a global value and
+nothing needs reducing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+
+Resource = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshResource:
+    """Which mesh axes are data, tensor, fully-sharded-data and sequence parallel.
+
+    Attributes:
+      dp_resource, tp_resource, fsdp_resource, sp_resource: a mesh axis name,
+        a tuple of names, or None.
+    """
+
+    dp_resource: Resource = None
+    tp_resource: Resource = None
+    fsdp_resource: Resource = None
+    sp_resource: Resource = None
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, list):
+                value = tuple(value)
+                object.__setattr__(self, field.name, value)
+            names = value if isinstance(value, tuple) else (value,)
+            if value is not None and not all(isinstance(n, str) and n for n in names):
+                raise ValueError(
+                    f"te_jax: MeshResource.{field.name} must be a mesh axis name, a tuple of names, or None; "
+                    f"got {value!r}"
+                )
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every axis named, in field order, without repeats."""
+        out: list[str] = []
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            for name in value if isinstance(value, tuple) else (value,):
+                if name is not None and name not in out:
+                    out.append(name)
+        return tuple(out)
+
+
+def manual_axes() -> tuple[str, ...]:
+    """The mesh axes that are manual where this is traced (inside ``shard_map``), else ()."""
+    return tuple(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+def amax_reduction_axes(mesh_resource: MeshResource | None) -> tuple[str, ...]:
+    """The manual axes an amax is reduced over: those ``mesh_resource`` names, or all when it is None."""
+    bound = manual_axes()
+    if mesh_resource is None:
+        return bound
+    return tuple(a for a in mesh_resource.axes if a in bound)
+
+
+def reduce_amax(amax: jax.Array, reduction: str = "max", mesh_resource: MeshResource | None = None) -> jax.Array:
+    """``amax`` reduced across devices (lax.pmax, or lax.pmean for "mean"); unchanged outside shard_map."""
+    if reduction not in ("max", "mean"):
+        raise ValueError(f"te_jax: amax reduction must be 'max' or 'mean', got {reduction!r}")
+    axes = amax_reduction_axes(mesh_resource)
+    if not axes:
+        return amax
+    return lax.pmax(amax, axes) if reduction == "max" else lax.pmean(amax, axes)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Compiles every CUDA source in csrc/cuda for sm_90a and sm_100a (objects only,
+# nothing linked), so a CUDA compile error fails CI on a machine without a GPU.
+# cuBLASLt headers come from the nvidia-cublas wheel (downloaded once into
+# .cache/, only its include/ folder unpacked).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:-python3}
+
+inc_dir=.cache/cublas/nvidia/cu13/include
+if [ ! -f "$inc_dir/cublasLt.h" ]; then
+  mkdir -p .cache/cublas
+  $PY -m pip download -q --disable-pip-version-check --no-deps -d .cache/cublas "nvidia-cublas>=13"
+  (cd .cache/cublas && $PY -m zipfile -e nvidia_cublas-*.whl . >/dev/null 2>&1 || true)
+  find .cache/cublas -name '*.so*' -delete
+fi
+[ -f "$inc_dir/cublasLt.h" ] || { echo "compile_cuda: could not get cublasLt.h"; exit 1; }
+
+ffi_inc=$($PY -c "import jax.ffi; print(jax.ffi.include_dir())")
+nb_inc=$($PY -m nanobind --include_dir)
+py_inc=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+out=$(mktemp -d)
+flags=(-std=c++17 -O1 --expt-relaxed-constexpr --ftz=true -Xcompiler=-fPIC -Icsrc -isystem "$ffi_inc"
+       -isystem "$inc_dir" -isystem "$nb_inc" -isystem "$py_inc" -Werror=all-warnings)
+shopt -s nullglob
+sources=(csrc/cuda/*.cu csrc/cuda/*.cc)
+if [ ${#sources[@]} -eq 0 ]; then
+  echo "compile_cuda: no CUDA sources"; exit 0
+fi
+for src in "${sources[@]}"; do
+  for arch in 90a 100a; do
+    case "$src" in
+      *.cc) [ "$arch" = 90a ] || continue; nvcc "${flags[@]}" -x cu -c "$src" -o "$out/$(basename "$src").o" ;;
+      *) nvcc "${flags[@]}" -gencode "arch=compute_${arch},code=sm_${arch}" -c "$src" -o "$out/$(basename "$src").$arch.o" ;;
+    esac
+  done
+done
+rm -rf "$out"
+echo "compile_cuda: compiled ${#sources[@]} CUDA sources for sm_90a and sm_100a"

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The test command: on a fresh machine it makes its own virtual environment
+# (.venv), builds and installs te_jax into it, compiles every CUDA source
+# when nvcc is present (a CUDA compile error fails the run), then runs pytest.
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+PY=.venv/bin/python
+$PY -m pip install -q --disable-pip-version-check \
+  "jax>=0.6" "jaxlib>=0.6" "flax>=0.10" "optax>=0.2" "ml_dtypes>=0.5" \
+  "nanobind>=2.4" "scikit-build-core>=0.10" cmake ninja "pytest>=8" orbax-checkpoint
+$PY -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . \
+  -C cmake.define.TE_JAX_CUDA=OFF
+
+if command -v nvcc >/dev/null 2>&1; then
+  bash tools/compile_cuda.sh "$PY"
+else
+  echo "run_tests: nvcc not found; skipping the CUDA compile check"
+fi
+
+$PY -m pytest -q "$@"
