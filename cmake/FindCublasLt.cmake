@@ -12,6 +12,11 @@ set(_te_missing "")
 if(NOT CMAKE_CUDA_COMPILER)
   set(_te_missing "nvcc")
 else()
+  # Our default targets Hopper and Blackwell; CMake's own default (sm_75 with
+  # nvcc 13) would run only through PTX JIT, without the FP8 instructions.
+  if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    set(CMAKE_CUDA_ARCHITECTURES "90a;100a")
+  endif()
   enable_language(CUDA)
   find_package(CUDAToolkit)
   execute_process(
@@ -41,9 +46,6 @@ if(_te_missing)
   return()
 endif()
 
-if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
-  set(CMAKE_CUDA_ARCHITECTURES "90a;100a")
-endif()
 message(STATUS "te_jax: CUDA handlers for ${CMAKE_CUDA_ARCHITECTURES}, cuBLASLt ${TE_JAX_CUBLASLT_LIBRARY}")
 
 file(GLOB TE_JAX_CUDA_SOURCES CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/csrc/cuda/*.cu"

@@ -5,4 +5,13 @@ from te_jax import _ffi, backend, ops, quantize
 __version__ = "0.1.0"
 FP8_COLLECTION = "fp8_meta"
 
-__all__ = ["FP8_COLLECTION", "backend", "ops", "quantize"]
+# Imported after FP8_COLLECTION, which te_jax.state reads from here.
+from te_jax import recipe, sharding, state, train  # noqa: E402
+from te_jax.autocast import autocast  # noqa: E402
+from te_jax.dense import DenseQuantizers, dense  # noqa: E402
+from te_jax.sharding import MeshResource  # noqa: E402
+
+__all__ = [
+    "FP8_COLLECTION", "DenseQuantizers", "MeshResource", "autocast", "backend", "dense", "ops", "quantize", "recipe",
+    "sharding", "state", "train",
+]

@@ -161,7 +161,10 @@ class DelayedScaling(Recipe):
       scaling_factor_compute_algo: None, or a callable
         ``f(amax, scale, fp8_max, margin) -> new scale``.
       reduce_amax: reduce amaxes over the autocast MeshResource's mesh axes
-        inside shard_map, so every device keeps the same state.
+        (every manual axis when it gives none) inside shard_map, so every
+        device keeps the same state. Under jit with shardings amaxes are
+        global anyway. (With check_vma, state passed in replicated still
+        comes back max-merged over the devices, as its type demands.)
       amax_reduction: "max" (lax.pmax) or "mean" (lax.pmean).
     """
 

@@ -78,3 +78,37 @@ def reduce_amax(amax: jax.Array, reduction: str = "max", mesh_resource: MeshReso
     if not axes:
         return amax
     return lax.pmax(amax, axes) if reduction == "max" else lax.pmean(amax, axes)
+
+
+# ---- shard_map's varying-axes types (check_vma) ------------------------------------------
+
+
+def varying_axes(x) -> frozenset[str]:
+    """The manual mesh axes ``x`` is typed as varying over (empty outside shard_map or without check_vma)."""
+    aval = jax.typeof(x)
+    typ = getattr(aval, "manual_axis_type", None)
+    return frozenset(typ.varying if typ is not None else getattr(aval, "vma", ()))
+
+
+def to_varying(x, axes) -> jax.Array:
+    """``x`` typed as varying over ``axes`` too (no data movement)."""
+    axes = tuple(sorted(set(axes) - varying_axes(x)))
+    if not axes:
+        return x
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, axes, to="varying")
+    return lax.pvary(x, axes)  # jax < 0.8.2
+
+
+def match_cotangent(ct, true_axes: frozenset[str], want_axes: frozenset[str], reduction: str = "sum"):
+    """A cotangent that really varies over ``true_axes`` as the type of an input varying over ``want_axes``.
+
+    Axes the input does not vary over are reduced (psum, as JAX's own
+    transposes do; or pmax for FP8 state), so custom VJPs built on custom
+    calls (whose results carry no varying-axes type) type-check in shard_map.
+    """
+    ct = to_varying(ct, true_axes)
+    extra = tuple(sorted(true_axes - want_axes))
+    if extra:
+        ct = lax.psum(ct, extra) if reduction == "sum" else lax.pmax(ct, extra)
+    return to_varying(ct, want_axes)

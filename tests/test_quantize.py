@@ -292,3 +292,20 @@ def test_reference_module_is_what_the_ops_call():
     assert_outputs_same_bits(
         qops.quantize_mxfp8(x, backend="reference"), ref.quantize_mxfp8(x, qdtype=E4M3), ("q", "s", "q_t", "s_t")
     )
+
+
+@pytest.mark.parametrize("power_2", [False, True])
+def test_scale_is_capped_so_decode_scales_stay_normal(power_2):
+    """amax 1e-37 would give 448/1e-37 > FLT_MAX/4: the scale is capped at 2^126."""
+    x = jnp.zeros((128, 128), jnp.float32).at[:, 0].set(1e-37).at[0, 1].set(-5e-38)
+    _, _, _, scale, scale_inv = qops.quantize_fp8_current(x, power_2=power_2)
+    assert float(scale[0]) == 2.0**126 and float(scale_inv[0]) == 2.0**-126
+    _, s, _, s_t = qops.quantize_fp8_block(x, colwise=True, power_2=power_2)
+    np.testing.assert_array_equal(np.asarray(s)[:, 0], 2.0**-126)
+    for name, got, want in zip(("s", "s_t"), (s, s_t), on_cpu(
+            functools.partial(qops.quantize_fp8_block, colwise=True, power_2=power_2, backend="reference"), x)[1::2]):
+        assert_same_bits(got, want, name)
+    nv = qops.quantize_nvfp4(x)
+    assert float(nv[4][0]) == np.float32(1e-37)
+    got = qops.dequantize_nvfp4(nv[0], nv[1], nv[4])
+    np.testing.assert_allclose(np.asarray(got)[:, 0], 1e-37, rtol=0.1)

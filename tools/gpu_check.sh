@@ -3,21 +3,29 @@
 # handlers, run the test suite on the GPU (kernels vs the CPU-evaluated
 # reference, bit for bit), run the benchmarks, and write under $OUT:
 #   build.log, tests.log, summary.json, summary.md
-# Usage: OUT=/some/dir bash tools/gpu_check.sh [--skip-build] [--only-bench] [pytest -k expression]
+# Usage: OUT=/some/dir bash tools/gpu_check.sh [--skip-build] [--no-tests] [--no-bench]
+#        [--bench=quantize,gemm] [pytest arguments: test files, -k ...]  (default: all of tests/)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=python3
-skip_build=0; only_bench=0; kexpr=""
+skip_build=0; run_tests=1; run_bench=1; benches=""; pytest_args=()
 for arg in "$@"; do
   case "$arg" in
     --skip-build) skip_build=1 ;;
-    --only-bench) only_bench=1 ;;
-    *) kexpr="$arg" ;;
+    --no-tests) run_tests=0 ;;
+    --no-bench) run_bench=0 ;;
+    --bench=*) benches=${arg#--bench=} ;;
+    *) pytest_args+=("$arg") ;;
   esac
 done
+[ ${#pytest_args[@]} -eq 0 ] && pytest_args=(tests/)
+# Python runs outside the source tree so that it imports the installed te_jax
+# (with its compiled modules), not the te_jax/ folder beside it.
+pytest_args=("${pytest_args[@]/#tests\//}")
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv; \
   $PY -c "import jax; print('jax', jax.__version__, jax.devices())"; } > "$OUT/tests.log" 2>&1
@@ -30,21 +38,26 @@ if [ $skip_build -eq 0 ]; then
   fi
   echo "gpu_check: built in $(( $(date +%s) - start )) s"
 fi
-$PY -c "import te_jax, te_jax._ffi as f; assert f.CUDA_BUILT, 'CUDA handlers missing'; print('te_jax CUDA handlers:', f.TARGETS)" \
+(cd /tmp && $PY -c "import te_jax, te_jax._ffi as f; assert f.CUDA_BUILT, 'CUDA handlers missing'; print('te_jax CUDA handlers:', f.TARGETS)") \
   >> "$OUT/tests.log" 2>&1 || { echo "gpu_check: te_jax import failed"; tail -20 "$OUT/tests.log"; exit 1; }
 
-if [ $only_bench -eq 0 ]; then
-  args=(-q -p no:cacheprovider --junitxml="$OUT/junit.xml" -x --maxfail=20)
-  [ -n "$kexpr" ] && args+=(-k "$kexpr")
-  $PY -m pytest "${args[@]}" tests/ >> "$OUT/tests.log" 2>&1
-  echo "gpu_check: pytest exit $?"
+if [ $run_tests -eq 1 ]; then
+  start=$(date +%s)
+  (cd "$ROOT/tests" && XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit.xml" --maxfail=30 -n 8 "${pytest_args[@]}") \
+    >> "$OUT/tests.log" 2>&1
+  echo "gpu_check: pytest exit $? in $(( $(date +%s) - start )) s"
   tail -5 "$OUT/tests.log"
 fi
 
-for bench in benchmarks/bench_*.py; do
-  name=$(basename "$bench" .py)
-  $PY "$bench" --out "$OUT/$name.json" --md "$OUT/$name.md" >> "$OUT/tests.log" 2>&1 \
-    || echo "gpu_check: $name failed (see tests.log)"
-done
-$PY tools/gpu_summary.py "$OUT"
+if [ $run_bench -eq 1 ]; then
+  for bench in benchmarks/bench_*.py; do
+    name=$(basename "$bench" .py)
+    if [ -n "$benches" ] && [[ ",$benches," != *",${name#bench_},"* ]]; then continue; fi
+    start=$(date +%s)
+    (cd /tmp && $PY "$ROOT/$bench" --out "$OUT/$name.json" --md "$OUT/$name.md") >> "$OUT/tests.log" 2>&1 \
+      || echo "gpu_check: $name failed (see tests.log)"
+    echo "gpu_check: $name took $(( $(date +%s) - start )) s"
+  done
+fi
+$PY "$ROOT/tools/gpu_summary.py" "$OUT"
 rm -f "$OUT"/bench_*.json "$OUT"/bench_*.md "$OUT/junit.xml"

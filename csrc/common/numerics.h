@@ -13,9 +13,12 @@
 
 #if defined(__CUDACC__)
 #define TE_HD __host__ __device__ __forceinline__
-#define TE_UNROLL _Pragma("unroll")
 #else
 #define TE_HD inline
+#endif
+#if defined(__CUDA_ARCH__)
+#define TE_UNROLL _Pragma("unroll")
+#else
 #define TE_UNROLL
 #endif
 
@@ -118,10 +121,10 @@ TE_HD float E2M1ToFloat(uint8_t c) {
 }
 
 // float32 -> E2M1 code (4 bits, sign in bit 3), round to nearest even,
-// saturating to +-6. NaN gives magnitude 0 (E2M1 has no NaN; the block scale
+// saturating to +-6. NaN gives the code 0 (E2M1 has no NaN; the block scale
 // carries it).
 TE_HD uint8_t FloatToE2M1(float x) {
-  const uint32_t sign = (FloatBits(x) >> 28) & 0x8u;
+  const uint32_t sign = IsNanF(x) ? 0u : (FloatBits(x) >> 28) & 0x8u;
   const float a = BitsFloat(AbsBits(x));
   // Ties go to the even code: up at 0.75, 1.75, 3.5; down at 0.25, 1.25, 2.5, 5.
   const uint32_t mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) +
@@ -133,9 +136,9 @@ TE_HD uint8_t FloatToE2M1(float x) {
 // its top 24 bits u decide: round |x| up to the next grid point when
 // u * 2^-24 < frac, where frac is |x|'s distance above the lower grid point in
 // units of the grid spacing. Every step is exact in float32. |x| >= 6
-// saturates; NaN gives magnitude 0.
+// saturates; NaN gives the code 0.
 TE_HD uint8_t FloatToE2M1Stochastic(float x, uint32_t random) {
-  const uint32_t sign = (FloatBits(x) >> 28) & 0x8u;
+  const uint32_t sign = IsNanF(x) ? 0u : (FloatBits(x) >> 28) & 0x8u;
   const float a = BitsFloat(AbsBits(x));
   if (IsNanF(a)) return static_cast<uint8_t>(sign);
   if (a >= 6.0f) return static_cast<uint8_t>(sign | 0x7u);
@@ -180,25 +183,29 @@ TE_HD float E8M0InverseToFloat(uint8_t code) {
   return e == 0u ? BitsFloat(0x00400000u) : BitsFloat(e << 23);
 }
 
+// The largest encode scale: 2^126, so that every decode scale 1/scale is a
+// normal float32 (XLA:CPU and CUDA disagree on subnormal results).
+constexpr float kMaxScale = 8.507059173023462e37f;  // 2^126
+
 // Per-tensor / per-block FP8 scale from an amax:
-// scale = fp8_max / max(amax, epsilon); 1 when that is 0 or amax is
-// non-finite; +Inf clamps to FLT_MAX; power_2 rounds down to 2^k.
+// scale = min(fp8_max / max(amax, epsilon), 2^126); 1 when that max is 0 or
+// amax is non-finite; power_2 rounds down to 2^k.
 TE_HD float ScaleFromAmax(float amax, float fp8_max, float epsilon, bool power_2) {
   if (!IsFiniteF(amax)) return 1.0f;
   const float a = amax > epsilon ? amax : epsilon;
   if (a == 0.0f) return 1.0f;
   float scale = fp8_max / a;
-  if (!IsFiniteF(scale)) scale = FLT_MAX;
+  if (!(scale <= kMaxScale)) scale = kMaxScale;
   if (power_2) scale = BitsFloat(FloatBits(scale) & 0xff800000u);
   return scale;
 }
 
 // NVFP4 float32 global encode scale: 448*6/global_amax (1 when the amax is 0
-// or non-finite), clamped to FLT_MAX.
+// or non-finite), at most 2^126.
 TE_HD float Nvfp4GlobalEncodeScale(float global_amax) {
   if (!IsFiniteF(global_amax) || global_amax == 0.0f) return 1.0f;
   const float s = (kE4M3Max * kE2M1Max) / global_amax;
-  return IsFiniteF(s) ? s : FLT_MAX;
+  return s <= kMaxScale ? s : kMaxScale;
 }
 
 // NVFP4 E4M3 block scale code: e4m3(block_amax * (S_enc * (1/6))).

@@ -21,3 +21,11 @@
   X(te_jax_gemm_fp8_block, GemmFp8Block)  \
   X(te_jax_gemm_mxfp8, GemmMxfp8)         \
   X(te_jax_gemm_nvfp4, GemmNvfp4)
+
+// The fused norm and activation custom calls (te_jax/ops/norm.py,
+// te_jax/ops/activation.py), registered by each platform module likewise.
+#define TE_JAX_NORM_ACT_TARGETS(X)  \
+  X(te_jax_norm_fwd, NormFwd)       \
+  X(te_jax_norm_bwd, NormBwd)       \
+  X(te_jax_act_fwd, ActFwd)         \
+  X(te_jax_act_bwd, ActBwd)

@@ -20,7 +20,7 @@ ffi::Error CheckDequantOutput(const BufferT& data, int64_t cols_per_byte, const 
 }
 
 ffi::Error DequantizeFp8Tensor(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale_inv, ffi::Result<ffi::AnyBuffer> out) {
-  MatrixBatch mb;
+  MatrixBatch mb{};
   TE_RETURN_IF_ERROR(CheckDequantOutput(q, 1, *out, &mb));
   auto fmt = Fp8FormatOf(q.element_type());
   if (!fmt) return InvalidArgument("data must be float8_e4m3fn or float8_e5m2");
@@ -38,7 +38,7 @@ template <typename ScaleAt>
 ffi::Error DequantizeFp8Blocks(ffi::AnyBuffer q, int64_t scale_elements,
                                ffi::Result<ffi::AnyBuffer> out, int64_t block_rows, int64_t block_cols,
                                ScaleAt scale_at) {
-  MatrixBatch mb;
+  MatrixBatch mb{};
   TE_RETURN_IF_ERROR(CheckDequantOutput(q, 1, *out, &mb));
   auto fmt = Fp8FormatOf(q.element_type());
   if (!fmt) return InvalidArgument("data must be float8_e4m3fn or float8_e5m2");
@@ -75,7 +75,7 @@ ffi::Error DequantizeFp8Block(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> s, ffi::Re
 
 ffi::Error DequantizeNvfp4(ffi::Buffer<ffi::U8> q, ffi::AnyBuffer s, ffi::Buffer<ffi::F32> amax,
                            ffi::Result<ffi::AnyBuffer> out) {
-  MatrixBatch mb;
+  MatrixBatch mb{};
   TE_RETURN_IF_ERROR(CheckDequantOutput(q, 2, *out, &mb));
   if (s.element_type() != ffi::DataType::F8E4M3FN) return InvalidArgument("NVFP4 block scales must be float8_e4m3fn");
   TE_RETURN_IF_ERROR(CheckDivisible(mb.cols, kNvfp4Block, "the last axis (N)"));

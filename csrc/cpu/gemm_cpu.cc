@@ -83,12 +83,22 @@ ffi::Error CheckDtype(std::string_view target, const ffi::AnyBuffer& x, ffi::Dat
   return ffi::Error::Success();
 }
 
-ffi::Error CheckTensorScale(std::string_view target, const ffi::AnyBuffer& s, std::string_view name) {
+// A per-tensor value: one for the operand, or one per matrix of its leading axes.
+ffi::Error CheckTensorScale(std::string_view target, const ffi::AnyBuffer& s, std::string_view name,
+                            int64_t matrices) {
   TE_RETURN_IF_ERROR(CheckDtype(target, s, ffi::DataType::F32, name, "float32"));
-  if (s.element_count() != 1) {
-    return Fail(target, std::string(name) + " must be float32 [1], got " + DimsToString(s.dimensions()));
+  const int64_t got = static_cast<int64_t>(s.element_count());
+  if (got != 1 && got != matrices) {
+    return Fail(target, std::string(name) + " must be float32 [1] or one value per matrix (" +
+                            std::to_string(matrices) + "), got " + DimsToString(s.dimensions()));
   }
   return ffi::Error::Success();
+}
+
+// The per-tensor value of row r of an operand with `rows` rows per matrix.
+float ScaleOfRow(const ffi::AnyBuffer& s, int64_t r, int64_t rows) {
+  const auto* v = static_cast<const float*>(s.untyped_data());
+  return s.element_count() == 1 ? v[0] : v[r / rows];
 }
 
 // Block scales of an operand `data` [..., R, K/pack]: [..., R/row_block, K/k_block].
@@ -177,7 +187,8 @@ void Multiply(const GemmShape& s, const std::vector<float>& a, const std::vector
   StoreFloat(c, out);
 }
 
-int64_t BRows(const GemmShape& s) { return (s.b_batched ? s.mats : 1) * s.n; }
+int64_t BMats(const GemmShape& s) { return s.b_batched ? s.mats : 1; }
+int64_t BRows(const GemmShape& s) { return BMats(s) * s.n; }
 
 // value = fp8 * (per-block scale), shared by Float8 block scaling and MXFP8.
 template <typename ScaleAt>
@@ -199,15 +210,17 @@ ffi::Error GemmFp8(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_in
   const GemmShape s = s_or.value();
   Fp8Format fa, fb;
   TE_RETURN_IF_ERROR(Fp8Pair(kTarget, a, b, &fa, &fb));
-  TE_RETURN_IF_ERROR(CheckTensorScale(kTarget, a_scale_inv, "a_scale_inv"));
-  TE_RETURN_IF_ERROR(CheckTensorScale(kTarget, b_scale_inv, "b_scale_inv"));
+  TE_RETURN_IF_ERROR(CheckTensorScale(kTarget, a_scale_inv, "a_scale_inv", s.mats));
+  TE_RETURN_IF_ERROR(CheckTensorScale(kTarget, b_scale_inv, "b_scale_inv", BMats(s)));
   TE_RETURN_IF_ERROR(CheckOutAndBias(kTarget, s, *out, bias));
   const auto* ad = static_cast<const uint8_t*>(a.untyped_data());
   const auto* bd = static_cast<const uint8_t*>(b.untyped_data());
-  const float sa = *static_cast<const float*>(a_scale_inv.untyped_data());
-  const float sb = *static_cast<const float*>(b_scale_inv.untyped_data());
-  const auto av = Dequantize(s.mats * s.m, s.k, [&](int64_t r, int64_t c) { return Fp8ToFloat(ad[r * s.k + c], fa) * sa; });
-  const auto bv = Dequantize(BRows(s), s.k, [&](int64_t r, int64_t c) { return Fp8ToFloat(bd[r * s.k + c], fb) * sb; });
+  const auto av = Dequantize(s.mats * s.m, s.k, [&](int64_t r, int64_t c) {
+    return Fp8ToFloat(ad[r * s.k + c], fa) * ScaleOfRow(a_scale_inv, r, s.m);
+  });
+  const auto bv = Dequantize(BRows(s), s.k, [&](int64_t r, int64_t c) {
+    return Fp8ToFloat(bd[r * s.k + c], fb) * ScaleOfRow(b_scale_inv, r, s.n);
+  });
   Multiply(s, av, bv, bias, *out);
   return ffi::Error::Success();
 }
@@ -262,17 +275,18 @@ ffi::Error GemmMxfp8(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer b, ffi
   return ffi::Error::Success();
 }
 
-// value = (e2m1 * s_b) * S_dec, S_dec = 1 / Nvfp4GlobalEncodeScale(amax).
-std::vector<float> DequantizeNvfp4(const ffi::AnyBuffer& q, const ffi::AnyBuffer& s, float amax, int64_t rows,
-                                   int64_t k) {
+// value = (e2m1 * s_b) * S_dec, S_dec = 1 / Nvfp4GlobalEncodeScale(amax of the row's matrix).
+std::vector<float> DequantizeNvfp4(const ffi::AnyBuffer& q, const ffi::AnyBuffer& s, const ffi::AnyBuffer& amax,
+                                   int64_t mats, int64_t rows, int64_t k) {
   const auto* qd = static_cast<const uint8_t*>(q.untyped_data());
   const auto* sd = static_cast<const uint8_t*>(s.untyped_data());
-  const float s_dec = 1.0f / Nvfp4GlobalEncodeScale(amax);
+  std::vector<float> s_dec(static_cast<size_t>(mats));
+  for (int64_t t = 0; t < mats; ++t) s_dec[t] = 1.0f / Nvfp4GlobalEncodeScale(ScaleOfRow(amax, t, 1));
   const int64_t kb = k / kNvfp4Block;
-  return Dequantize(rows, k, [&](int64_t r, int64_t c) {
+  return Dequantize(mats * rows, k, [&](int64_t r, int64_t c) {
     const int64_t idx = r * k + c;
     const uint8_t code = (idx & 1) ? (qd[idx / 2] >> 4) : (qd[idx / 2] & 0xf);
-    return (E2M1ToFloat(code) * Fp8ToFloat(sd[r * kb + c / kNvfp4Block], kE4M3)) * s_dec;
+    return (E2M1ToFloat(code) * Fp8ToFloat(sd[r * kb + c / kNvfp4Block], kE4M3)) * s_dec[r / rows];
   });
 }
 
@@ -289,11 +303,11 @@ ffi::Error GemmNvfp4(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer a_amax
   TE_RETURN_IF_ERROR(CheckDtype(kTarget, b_s, ffi::DataType::F8E4M3FN, "b_s", "float8_e4m3fn"));
   TE_RETURN_IF_ERROR(CheckBlockScales(kTarget, a_s, "a_s", a, s.k, 1, kNvfp4Block));
   TE_RETURN_IF_ERROR(CheckBlockScales(kTarget, b_s, "b_s", b, s.k, 1, kNvfp4Block));
-  TE_RETURN_IF_ERROR(CheckTensorScale(kTarget, a_amax, "a_amax"));
-  TE_RETURN_IF_ERROR(CheckTensorScale(kTarget, b_amax, "b_amax"));
+  TE_RETURN_IF_ERROR(CheckTensorScale(kTarget, a_amax, "a_amax", s.mats));
+  TE_RETURN_IF_ERROR(CheckTensorScale(kTarget, b_amax, "b_amax", BMats(s)));
   TE_RETURN_IF_ERROR(CheckOutAndBias(kTarget, s, *out, bias));
-  const auto av = DequantizeNvfp4(a, a_s, *static_cast<const float*>(a_amax.untyped_data()), s.mats * s.m, s.k);
-  const auto bv = DequantizeNvfp4(b, b_s, *static_cast<const float*>(b_amax.untyped_data()), BRows(s), s.k);
+  const auto av = DequantizeNvfp4(a, a_s, a_amax, s.mats, s.m, s.k);
+  const auto bv = DequantizeNvfp4(b, b_s, b_amax, BMats(s), s.n, s.k);
   Multiply(s, av, bv, bias, *out);
   return ffi::Error::Success();
 }

@@ -7,6 +7,7 @@ namespace te_jax {
 #define TE_DECLARE_CPU(name, stem) TE_JAX_DECLARE_HANDLER(name, stem, Cpu)
 TE_JAX_FFI_TARGETS(TE_DECLARE_CPU)
 TE_JAX_GEMM_TARGETS(TE_DECLARE_CPU)
+TE_JAX_NORM_ACT_TARGETS(TE_DECLARE_CPU)
 }  // namespace te_jax
 
 NB_MODULE(_te_jax_cpu, m) {
@@ -16,6 +17,7 @@ NB_MODULE(_te_jax_cpu, m) {
 #define TE_ADD_CPU(name, stem) TE_JAX_ADD_CAPSULE(name, stem, Cpu)
     TE_JAX_FFI_TARGETS(TE_ADD_CPU)
     TE_JAX_GEMM_TARGETS(TE_ADD_CPU)
+    TE_JAX_NORM_ACT_TARGETS(TE_ADD_CPU)
     return d;
   });
 }

@@ -22,6 +22,13 @@
 #pragma nv_diag_default 940
 #pragma nv_diag_default 2473
 
+// The FP8 conversion instruction needs sm_89 and the warp max reduction
+// sm_80; older targets (only reached through PTX JIT) get the same bits from
+// numerics.h and shuffles, slower.
+#if defined(TE_JAX_SOFT_FP8) || (defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890)
+#define TE_JAX_FP8_CVT_SOFT 1
+#endif
+
 namespace te_jax {
 namespace cuda {
 
@@ -117,6 +124,17 @@ __device__ __forceinline__ void Unpack8(const Raw8<T>& r, float (&f)[8]) {
   }
 }
 
+// Element k of a 16-byte word holding 16 / sizeof(T) elements, as float.
+template <typename T>
+__device__ __forceinline__ float ElemOf(const uint4& w, int k) {
+  const uint32_t u[4] = {w.x, w.y, w.z, w.w};
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(u[k]);
+  } else {
+    return HalfWordToF<T>(u[k / 2], k % 2);
+  }
+}
+
 // Two consecutive elements (2 * sizeof(T) bytes, aligned) as floats.
 template <typename T>
 __device__ __forceinline__ void Load2(const T* p, float& a, float& b) {
@@ -138,7 +156,7 @@ __device__ __forceinline__ void Load2(const T* p, float& a, float& b) {
 // the same bits as FloatToFp8. Define TE_JAX_SOFT_FP8 to use FloatToFp8.
 template <bool E5>
 __device__ __forceinline__ uint32_t Fp8x2(float lo, float hi) {
-#if defined(TE_JAX_SOFT_FP8)
+#if defined(TE_JAX_FP8_CVT_SOFT)
   const Fp8Format fmt = E5 ? kE5M2 : kE4M3;
   return uint32_t{FloatToFp8(lo, fmt)} | (uint32_t{FloatToFp8(hi, fmt)} << 8);
 #else
@@ -179,6 +197,17 @@ __device__ __forceinline__ uint32_t AbsMaxBits8(const float (&f)[8]) {
   return m;
 }
 
+// Max over the 32 lanes of a full warp.
+__device__ __forceinline__ uint32_t WarpMax(uint32_t v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+#endif
+}
+
 // Max over groups of `kLanes` consecutive lanes (a power of two <= 32).
 template <int kLanes>
 __device__ __forceinline__ uint32_t GroupMax(uint32_t v) {
@@ -192,7 +221,7 @@ __device__ __forceinline__ uint32_t GroupMax(uint32_t v) {
 // holds one word per warp. Every thread must call it.
 template <int kThreads>
 __device__ __forceinline__ void BlockAmaxAtomic(uint32_t v, uint32_t* scratch, float* out) {
-  v = __reduce_max_sync(0xffffffffu, v);
+  v = WarpMax(v);
   const int warp = threadIdx.x / 32;
   if ((threadIdx.x & 31) == 0) scratch[warp] = v;
   __syncthreads();

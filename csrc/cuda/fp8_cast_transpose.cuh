@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kCtThreads) Fp8CastTransposeKernel(CtArgs a) {
   }
   float scale;
   if constexpr (kMode == CtScale::kBlock2d) {
-    m = __reduce_max_sync(0xffffffffu, m);
+    m = WarpMax(m);
     if ((tid & 31) == 0) scratch[tid / 32] = m;
     __syncthreads();
 #pragma unroll
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kCtThreads) Fp8CastTransposeKernel(CtArgs a) {
     *reinterpret_cast<uint2*>(tile + r * kCtTile + chunk * 16 + (cv & 1) * 8) = c;
   }
   if constexpr (kMode == CtScale::kGiven) {
-    m = __reduce_max_sync(0xffffffffu, m);
+    m = WarpMax(m);
     if ((tid & 31) == 0) scratch[tid / 32] = m;
   }
   __syncthreads();

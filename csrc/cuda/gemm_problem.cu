@@ -43,6 +43,9 @@ ffi::ErrorOr<Problem> ParseProblem(const char* target, const ffi::AnyBuffer& a, 
                                              p.shapes));
     }
   }
+  if (p.k == 0) {
+    return ffi::Unexpected(InvalidArgument(p.Describe() + ": the contraction axis K must not be empty"));
+  }
   if (p.m % kDimMultiple || p.n % kDimMultiple || p.k % kDimMultiple) {
     return ffi::Unexpected(InvalidArgument(
         p.Describe() + ": cuBLASLt's FP8/FP4 kernels need 16-byte aligned rows, so M, N and K must be multiples of " +
@@ -81,6 +84,7 @@ ffi::Error CheckCount(const Problem& p, const ffi::AnyBuffer& buf, const char* n
 }
 
 ffi::Error CheckScalars(const Problem& p, const ffi::AnyBuffer& buf, const char* name, int64_t matrices) {
+  if (buf.element_type() != ffi::DataType::F32) return InvalidArgument(p.Describe() + ": " + name + " must be float32");
   const int64_t got = static_cast<int64_t>(buf.element_count());
   if (got != 1 && got != matrices) {
     return InvalidArgument(p.Describe() + ": " + name + " must hold 1 value (or one per matrix, " +

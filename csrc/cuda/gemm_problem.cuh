@@ -25,6 +25,7 @@ struct Problem {
   std::string shapes;  // "A [..] B [..]" for messages
 
   int64_t b_count() const { return b_shared ? 1 : count; }
+  bool empty() const { return count == 0 || m == 0 || n == 0; }  // nothing to compute
   std::string Describe() const;  // "<target> with A [..] B [..] (M=.. N=.. K=.. batch=..)"
 };
 
@@ -41,7 +42,7 @@ ffi::Error CheckFp8Pair(const Problem& p, const ffi::AnyBuffer& a, const ffi::An
 // Element count of a per-operand array: exactly `want`, else InvalidArgument.
 ffi::Error CheckCount(const Problem& p, const ffi::AnyBuffer& buf, const char* name, int64_t want);
 
-// A per-matrix scalar (scale_inv or amax): 1 element, or one per matrix of its operand.
+// A float32 per-tensor scalar (scale_inv or amax): 1 element, or one per matrix of its operand.
 ffi::Error CheckScalars(const Problem& p, const ffi::AnyBuffer& buf, const char* name, int64_t matrices);
 
 cudaDataType_t CudaTypeOf(ffi::DataType t);

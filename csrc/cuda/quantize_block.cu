@@ -21,7 +21,7 @@ struct TileCfg {
   static constexpr int kTM = kMx ? 64 : 128;
   static constexpr int kTN = kMx ? 64 : 128;
   static constexpr int kBlk = kMx ? 32 : 128;
-  static constexpr int kThreads = kMx ? 128 : 256;
+  static constexpr int kThreads = kMx ? 128 : 512;
   static constexpr int kMinBlocks = kMx ? 4 : 2;  // register cap that keeps enough loads in flight
 };
 

@@ -1,5 +1,5 @@
 """te_jax ops: one module per op family, each a custom call with a pure-JAX reference twin."""
 
-from te_jax.ops import gemm, quantize
+from te_jax.ops import activation, fused_cast, gemm, norm, quantize
 
-__all__ = ["gemm", "quantize"]
+__all__ = ["activation", "fused_cast", "gemm", "norm", "quantize"]

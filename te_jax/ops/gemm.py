@@ -11,10 +11,12 @@ Two layers (the contract is ``docs/gemm_ffi.md``):
 * ``gemm(lhs, rhs, contracting_dims, batch_dims)`` multiplies ScaledTensors like
   ``lax.dot_general``, picking the rowwise or columnwise copy of each.
 
-Transformations: the custom call is wrapped in ``custom_partitioning`` (sharded
-operands are never gathered; a sharded contraction gives partial products and
-one psum) and in ``custom_vmap`` (a vmapped axis becomes a leading batch axis;
-per-tensor scales or biases that differ along it run one GEMM per element).
+The custom call is a primitive lowered per platform (the workspace result is
+empty on CPU and sized for the CUDA handlers on GPU), wrapped in
+``custom_partitioning`` (sharded operands are never gathered; a sharded
+contraction gives float32 partial products and one psum) and in
+``custom_vmap`` (a vmapped axis becomes a leading axis of the custom call;
+per-tensor scales that vary along it become one scale per matrix).
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 import te_jax._ffi  # noqa: F401  (registers the FFI targets)
@@ -36,9 +41,9 @@ from te_jax.quantize import numerics as nm
 from te_jax.quantize import reference as ref
 from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
 
-WORKSPACE_BYTES_GPU = 32 * 1024 * 1024
+CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
 OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_PER_TENSOR = ("a_t", "b_t", "bias")  # roles of arguments that are not tiled along M, N or K
+_SCALARS = {"a_t": "a_tm", "b_t": "b_tm"}  # per-tensor value -> one value per matrix of the leading axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +51,17 @@ class _Layout:
     """Static description of one custom call: what each argument is and how it tiles.
 
     Roles: "a"/"b" the operands, "a_s"/"b_s" block scales ``[..., rows/r, K/k_block]``,
-    "a_t"/"b_t" per-tensor ``[1]`` values, "bias" (appended when ``has_bias``).
+    "a_t"/"b_t" per-tensor ``[1]`` values, "a_tm"/"b_tm" one value per matrix
+    ``[..., 1]``, "bias" (appended when ``has_bias``).
     """
 
     target: str
     roles: tuple[str, ...]
-    attrs: tuple[tuple[str, bool], ...]
-    out_dtype: jnp.dtype
-    has_bias: bool
-    n_lead: int  # A's leading axes
-    b_batched: bool  # B carries A's leading axes
+    attrs: tuple[tuple[str, bool], ...] = ()
+    out_dtype: jnp.dtype = jnp.dtype(jnp.float32)
+    has_bias: bool = False
+    n_lead: int = 0  # A's leading axes
+    b_batched: bool = False  # B carries A's leading axes
     pack: int = 1  # K elements per stored column of A and B (2: packed NVFP4)
     k_block: int = 0  # K elements per block scale (0: no block scales)
     a_rows: int = 1  # rows of A per block-scale row (128: 2D blocks)
@@ -66,21 +72,60 @@ class _Layout:
         return self.roles + (("bias",) if self.has_bias else ())
 
 
-# ---- the custom call, per platform -----------------------------------------------
+# ---- the custom call, lowered per platform -------------------------------------------
+
+
+def workspace_bytes(target: str, a_shape, b_shape, k: int, out_dtype, bias_dtype=None) -> int:
+    """The CUDA handlers' workspace: cuBLASLt's 32 MiB plus their scratch (docs/gemm_ffi.md, "Workspace")."""
+    rows_a, rows_b = math.prod(a_shape[:-1]), math.prod(b_shape[:-1])
+    scratch = {"te_jax_gemm_fp8": 0, "te_jax_gemm_fp8_block": 4 * (rows_a + rows_b) * (k // 128),
+               "te_jax_gemm_mxfp8": 2 * (rows_a + rows_b) * k,
+               "te_jax_gemm_nvfp4": 2 * (rows_a + rows_b) * k + 8 * math.prod(a_shape[:-2])}[target]
+    narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    staged = (bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.float32 and jnp.dtype(out_dtype) in narrow) or (
+        target in ("te_jax_gemm_mxfp8", "te_jax_gemm_nvfp4") and jnp.dtype(out_dtype) == jnp.float16)
+    return CUBLAS_WORKSPACE_BYTES + scratch + (4 * rows_a * b_shape[-2] if staged else 0) + 4096
+
+
+def _check_cuda_shapes(lay: _Layout, a_shape, b_shape) -> None:
+    """What cuBLASLt needs beyond the CPU handler: 16-aligned M, N, K; K % 32 for MXFP8 and NVFP4."""
+    m, n, k = a_shape[-2], b_shape[-2], a_shape[-1] * lay.pack
+    k_multiple = 32 if lay.target in ("te_jax_gemm_mxfp8", "te_jax_gemm_nvfp4") else 16
+    if m % 16 or n % 16 or k % k_multiple:
+        raise ValueError(f"te_jax: {lay.target} on CUDA needs M and N to be multiples of 16 and K of {k_multiple} "
+                         f"(cuBLASLt's aligned rows), got M={m}, N={n}, K={k}; pad the operands")
+
+
+def _lower(platform: str, ctx, *args, lay: _Layout):
+    a, b = ctx.avals_in[lay.roles.index("a")], ctx.avals_in[lay.roles.index("b")]
+    size = 0
+    if platform == "cuda":
+        _check_cuda_shapes(lay, a.shape, b.shape)
+        size = workspace_bytes(lay.target, a.shape, b.shape, a.shape[-1] * lay.pack, lay.out_dtype,
+                               ctx.avals_in[-1].dtype if lay.has_bias else None)
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, jax.core.ShapedArray((size,), jnp.uint8)])
+    return jax.ffi.ffi_lowering(lay.target)(ctx, *args, **dict(lay.attrs))[:1]
+
+
+def _abstract_eval(*avals, lay: _Layout):
+    a, b = avals[lay.roles.index("a")], avals[lay.roles.index("b")]
+    return jax.core.ShapedArray((*a.shape[:-1], b.shape[-2]), lay.out_dtype)
+
+
+# The custom call as a primitive, so that its workspace result and the CUDA checks
+# are decided when lowering for a platform.
+_gemm_p = Primitive("te_jax_gemm")
+_gemm_p.def_abstract_eval(_abstract_eval)
+_gemm_jit = jax.jit(lambda lay, *args: _gemm_p.bind(*args, lay=lay), static_argnums=0)
+_gemm_p.def_impl(lambda *args, lay: _gemm_jit(lay, *args))  # eager calls compile it
+for _platform in ("cpu", "cuda"):
+    mlir.register_lowering(_gemm_p, functools.partial(_lower, _platform), platform=_platform)
 
 
 def _ffi_call(lay: _Layout, *args):
-    """The custom call; the workspace is 32 MiB when lowered for a GPU and empty on CPU."""
-    a, b = args[lay.roles.index("a")], args[lay.roles.index("b")]
     if not lay.has_bias:
         args = (*args, jnp.zeros((0,), lay.out_dtype))
-    out = jax.ShapeDtypeStruct((*a.shape[:-1], b.shape[-2]), lay.out_dtype)
-
-    def call(workspace_bytes: int):
-        results = (out, jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
-        return lambda *xs: jax.ffi.ffi_call(lay.target, results)(*xs, **dict(lay.attrs))[0]
-
-    return lax.platform_dependent(*args, cpu=call(0), cuda=call(WORKSPACE_BYTES_GPU))
+    return _gemm_p.bind(*args, lay=lay)
 
 
 # ---- sharding ----------------------------------------------------------------------
@@ -102,7 +147,7 @@ def _sharding_rule(lay: _Layout, mesh, value_types, result_types):
         "a": [*lead, m, k], "b": [*b_lead, n, k],
         "a_s": [*lead, "mb" if lay.a_rows > 1 else "m", "kb"],
         "b_s": [*b_lead, "nb" if lay.b_rows > 1 else "n", "kb"],
-        "a_t": ["ta"], "b_t": ["tb"], "bias": [n],
+        "a_t": ["ta"], "b_t": ["tb"], "a_tm": [*lead, "ta"], "b_tm": [*b_lead, "tb"], "bias": [n],
     }
     rule = ", ".join(" ".join(dims[r]) for r in lay.all_roles) + " -> " + " ".join([*lead, m, n])
     sizes = {"mq": lay.a_rows} if lay.a_rows > 1 else {}
@@ -121,8 +166,9 @@ def _mesh_axes(entry) -> tuple[str, ...]:
 def _plan(lay: _Layout, mesh, arg_shapes):
     """Shardings that keep every operand where it is: (args, result, contraction mesh axes).
 
-    A mesh axis serves one role (leading > M > K > N); a sharding that does not
-    split its dimension into whole blocks is dropped (that operand is gathered).
+    Scales follow their data. A mesh axis serves one role (leading > M > K > N);
+    a sharding that does not split its dimension into whole blocks is dropped
+    (that operand is gathered).
     """
     specs = [tuple(getattr(s.sharding, "spec", ())) + (None,) * len(s.shape) for s in arg_shapes]
     ia, ib = lay.roles.index("a"), lay.roles.index("b")
@@ -142,15 +188,11 @@ def _plan(lay: _Layout, mesh, arg_shapes):
     k_units = a_shape[-1] * lay.pack // (lay.k_block or 1)
     k = take(a_spec[-1], k_units) or take(b_spec[-1], k_units)
     n = take(b_spec[-2], b_shape[-2] // lay.b_rows)
-    a_dims, b_dims = (*lead, m, k), (*(lead if lay.b_batched else ()), n, k)
-    per_role = {"a": a_dims, "a_s": a_dims, "b": b_dims, "b_s": b_dims, "a_t": (None,), "b_t": (None,),
-                "bias": (n,)}
+    b_lead = lead if lay.b_batched else []
+    per_role = {"a": (*lead, m, k), "a_s": (*lead, m, k), "b": (*b_lead, n, k), "b_s": (*b_lead, n, k),
+                "a_t": (None,), "b_t": (None,), "a_tm": (*lead, None), "b_tm": (*b_lead, None), "bias": (n,)}
     args = tuple(NamedSharding(mesh, PartitionSpec(*per_role[r])) for r in lay.all_roles)
     return args, NamedSharding(mesh, PartitionSpec(*lead, m, n)), k
-
-
-def _infer_sharding(lay, mesh, arg_shapes, result_shape):
-    return _plan(lay, mesh, arg_shapes)[1]
 
 
 def _partition(lay: _Layout, mesh, arg_shapes, result_shape):
@@ -171,7 +213,9 @@ def _partition(lay: _Layout, mesh, arg_shapes, result_shape):
 
 
 _partitioned.def_partition(
-    partition=_partition, infer_sharding_from_operands=_infer_sharding, sharding_rule=_sharding_rule
+    partition=_partition,
+    infer_sharding_from_operands=lambda lay, mesh, arg_shapes, result_shape: _plan(lay, mesh, arg_shapes)[1],
+    sharding_rule=_sharding_rule,
 )
 
 
@@ -179,28 +223,29 @@ _partitioned.def_partition(
 
 
 def _vmap_rule(lay: _Layout, axis_size: int, in_batched, *args):
+    """The vmapped axis becomes A's first leading axis (and B's, when B or its scales vary along it)."""
     roles = lay.all_roles
-    if any(b for r, b in zip(roles, in_batched) if r in _PER_TENSOR):
-        # Each batch element has its own per-tensor scale or bias: one GEMM each.
-        def one(xs):
-            it = iter(xs)
-            return _call(lay, *(next(it) if b else x for x, b in zip(args, in_batched)))
-
-        return lax.map(one, tuple(x for x, b in zip(args, in_batched) if b)), True
-    b_batched = lay.b_batched or any(b for r, b in zip(roles, in_batched) if r in ("b", "b_s"))
-    a, a_batched = args[roles.index("a")], in_batched[roles.index("a")]
-    lead = (axis_size, *a.shape[int(a_batched):-2])
+    b_batched = lay.b_batched or any(b for r, b in zip(roles, in_batched) if r[0] == "b" and r != "bias")
+    ia = roles.index("a")
+    lead = (axis_size, *args[ia].shape[int(in_batched[ia]):-2])
 
     def expand(x, role, batched):
-        if role in _PER_TENSOR or (role in ("b", "b_s") and not b_batched):
+        if role == "bias" or (role[0] == "b" and not b_batched) or (role in _SCALARS and not batched):
             return x
         x = x if batched else x[None]
-        if role in ("b", "b_s") and not lay.b_batched:  # B was shared: give it A's leading axes
+        if role in _SCALARS or (role[0] == "b" and not lay.b_batched):  # shared so far: add A's leading axes
             x = x.reshape(x.shape[0], *(1,) * lay.n_lead, *x.shape[1:])
-        return jnp.broadcast_to(x, (*lead, *x.shape[-2:]))
+        return jnp.broadcast_to(x, (*lead, *x.shape[-1 if role in _SCALARS or role.endswith("_tm") else -2:]))
 
-    new = dataclasses.replace(lay, n_lead=lay.n_lead + 1, b_batched=b_batched)
-    return _call(new, *(expand(x, r, b) for x, r, b in zip(args, roles, in_batched))), True
+    xs = [expand(x, r, b) for x, r, b in zip(args, roles, in_batched)]
+    new_roles = tuple(_SCALARS[r] if r in _SCALARS and b else r for r, b in zip(lay.roles, in_batched))
+    new = dataclasses.replace(lay, roles=new_roles, n_lead=lay.n_lead + 1, b_batched=b_batched)
+    if not (lay.has_bias and in_batched[-1]):
+        return _call(new, *xs), True
+    # A bias per batch element: add it in float32 after the call, then cast, as the handler would.
+    out = _call(dataclasses.replace(new, out_dtype=jnp.dtype(jnp.float32), has_bias=False), *xs[:-1])
+    bias = xs[-1].astype(jnp.float32).reshape(axis_size, *(1,) * (out.ndim - 2), xs[-1].shape[-1])
+    return (out + bias).astype(lay.out_dtype), True
 
 
 def _call(lay: _Layout, *args):
@@ -209,35 +254,32 @@ def _call(lay: _Layout, *args):
     return run(*args)
 
 
-# ---- validation --------------------------------------------------------------------
+# ---- validation and the four custom calls ----------------------------------------------
 
 
-def _check_operands(a, b, pack: int) -> tuple[int, bool, int]:
-    """A [..., M, K/pack] and B [N, K/pack] or [..., N, K/pack]: (leading axes, B batched, K)."""
-    if a.ndim < 2 or b.ndim < 2:
-        raise ValueError(f"te_jax: GEMM operands must be A [..., M, K] and B [..., N, K]; got {a.shape}, {b.shape}")
-    if a.shape[-1] != b.shape[-1]:
-        raise ValueError(f"te_jax: A {a.shape} and B {b.shape} must share the last (contraction) axis")
-    if b.ndim > 2 and b.shape[:-2] != a.shape[:-2]:
-        raise ValueError(f"te_jax: a batched B {b.shape} must have A's leading axes {a.shape[:-2]}")
-    return a.ndim - 2, b.ndim > 2, a.shape[-1] * pack
-
-
-def _check_fp8_pair(a, b) -> None:
-    fp8 = [jnp.dtype(d) for d in nm.FP8_DTYPES]
-    if jnp.dtype(a.dtype) not in fp8 or jnp.dtype(b.dtype) not in fp8:
+def _check_operands(a, b, *, block: int, mode: str) -> int:
+    """A [..., M, K] and B [N, K] or [..., N, K] (NVFP4: packed, K/2 columns); returns K."""
+    nvfp4 = mode == "NVFP4"
+    if nvfp4 and not a.dtype == b.dtype == jnp.uint8:
+        raise TypeError(f"te_jax: NVFP4 GEMM operands must be packed uint8, got {a.dtype} and {b.dtype}")
+    if not nvfp4 and not {jnp.dtype(a.dtype), jnp.dtype(b.dtype)} <= {jnp.dtype(d) for d in nm.FP8_DTYPES}:
         raise TypeError(f"te_jax: FP8 GEMM operands must be float8_e4m3fn or float8_e5m2, got {a.dtype}, {b.dtype}")
     if a.dtype == b.dtype == jnp.float8_e5m2:
         raise TypeError("te_jax: E5M2 x E5M2 GEMMs are not supported; quantize one operand as E4M3 "
                         "(Format.HYBRID keeps E5M2 for gradients only)")
-
-
-def _check_k(k: int, block: int, mode: str) -> None:
+    if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"te_jax: GEMM operands must be A [..., M, K] and B [..., N, K] with one K; "
+                         f"got {a.shape} and {b.shape}")
+    if b.ndim > 2 and b.shape[:-2] != a.shape[:-2]:
+        raise ValueError(f"te_jax: a batched B {b.shape} must have A's leading axes {a.shape[:-2]}")
+    k = a.shape[-1] * (2 if nvfp4 else 1)
     if k % block:
         raise ValueError(f"te_jax: {mode} GEMM needs K ({k}) to be a multiple of {block}; pad the contraction axis")
+    return k
 
 
-def _check_block_scales(s, data, k: int, rows: int, k_block: int, dtype, name: str):
+def _block_scales(s, data, k: int, rows: int, k_block: int, dtype, name: str):
+    """Checks block scales ``[..., R/rows, K/k_block]`` of ``data [..., R, K]``."""
     if data.shape[-2] % rows:
         raise ValueError(f"te_jax: {name}: 2D blocks need the operand's rows ({data.shape[-2]}) to be a multiple "
                          f"of {rows}")
@@ -247,21 +289,27 @@ def _check_block_scales(s, data, k: int, rows: int, k_block: int, dtype, name: s
     return s
 
 
-def _tensor_scale(s, name: str):
-    s = jnp.asarray(s)
+def _tensor_scale(s, data, name: str):
+    """A float32 value for all of ``data`` (``[1]``) or one per matrix (``[..., 1]``): (value, role)."""
+    s, side = jnp.asarray(s, jnp.float32), name[0]
+    if data.ndim > 2 and s.shape == (*data.shape[:-2], 1):
+        return s, f"{side}_tm"
     if s.size != 1:
-        raise ValueError(f"te_jax: {name} must hold one float32 value ([1]), got shape {s.shape}")
-    return s.reshape(1).astype(jnp.float32)
+        raise ValueError(f"te_jax: {name} must be float32 [1] or one value per matrix {[*data.shape[:-2], 1]}, "
+                         f"got shape {s.shape}")
+    return s.reshape(1), f"{side}_t"
 
 
-def _run(lay_fields: dict, args: tuple, dequantize, bias, out_dtype, fast_accum: bool, backend):
-    """Checks out_dtype and bias, then runs the custom call or the reference twin."""
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in OUT_DTYPES:
+def _out_dtype(out_dtype) -> jnp.dtype:
+    if jnp.dtype(out_dtype) not in OUT_DTYPES:
         raise TypeError(f"te_jax: GEMM out_dtype must be float32, bfloat16 or float16, not {out_dtype}")
-    roles = lay_fields["roles"]
-    a, b = args[roles.index("a")], args[roles.index("b")]
-    n_lead, b_batched, _ = _check_operands(a, b, lay_fields.get("pack", 1))
+    return jnp.dtype(out_dtype)
+
+
+def _run(lay: _Layout, args: tuple, dequantize, bias, out_dtype, fast_accum: bool, backend):
+    """Checks out_dtype and bias, then runs the custom call or its reference twin."""
+    out_dtype = _out_dtype(out_dtype)
+    a, b = args[lay.roles.index("a")], args[lay.roles.index("b")]
     if bias is not None:
         bias = jnp.asarray(bias)
         if bias.shape != (b.shape[-2],):
@@ -272,16 +320,10 @@ def _run(lay_fields: dict, args: tuple, dequantize, bias, out_dtype, fast_accum:
         da, db = dequantize()
         out = jnp.matmul(da, jnp.swapaxes(db, -1, -2), precision=lax.Precision.HIGHEST,
                          preferred_element_type=jnp.float32)
-        if bias is not None:
-            out = out + bias.astype(jnp.float32)
-        return out.astype(out_dtype)
-    attrs = (*lay_fields.pop("attrs", ()), ("fast_accum", bool(fast_accum)))
-    lay = _Layout(**lay_fields, attrs=attrs, out_dtype=out_dtype, has_bias=bias is not None, n_lead=n_lead,
-                  b_batched=b_batched)
+        return (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
+    lay = dataclasses.replace(lay, attrs=(*lay.attrs, ("fast_accum", bool(fast_accum))), out_dtype=out_dtype,
+                              has_bias=bias is not None, n_lead=a.ndim - 2, b_batched=b.ndim > 2)
     return _call(lay, *args, *(() if bias is None else (bias,)))
-
-
-# ---- one function per custom call ----------------------------------------------------
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, backend=None):
@@ -289,78 +331,70 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat1
 
     Args:
       a: FP8 ``[..., M, K]``; b: FP8 ``[N, K]`` or ``[..., N, K]`` (not both E5M2).
-      a_scale_inv, b_scale_inv: float32 ``[1]`` decode scales.
-      bias: ``[N]`` or None. out_dtype: float32, bfloat16 or float16.
+      a_scale_inv, b_scale_inv: float32 decode scales, ``[1]`` or one per matrix ``[..., 1]``.
+      bias: ``[N]`` (out_dtype or float32) or None. out_dtype: float32, bfloat16 or float16.
       fast_accum: Hopper FP8 fast accumulation (ignored on CPU).
       backend: "ffi" or "reference" (default: ``te_jax.backend``'s context).
     """
-    _check_fp8_pair(a, b)
-    a_scale_inv, b_scale_inv = _tensor_scale(a_scale_inv, "a_scale_inv"), _tensor_scale(b_scale_inv, "b_scale_inv")
+    _check_operands(a, b, block=1, mode="per-tensor FP8")
+    (a_scale_inv, ra), (b_scale_inv, rb) = _tensor_scale(a_scale_inv, a, "a_scale_inv"), _tensor_scale(
+        b_scale_inv, b, "b_scale_inv")
     deq = lambda: (ref.dequantize_fp8_tensor(a, a_scale_inv), ref.dequantize_fp8_tensor(b, b_scale_inv))  # noqa: E731
-    return _run(dict(target="te_jax_gemm_fp8", roles=("a", "b", "a_t", "b_t")), (a, b, a_scale_inv, b_scale_inv),
-                deq, bias, out_dtype, fast_accum, backend)
+    lay = _Layout("te_jax_gemm_fp8", ("a", "b", ra, rb))
+    return _run(lay, (a, b, a_scale_inv, b_scale_inv), deq, bias, out_dtype, fast_accum, backend)
 
 
 def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=False, out_dtype=jnp.bfloat16,
                    fast_accum=True, backend=None):
     """Float8 block scaling: float32 1/scale per 1x128 block, or per 128x128 block when ``*_block_2d``.
 
-    ``a_s`` is ``[..., M, K/128]`` (``[..., M/128, K/128]`` for 2D), ``b_s``
-    likewise for B. 128x128 x 128x128 is refused. Other args as ``gemm_fp8``.
+    ``a_s`` is ``[..., M, K/128]`` (2D: ``[..., M/128, K/128]``), ``b_s``
+    likewise for B; 128x128 x 128x128 is refused. Other args as ``gemm_fp8``.
     """
-    _check_fp8_pair(a, b)
-    _, _, k = _check_operands(a, b, 1)
-    _check_k(k, ref.FP8_BLOCK, "Float8 block scaling")
+    k = _check_operands(a, b, block=ref.FP8_BLOCK, mode="Float8 block scaling")
     if a_block_2d and b_block_2d:
         raise ValueError("te_jax: 128x128 x 128x128 block-scaled GEMMs are not supported; quantize one operand "
                          "with 1x128 blocks (Float8BlockQuantizer(block_2d=False))")
     ra, rb = (ref.FP8_BLOCK if a_block_2d else 1), (ref.FP8_BLOCK if b_block_2d else 1)
-    a_s = _check_block_scales(a_s, a, k, ra, ref.FP8_BLOCK, jnp.float32, "a_s")
-    b_s = _check_block_scales(b_s, b, k, rb, ref.FP8_BLOCK, jnp.float32, "b_s")
+    a_s = _block_scales(a_s, a, k, ra, ref.FP8_BLOCK, jnp.float32, "a_s")
+    b_s = _block_scales(b_s, b, k, rb, ref.FP8_BLOCK, jnp.float32, "b_s")
     deq = lambda: (ref.dequantize_fp8_block(a, a_s, block_2d=a_block_2d),  # noqa: E731
                    ref.dequantize_fp8_block(b, b_s, block_2d=b_block_2d))
-    fields = dict(target="te_jax_gemm_fp8_block", roles=("a", "a_s", "b", "b_s"), k_block=ref.FP8_BLOCK,
-                  a_rows=ra, b_rows=rb, attrs=(("a_block_2d", bool(a_block_2d)), ("b_block_2d", bool(b_block_2d))))
-    return _run(fields, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend)
+    lay = _Layout("te_jax_gemm_fp8_block", ("a", "a_s", "b", "b_s"), k_block=ref.FP8_BLOCK, a_rows=ra, b_rows=rb,
+                  attrs=(("a_block_2d", bool(a_block_2d)), ("b_block_2d", bool(b_block_2d))))
+    return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend)
 
 
 def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, backend=None):
     """MXFP8: uint8 E8M0 scales ``a_s [..., M, K/32]``, ``b_s [..., N, K/32]``. Other args as ``gemm_fp8``."""
-    _check_fp8_pair(a, b)
-    _, _, k = _check_operands(a, b, 1)
-    _check_k(k, ref.MXFP8_BLOCK, "MXFP8")
-    a_s = _check_block_scales(a_s, a, k, 1, ref.MXFP8_BLOCK, jnp.uint8, "a_s")
-    b_s = _check_block_scales(b_s, b, k, 1, ref.MXFP8_BLOCK, jnp.uint8, "b_s")
+    k = _check_operands(a, b, block=ref.MXFP8_BLOCK, mode="MXFP8")
+    a_s = _block_scales(a_s, a, k, 1, ref.MXFP8_BLOCK, jnp.uint8, "a_s")
+    b_s = _block_scales(b_s, b, k, 1, ref.MXFP8_BLOCK, jnp.uint8, "b_s")
     deq = lambda: (ref.dequantize_mxfp8(a, a_s), ref.dequantize_mxfp8(b, b_s))  # noqa: E731
-    fields = dict(target="te_jax_gemm_mxfp8", roles=("a", "a_s", "b", "b_s"), k_block=ref.MXFP8_BLOCK)
-    return _run(fields, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend)
+    lay = _Layout("te_jax_gemm_mxfp8", ("a", "a_s", "b", "b_s"), k_block=ref.MXFP8_BLOCK)
+    return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend)
 
 
 def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True,
                backend=None):
-    """NVFP4: packed E2M1 ``a [..., M, K/2]`` (uint8), E4M3 scales ``a_s [..., M, K/16]``, global amax ``[1]``.
+    """NVFP4: packed E2M1 ``a [..., M, K/2]`` (uint8), E4M3 scales ``a_s [..., M, K/16]``, amax ``[1]`` or ``[..., 1]``.
 
     Each operand decodes as ``e2m1 * s_b * S_dec`` with ``S_dec = 1 /
     nvfp4_global_encode_scale(amax)``. Other args as ``gemm_fp8``.
     """
-    if a.dtype != jnp.uint8 or b.dtype != jnp.uint8:
-        raise TypeError(f"te_jax: NVFP4 GEMM operands must be packed uint8, got {a.dtype}, {b.dtype}")
-    _, _, k = _check_operands(a, b, 2)
-    _check_k(k, ref.NVFP4_BLOCK, "NVFP4")
-    a_s = _check_block_scales(a_s, a, k, 1, ref.NVFP4_BLOCK, jnp.float8_e4m3fn, "a_s")
-    b_s = _check_block_scales(b_s, b, k, 1, ref.NVFP4_BLOCK, jnp.float8_e4m3fn, "b_s")
-    a_amax, b_amax = _tensor_scale(a_amax, "a_amax"), _tensor_scale(b_amax, "b_amax")
+    k = _check_operands(a, b, block=ref.NVFP4_BLOCK, mode="NVFP4")
+    a_s = _block_scales(a_s, a, k, 1, ref.NVFP4_BLOCK, jnp.float8_e4m3fn, "a_s")
+    b_s = _block_scales(b_s, b, k, 1, ref.NVFP4_BLOCK, jnp.float8_e4m3fn, "b_s")
+    (a_amax, ra), (b_amax, rb) = _tensor_scale(a_amax, a, "a_amax"), _tensor_scale(b_amax, b, "b_amax")
     deq = lambda: (ref.dequantize_nvfp4(a, a_s, a_amax), ref.dequantize_nvfp4(b, b_s, b_amax))  # noqa: E731
-    fields = dict(target="te_jax_gemm_nvfp4", roles=("a", "a_s", "a_t", "b", "b_s", "b_t"), pack=2,
-                  k_block=ref.NVFP4_BLOCK)
-    return _run(fields, (a, a_s, a_amax, b, b_s, b_amax), deq, bias, out_dtype, fast_accum, backend)
+    lay = _Layout("te_jax_gemm_nvfp4", ("a", "a_s", ra, "b", "b_s", rb), pack=2, k_block=ref.NVFP4_BLOCK)
+    return _run(lay, (a, a_s, a_amax, b, b_s, b_amax), deq, bias, out_dtype, fast_accum, backend)
 
 
 # ---- dot_general on ScaledTensors ------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Operand:
+class _Operand(NamedTuple):
     """One ScaledTensor as a contraction-last GEMM operand ``[*batch, rows, K]``."""
 
     data: jax.Array
@@ -370,12 +404,11 @@ class _Operand:
     colwise: bool
 
 
-def _normalize(dims, ndim: int, what: str) -> tuple[int, ...]:
+def _normalize(dims, ndim: int) -> tuple[int, ...]:
     dims = (dims,) if isinstance(dims, int) else tuple(dims)
-    out = tuple(int(d) % ndim if -ndim <= int(d) < ndim else None for d in dims)
-    if None in out or len(set(out)) != len(out):
-        raise ValueError(f"te_jax: {what} {dims} are not distinct axes of a rank-{ndim} operand")
-    return out
+    if not all(-ndim <= int(d) < ndim for d in dims) or len({int(d) % ndim for d in dims}) != len(dims):
+        raise ValueError(f"te_jax: dims {dims} are not distinct axes of a rank-{ndim} operand")
+    return tuple(int(d) % ndim for d in dims)
 
 
 def _pick(t: ScaledTensor, contract: tuple[int, ...], batch: tuple[int, ...], side: str) -> _Operand:
@@ -390,7 +423,7 @@ def _pick(t: ScaledTensor, contract: tuple[int, ...], batch: tuple[int, ...], si
         raise ValueError(
             f"te_jax: {side} contracts axes {contract} of a ScaledTensor of shape {t.shape} with flatten_axis={f}; "
             f"a quantized operand contracts either all axes from flatten_axis on {tuple(range(f, nd))} (rowwise "
-            f"copy) or all axes before it {tuple(range(f))} (columnwise copy). Quantize it with a matching flatten_axis."
+            f"copy) or all axes before it {tuple(range(f))} (columnwise copy). Quantize with a matching flatten_axis."
         )
     if set(batch) != set(batch_axes):
         raise ValueError(f"te_jax: {side} batch axes {batch} must be {batch_axes}: the axes next to the contraction "
@@ -416,8 +449,9 @@ def _gemm_scaled(lhs: ScaledTensor, rhs: ScaledTensor, lc, rc, lb, rb, bias, **k
     if lhs.mode is not rhs.mode:
         raise ValueError(f"te_jax: both GEMM operands must use one scaling mode, got {lhs.mode.name} x "
                          f"{rhs.mode.name}; quantize them with the same recipe")
-    if list(np.argsort(lc)) != list(np.argsort(rc)):
-        raise ValueError(f"te_jax: contracting dims {lc} and {rc} must pair the axes in the same order on both sides")
+    if list(np.argsort(lc)) != list(np.argsort(rc)) or lb != tuple(sorted(lb)) or rb != tuple(sorted(rb)):
+        raise ValueError(f"te_jax: quantized GEMMs need contracting dims {lc}, {rc} paired in the same axis order on "
+                         f"both sides and batch dims {lb}, {rb} in ascending order; reorder them")
     a, b = _pick(lhs, lc, lb, "lhs"), _pick(rhs, rc, rb, "rhs")
     mode = lhs.mode
     if mode is ScalingMode.FP8_TENSOR:
@@ -466,15 +500,12 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_d
       ``[*batch, *lhs free axes, *rhs free axes]`` in ``out_dtype``.
     """
     lq, rq = isinstance(lhs, ScaledTensor), isinstance(rhs, ScaledTensor)
-    l_nd, r_nd = len(lhs.shape), len(rhs.shape)
-    lc, rc = _normalize(contracting_dims[0], l_nd, "contracting dims"), _normalize(contracting_dims[1], r_nd,
-                                                                                    "contracting dims")
-    lb, rb = _normalize(batch_dims[0], l_nd, "batch dims"), _normalize(batch_dims[1], r_nd, "batch dims")
-    if len(lc) != len(rc) or len(lb) != len(rb) or not lc or set(lc) & set(lb) or set(rc) & set(rb):
-        raise ValueError(f"te_jax: invalid dims: contracting {contracting_dims}, batch {batch_dims}")
-    for (i, j), what in [*((p, "contracting") for p in zip(lc, rc)), *((p, "batch") for p in zip(lb, rb))]:
-        if lhs.shape[i] != rhs.shape[j]:
-            raise ValueError(f"te_jax: {what} axes lhs {i} and rhs {j} differ in size: {lhs.shape} vs {rhs.shape}")
+    (lc, rc), (lb, rb) = ([_normalize(d, len(t.shape)) for d, t in zip(dims, (lhs, rhs))]
+                          for dims in (contracting_dims, batch_dims))
+    if (len(lc) != len(rc) or len(lb) != len(rb) or not lc or set(lc) & set(lb) or set(rc) & set(rb)
+            or [lhs.shape[i] for i in lc + lb] != [rhs.shape[j] for j in rc + rb]):
+        raise ValueError(f"te_jax: contracting dims {contracting_dims} and batch dims {batch_dims} do not pair "
+                         f"equal-sized, distinct axes of lhs {lhs.shape} and rhs {rhs.shape}")
     rhs_free = tuple(d for i, d in enumerate(rhs.shape) if i not in rc + rb)
     if bias is not None:
         bias = jnp.asarray(bias)
@@ -484,8 +515,7 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_d
     kw = dict(out_dtype=out_dtype, fast_accum=fast_accum, backend=backend)
     if lq and rq:
         return _gemm_scaled(lhs, rhs, lc, rc, lb, rb, bias, **kw)
-    if jnp.dtype(out_dtype) not in OUT_DTYPES:
-        raise TypeError(f"te_jax: GEMM out_dtype must be float32, bfloat16 or float16, not {out_dtype}")
+    out_dtype = _out_dtype(out_dtype)
     lhs = lhs.dequantize(jnp.float32, backend=backend) if lq else lhs
     rhs = rhs.dequantize(jnp.float32, backend=backend) if rq else rhs
     out = lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)), precision=lax.Precision.HIGHEST if lq or rq else None,

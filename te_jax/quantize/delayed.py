@@ -10,7 +10,7 @@ initially zeros and one. Each step (ARCHITECTURE.md, "Delayed scaling"):
    ``amax_compute_algo(history)``;
 4. ``scale = (fp8_max / a) / 2**margin`` (or ``scaling_factor_compute_algo(a,
    scale, fp8_max, margin)``), keeping the old scale when ``a`` is 0 or not
-   finite; a quotient that overflows float32 is clamped to FLT_MAX;
+   finite; the scale is at most 2^126 (te_jax's largest scale, docs/numerics.md);
 5. roll the history by -1 and zero ``history[0]``.
 
 ``init_state`` and ``update_state`` are pure; nothing is mutated.
@@ -73,7 +73,7 @@ def _update(state: State, amax, fp8_max: float, margin: int, amax_compute_algo, 
         new = (jnp.float32(fp8_max) / a) / jnp.float32(2.0**margin)
     else:
         new = jnp.asarray(scaling_factor_compute_algo(a, scale, fp8_max, margin), jnp.float32).reshape(scale.shape)
-    new = jnp.where(new > nm.F32_MAX, nm.F32_MAX, new)
+    new = jnp.where(new <= nm.MAX_SCALE, new, nm.MAX_SCALE)
     ok = (a > 0) & nm.is_finite(a)
     new_scale = jnp.where(ok, new, scale)
     new_history = jnp.roll(history, -1, axis=-1).at[..., 0].set(0.0)

@@ -14,6 +14,8 @@ import numpy as np
 from jax import lax
 
 F32_MAX = np.float32(np.finfo(np.float32).max)
+# The largest encode scale, so that every decode scale 1/scale is a normal float32.
+MAX_SCALE = np.float32(2.0**126)
 E4M3_MAX = 448.0
 E5M2_MAX = 57344.0
 E2M1_MAX = 6.0
@@ -66,11 +68,11 @@ def cast_fp8(x: jax.Array, dtype) -> jax.Array:
 
 
 def scale_from_amax(amax, fp8_max_value: float, epsilon: float = 0.0, power_2: bool = False):
-    """``fp8_max / max(amax, epsilon)``; 1 for 0 or non-finite amax; Inf -> FLT_MAX."""
+    """``min(fp8_max / max(amax, epsilon), 2^126)``; 1 for 0 or non-finite amax."""
     amax = jnp.asarray(amax, jnp.float32)
     a = jnp.where(amax > jnp.float32(epsilon), amax, jnp.float32(epsilon))
     scale = jnp.float32(fp8_max_value) / jnp.where(a == 0, jnp.float32(1), a)
-    scale = jnp.where(is_finite(scale), scale, F32_MAX)
+    scale = jnp.where(scale <= MAX_SCALE, scale, MAX_SCALE)
     if power_2:
         scale = bits_f32(f32_bits(scale) & jnp.uint32(0xFF800000))
     return jnp.where(is_finite(amax) & (a != 0), scale, jnp.float32(1))
@@ -115,13 +117,15 @@ _E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
 def _sign_nibble(x: jax.Array) -> jax.Array:
-    return ((f32_bits(x) >> 28) & jnp.uint32(8)).astype(jnp.uint8)
+    """The E2M1 sign bit; NaN gets none (its code is 0 whatever the NaN's sign)."""
+    sign = (f32_bits(x) >> 28) & jnp.uint32(8)
+    return jnp.where(jnp.isnan(x), jnp.uint32(0), sign).astype(jnp.uint8)
 
 
 def e2m1_rne(x: jax.Array) -> jax.Array:
     """float32 -> E2M1 code (uint8, sign in bit 3), nearest-even, saturating at 6.
 
-    NaN gives magnitude 0 (E2M1 has no NaN; the block scale carries it).
+    NaN gives the code 0 (E2M1 has no NaN; the block scale carries it).
     """
     a = bits_f32(f32_bits(x) & jnp.uint32(0x7FFFFFFF))
     mag = sum(
@@ -170,11 +174,11 @@ def unpack_nibbles(packed: jax.Array) -> jax.Array:
 
 
 def nvfp4_global_encode_scale(global_amax: jax.Array) -> jax.Array:
-    """S_enc = 448*6 / global_amax (1 for 0 or non-finite amax), at most FLT_MAX."""
+    """S_enc = 448*6 / global_amax (1 for 0 or non-finite amax), at most 2^126."""
     amax = jnp.asarray(global_amax, jnp.float32)
     ok = is_finite(amax) & (amax != 0)
     s = jnp.float32(E4M3_MAX * E2M1_MAX) / jnp.where(ok, amax, jnp.float32(1))
-    s = jnp.where(is_finite(s), s, F32_MAX)
+    s = jnp.where(s <= MAX_SCALE, s, MAX_SCALE)
     return jnp.where(ok, s, jnp.float32(1))
 
 

@@ -1,0 +1,138 @@
+// CPU FFI handlers for the fused activation forward (with the output's cast)
+// and backward (with the gradient's cast and dbias). Contract:
+// te_jax/ops/activation.py; formulas: csrc/common/norm_act.h.
+#include <cstdint>
+#include <vector>
+
+#include "norm_act_cpu.h"
+
+namespace te_jax {
+namespace {
+
+using cpu_fused::CastResults;
+
+
+ffi::Error ActFwd(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U32> key,
+                  ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> s, ffi::Result<ffi::AnyBuffer> q_t,
+                  ffi::Result<ffi::AnyBuffer> s_t, ffi::Result<ffi::AnyBuffer> amax,
+                  ffi::Result<ffi::AnyBuffer> amax_t, ffi::Result<ffi::AnyBuffer> scale_out, ffi::Dictionary attrs) {
+  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
+  auto mb_or = MatrixBatchOf(x, "x");
+  if (mb_or.has_error()) return mb_or.error();
+  const MatrixBatch in = mb_or.value();
+  ActKind act;
+  TE_RETURN_IF_ERROR(ParseAct(attrs, &act));
+  CastSpec sp;
+  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
+  int64_t F;
+  TE_RETURN_IF_ERROR(OutCols(act, in.cols, &F));
+  const MatrixBatch out{in.batch, in.rows, F};
+  TE_RETURN_IF_ERROR(CheckCastResults(sp, out, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
+  TE_RETURN_IF_ERROR(CheckCount(scale, in.batch, "scale"));
+  TE_RETURN_IF_ERROR(CheckCount(key, 2 * in.batch, "key"));
+  const std::vector<float> xf = ToFloat(x);
+  CastResults r{*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out};
+  const int64_t M = in.rows, N = in.cols;
+  std::vector<float> y(static_cast<size_t>(M * F));
+  for (int64_t b = 0; b < in.batch; ++b) {
+    for (int64_t i = 0; i < M; ++i) {
+      const float* xr = xf.data() + (b * M + i) * N;
+      for (int64_t j = 0; j < F; ++j) {
+        y[i * F + j] = IsGated(act) ? ActForwardGated(act, xr[j], xr[F + j]) : ActValue(act, xr[j]);
+      }
+    }
+    cpu_fused::CastMatrix(y.data(), M, F, b, sp, scale.typed_data()[b], key.typed_data()[2 * b],
+                          key.typed_data()[2 * b + 1], r);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ActBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U32> key,
+                  ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> s, ffi::Result<ffi::AnyBuffer> q_t,
+                  ffi::Result<ffi::AnyBuffer> s_t, ffi::Result<ffi::AnyBuffer> amax,
+                  ffi::Result<ffi::AnyBuffer> amax_t, ffi::Result<ffi::AnyBuffer> scale_out,
+                  ffi::Result<ffi::Buffer<ffi::F32>> dbias, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                  ffi::Dictionary attrs) {
+  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
+  TE_RETURN_IF_ERROR(CheckHighPrecision(dy, "dy"));
+  auto mb_or = MatrixBatchOf(x, "x");
+  if (mb_or.has_error()) return mb_or.error();
+  const MatrixBatch mb = mb_or.value();
+  ActKind act;
+  TE_RETURN_IF_ERROR(ParseAct(attrs, &act));
+  CastSpec sp;
+  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
+  auto want_dbias = attrs.get<bool>("dbias");
+  if (want_dbias.has_error()) return want_dbias.error();
+  int64_t F;
+  TE_RETURN_IF_ERROR(OutCols(act, mb.cols, &F));
+  TE_RETURN_IF_ERROR(CheckCastResults(sp, mb, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
+  const int64_t B = mb.batch, M = mb.rows, N = mb.cols;
+  if (static_cast<int64_t>(dy.element_count()) != B * M * F) return InvalidArgument("dy must be [..., M, N_out]");
+  TE_RETURN_IF_ERROR(CheckCount(*dbias, want_dbias.value() ? B * N : 0, "dbias"));
+  TE_RETURN_IF_ERROR(CheckCount(scale, B, "scale"));
+  TE_RETURN_IF_ERROR(CheckCount(key, 2 * B, "key"));
+  const std::vector<float> xf = ToFloat(x), dyf = ToFloat(dy);
+  CastResults r{*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out};
+  std::vector<float> dx(static_cast<size_t>(M * N));
+  std::vector<double> db(static_cast<size_t>(N));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t i = 0; i < M; ++i) {
+      const float* xr = xf.data() + (b * M + i) * N;
+      const float* dyr = dyf.data() + (b * M + i) * F;
+      float* d = dx.data() + i * N;
+      for (int64_t j = 0; j < F; ++j) {
+        if (IsGated(act)) {
+          d[j] = ActGradGatedA(act, dyr[j], xr[j], xr[F + j]);
+          d[F + j] = ActGradGatedG(act, dyr[j], xr[j]);
+        } else {
+          d[j] = ActGradPlain(act, dyr[j], xr[j]);
+        }
+      }
+    }
+    if (want_dbias.value()) {
+      std::fill(db.begin(), db.end(), 0.0);
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) db[j] += static_cast<double>(dx[i * N + j]);
+      for (int64_t j = 0; j < N; ++j) dbias->typed_data()[b * N + j] = static_cast<float>(db[j]);
+    }
+    cpu_fused::CastMatrix(dx.data(), M, N, b, sp, scale.typed_data()[b], key.typed_data()[2 * b],
+                          key.typed_data()[2 * b + 1], r);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCpu, ActFwd,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attrs());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCpu, ActBwd,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attrs());
+
+}  // namespace te_jax

@@ -1,0 +1,171 @@
+// CPU FFI handlers for the fused LayerNorm/RMSNorm forward (with the output's
+// cast) and backward. Contract: te_jax/ops/norm.py; formulas:
+// csrc/common/norm_act.h and te_jax/quantize/ref_norm_act.py.
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "norm_act_cpu.h"
+
+namespace te_jax {
+namespace {
+
+using cpu_fused::CastResults;
+
+// mean/rsigma of one row (mean 0 for rmsnorm).
+void RowStats(const float* x, int64_t h, const NormAttrs& na, std::vector<float>& tmp, float* mean, float* rsigma) {
+  const float hf = static_cast<float>(h);
+  float mu = 0.0f;
+  if (na.rms) {
+    for (int64_t j = 0; j < h; ++j) tmp[j] = x[j] * x[j];
+  } else {
+    mu = cpu_fused::PairwiseSum(x, h) / hf;
+    for (int64_t j = 0; j < h; ++j) {
+      const float d = x[j] - mu;
+      tmp[j] = d * d;
+    }
+  }
+  const float var = cpu_fused::PairwiseSum(tmp.data(), h) / hf;
+  *mean = mu;
+  *rsigma = RsigmaOf(var, na.epsilon);
+}
+
+ffi::Error NormFwd(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> gamma, ffi::Buffer<ffi::F32> beta,
+                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U32> key, ffi::Result<ffi::AnyBuffer> q,
+                   ffi::Result<ffi::AnyBuffer> s, ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::AnyBuffer> s_t,
+                   ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> amax_t,
+                   ffi::Result<ffi::AnyBuffer> scale_out, ffi::Result<ffi::Buffer<ffi::F32>> mean,
+                   ffi::Result<ffi::Buffer<ffi::F32>> rsigma, ffi::Dictionary attrs) {
+  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
+  auto mb_or = MatrixBatchOf(x, "x");
+  if (mb_or.has_error()) return mb_or.error();
+  const MatrixBatch mb = mb_or.value();
+  NormAttrs na;
+  TE_RETURN_IF_ERROR(ParseNormAttrs(attrs, true, &na));
+  CastSpec sp;
+  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
+  TE_RETURN_IF_ERROR(CheckCastResults(sp, mb, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
+  const int64_t B = mb.batch, M = mb.rows, H = mb.cols;
+  TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
+  const bool has_beta = beta.element_count() != 0;
+  if (has_beta) TE_RETURN_IF_ERROR(CheckCount(beta, B * H, "beta"));
+  if (has_beta && na.rms) return InvalidArgument("rmsnorm takes no beta");
+  TE_RETURN_IF_ERROR(CheckCount(scale, B, "scale"));
+  TE_RETURN_IF_ERROR(CheckCount(key, 2 * B, "key"));
+  TE_RETURN_IF_ERROR(CheckCount(*mean, na.rms ? 0 : B * M, "mean"));
+  TE_RETURN_IF_ERROR(CheckCount(*rsigma, B * M, "rsigma"));
+  const std::vector<float> xf = ToFloat(x);
+  CastResults r{*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out};
+  std::vector<float> y(static_cast<size_t>(M * H)), tmp(static_cast<size_t>(H));
+  for (int64_t b = 0; b < B; ++b) {
+    const float* g = gamma.typed_data() + b * H;
+    const float* bt = has_beta ? beta.typed_data() + b * H : nullptr;
+    for (int64_t i = 0; i < M; ++i) {
+      const float* xr = xf.data() + (b * M + i) * H;
+      float mu, rs;
+      RowStats(xr, H, na, tmp, &mu, &rs);
+      if (!na.rms) mean->typed_data()[b * M + i] = mu;
+      rsigma->typed_data()[b * M + i] = rs;
+      for (int64_t j = 0; j < H; ++j) {
+        y[i * H + j] = NormApply(xr[j], mu, rs, NormWeight(g[j], na.zero_centered_gamma), bt ? bt[j] : 0.0f, na.rms,
+                                 bt != nullptr);
+      }
+    }
+    cpu_fused::CastMatrix(y.data(), M, H, b, sp, scale.typed_data()[b], key.typed_data()[2 * b],
+                          key.typed_data()[2 * b + 1], r);
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error NormBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> rsigma,
+                   ffi::Buffer<ffi::F32> gamma, ffi::Result<ffi::AnyBuffer> dx,
+                   ffi::Result<ffi::Buffer<ffi::F32>> dgamma, ffi::Result<ffi::Buffer<ffi::F32>> dbeta,
+                   ffi::Result<ffi::Buffer<ffi::F32>> workspace, ffi::Dictionary attrs) {
+  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
+  TE_RETURN_IF_ERROR(CheckHighPrecision(dy, "dy"));
+  TE_RETURN_IF_ERROR(CheckHighPrecision(*dx, "dx"));
+  auto mb_or = MatrixBatchOf(x, "x");
+  if (mb_or.has_error()) return mb_or.error();
+  const MatrixBatch mb = mb_or.value();
+  NormAttrs na;
+  TE_RETURN_IF_ERROR(ParseNormAttrs(attrs, false, &na));
+  const int64_t B = mb.batch, M = mb.rows, H = mb.cols;
+  TE_RETURN_IF_ERROR(CheckCount(dy, B * M * H, "dy"));
+  TE_RETURN_IF_ERROR(CheckCount(*dx, B * M * H, "dx"));
+  TE_RETURN_IF_ERROR(CheckCount(mean, na.rms ? 0 : B * M, "mean"));
+  TE_RETURN_IF_ERROR(CheckCount(rsigma, B * M, "rsigma"));
+  TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
+  TE_RETURN_IF_ERROR(CheckCount(*dgamma, B * H, "dgamma"));
+  TE_RETURN_IF_ERROR(CheckCount(*dbeta, na.rms ? 0 : B * H, "dbeta"));
+  const std::vector<float> xf = ToFloat(x), dyf = ToFloat(dy);
+  std::vector<float> dxf(xf.size()), g(static_cast<size_t>(H)), gx(static_cast<size_t>(H));
+  std::vector<double> dg(static_cast<size_t>(H)), db(static_cast<size_t>(H));
+  const float hf = static_cast<float>(H);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* gam = gamma.typed_data() + b * H;
+    std::fill(dg.begin(), dg.end(), 0.0);
+    std::fill(db.begin(), db.end(), 0.0);
+    for (int64_t i = 0; i < M; ++i) {
+      const int64_t row = b * M + i;
+      const float* xr = xf.data() + row * H;
+      const float* dyr = dyf.data() + row * H;
+      const float mu = na.rms ? 0.0f : mean.typed_data()[row];
+      const float rs = rsigma.typed_data()[row];
+      for (int64_t j = 0; j < H; ++j) {
+        const float xhat = NormXhat(xr[j], mu, rs, na.rms);
+        g[j] = dyr[j] * NormWeight(gam[j], na.zero_centered_gamma);
+        gx[j] = g[j] * xhat;
+        dg[j] += static_cast<double>(dyr[j] * xhat);
+        db[j] += static_cast<double>(dyr[j]);
+      }
+      const float mgx = cpu_fused::PairwiseSum(gx.data(), H) / hf;
+      const float mg = na.rms ? 0.0f : cpu_fused::PairwiseSum(g.data(), H) / hf;
+      for (int64_t j = 0; j < H; ++j) {
+        const float xhat = NormXhat(xr[j], mu, rs, na.rms);
+        const float c = na.rms ? g[j] : g[j] - mg;
+        dxf[row * H + j] = rs * (c - xhat * mgx);
+      }
+    }
+    for (int64_t j = 0; j < H; ++j) {
+      dgamma->typed_data()[b * H + j] = static_cast<float>(dg[j]);
+      if (!na.rms) dbeta->typed_data()[b * H + j] = static_cast<float>(db[j]);
+    }
+  }
+  cpu_fused::StoreAt(*dx, 0, dxf.data(), static_cast<int64_t>(dxf.size()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NormFwdCpu, NormFwd,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attrs());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NormBwdCpu, NormBwd,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attrs());
+
+}  // namespace te_jax

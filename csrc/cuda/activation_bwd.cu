@@ -1,0 +1,132 @@
+// CUDA FFI handler te_jax_act_bwd: dx = dy * act'(x) (gated: both halves)
+// fused with dx's cast and dbias. dx is computed from dy and x inside the cast
+// kernels (norm_act_cast.cuh); dbias comes from the same pass: each tile
+// writes the column sums of its 64-row groups to the workspace, and a small
+// kernel adds them up in order (deterministic, no atomics).
+#include "norm_act_cast.cuh"
+
+namespace te_jax {
+namespace cuda {
+namespace {
+
+using fused::CastBuffers;
+
+// Output (b, r, c) of dx [rows, cols]: plain dy * act'(x); gated, for c < F
+// da = dy * g * act'(a), for c >= F dg = dy * act(a) (a = x[:, :F], g = x[:, F:]).
+template <typename T>
+struct ActBwdProducer {
+  const T* dy;
+  const T* x;
+  int64_t rows, cols, F;  // dx is [rows, cols]; dy is [rows, F]
+  ActKind act;
+  bool gated;
+  bool vec_ok;
+
+  struct Raw {
+    Raw8<T> d, a, g;
+  };
+
+  __device__ __forceinline__ Raw Fetch(int64_t b, int64_t r, int64_t c0) const {
+    const T* xr = x + (b * rows + r) * cols;
+    const T* dr = dy + (b * rows + r) * F;
+    const int64_t c = (gated && c0 >= F) ? c0 - F : c0;
+    Raw raw;
+    raw.d = LoadRaw8(dr + c);
+    raw.a = LoadRaw8(xr + c);
+    raw.g = (gated && c0 < F) ? LoadRaw8(xr + F + c) : raw.a;
+    return raw;
+  }
+
+  __device__ __forceinline__ void Compute(const Raw& raw, int64_t, int64_t, int64_t c0, float (&f)[8]) const {
+    float d[8], a[8];
+    Unpack8(raw.d, d);
+    Unpack8(raw.a, a);
+    if (!gated) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = ActGradPlain(act, d[k], a[k]);
+    } else if (c0 < F) {
+      float g[8];
+      Unpack8(raw.g, g);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = ActGradGatedA(act, d[k], a[k], g[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = ActGradGatedG(act, d[k], a[k]);
+    }
+  }
+
+  __device__ __forceinline__ float Load1(int64_t b, int64_t r, int64_t c) const {
+    const T* xr = x + (b * rows + r) * cols;
+    const T* dr = dy + (b * rows + r) * F;
+    if (!gated) return ActGradPlain(act, ToF(dr[c]), ToF(xr[c]));
+    if (c < F) return ActGradGatedA(act, ToF(dr[c]), ToF(xr[c]), ToF(xr[F + c]));
+    return ActGradGatedG(act, ToF(dr[c - F]), ToF(xr[c - F]));
+  }
+};
+
+ffi::Error ActBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                  ffi::Buffer<ffi::U32> key, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> s,
+                  ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::AnyBuffer> s_t, ffi::Result<ffi::AnyBuffer> amax,
+                  ffi::Result<ffi::AnyBuffer> amax_t, ffi::Result<ffi::AnyBuffer> scale_out,
+                  ffi::Result<ffi::Buffer<ffi::F32>> dbias, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
+                  ffi::Dictionary attrs) {
+  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
+  if (dy.element_type() != x.element_type()) return InvalidArgument("dy and x must have the same dtype");
+  auto mb_or = MatrixBatchOf(x, "x");
+  if (mb_or.has_error()) return mb_or.error();
+  const MatrixBatch mb = mb_or.value();
+  ActKind act;
+  TE_RETURN_IF_ERROR(ParseAct(attrs, &act));
+  CastSpec sp;
+  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
+  auto want_dbias = attrs.get<bool>("dbias");
+  if (want_dbias.has_error()) return want_dbias.error();
+  int64_t F;
+  TE_RETURN_IF_ERROR(OutCols(act, mb.cols, &F));
+  TE_RETURN_IF_ERROR(CheckCastResults(sp, mb, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
+  const int64_t B = mb.batch, M = mb.rows, N = mb.cols;
+  TE_RETURN_IF_ERROR(CheckCount(dy, B * M * F, "dy"));
+  TE_RETURN_IF_ERROR(CheckCount(*dbias, want_dbias.value() ? B * N : 0, "dbias"));
+  TE_RETURN_IF_ERROR(CheckCount(scale, B, "scale"));
+  TE_RETURN_IF_ERROR(CheckCount(key, 2 * B, "key"));
+  const int64_t ws_need = want_dbias.value() ? B * CeilDiv(M, fused::kDbiasRows) * N : 0;
+  if (static_cast<int64_t>(workspace->element_count()) < ws_need) {
+    return InvalidArgument("workspace: need " + std::to_string(ws_need) + " float32 elements for the dbias partials");
+  }
+  if (B == 0) return ffi::Error::Success();
+  const CastBuffers bufs = fused::BuffersOf(*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out);
+  float* ws = want_dbias.value() ? workspace->typed_data() : nullptr;
+  TE_RETURN_IF_ERROR(DispatchInput(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ActBwdProducer<T> p{static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(x.untyped_data()),
+                        M, N, F, act, IsGated(act), false};
+    p.vec_ok = N % 8 == 0 && F % 8 == 0 && Aligned16(x.untyped_data()) && Aligned16(dy.untyped_data()) &&
+               fused::AllAligned16({bufs.q, bufs.q_t});
+    return fused::RunCast(stream, p, sp, bufs, B, M, N, scale.typed_data(), key.typed_data(), ws);
+  }));
+  if (ws) TE_RETURN_IF_ERROR(fused::LaunchDbiasReduce(stream, ws, M, N, B, dbias->typed_data()));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCuda, cuda::ActBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attrs());
+
+}  // namespace te_jax

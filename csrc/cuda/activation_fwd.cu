@@ -1,0 +1,101 @@
+// CUDA FFI handler te_jax_act_fwd: activation (gelu, relu, silu,
+// squared_relu, swiglu, geglu) fused with the output's cast. The activation
+// is computed from x inside the cast kernels (norm_act_cast.cuh): one pass
+// over x for modes none / fp8_tensor / mxfp8 / fp8_block; fp8_current and
+// nvfp4 first run an amax pass (reads x, writes only the amax).
+#include "norm_act_cast.cuh"
+
+namespace te_jax {
+namespace cuda {
+namespace {
+
+using fused::CastBuffers;
+
+// Output (b, r, c) = act(x[b, r, c]), or act(x[b, r, c]) * x[b, r, F + c] (gated).
+template <typename T>
+struct ActFwdProducer {
+  const T* x;
+  int64_t rows, cols, in_cols;  // cols: F (output), in_cols: x's last axis
+  ActKind act;
+  bool gated;
+  bool vec_ok;
+
+  struct Raw {
+    Raw8<T> a, g;
+  };
+
+  __device__ __forceinline__ Raw Fetch(int64_t b, int64_t r, int64_t c0) const {
+    const T* row = x + (b * rows + r) * in_cols;
+    Raw raw;
+    raw.a = LoadRaw8(row + c0);
+    raw.g = gated ? LoadRaw8(row + cols + c0) : raw.a;
+    return raw;
+  }
+
+  __device__ __forceinline__ void Compute(const Raw& raw, int64_t, int64_t, int64_t, float (&f)[8]) const {
+    float a[8], g[8];
+    Unpack8(raw.a, a);
+    if (gated) {
+      Unpack8(raw.g, g);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = ActForwardGated(act, a[k], g[k]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) f[k] = ActValue(act, a[k]);
+    }
+  }
+
+  __device__ __forceinline__ float Load1(int64_t b, int64_t r, int64_t c) const {
+    const T* row = x + (b * rows + r) * in_cols;
+    return gated ? ActForwardGated(act, ToF(row[c]), ToF(row[cols + c])) : ActValue(act, ToF(row[c]));
+  }
+};
+
+ffi::Error ActFwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U32> key,
+                  ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> s, ffi::Result<ffi::AnyBuffer> q_t,
+                  ffi::Result<ffi::AnyBuffer> s_t, ffi::Result<ffi::AnyBuffer> amax,
+                  ffi::Result<ffi::AnyBuffer> amax_t, ffi::Result<ffi::AnyBuffer> scale_out, ffi::Dictionary attrs) {
+  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
+  auto mb_or = MatrixBatchOf(x, "x");
+  if (mb_or.has_error()) return mb_or.error();
+  const MatrixBatch in = mb_or.value();
+  ActKind act;
+  TE_RETURN_IF_ERROR(ParseAct(attrs, &act));
+  CastSpec sp;
+  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
+  int64_t F;
+  TE_RETURN_IF_ERROR(OutCols(act, in.cols, &F));
+  const MatrixBatch out{in.batch, in.rows, F};
+  TE_RETURN_IF_ERROR(CheckCastResults(sp, out, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
+  TE_RETURN_IF_ERROR(CheckCount(scale, in.batch, "scale"));
+  TE_RETURN_IF_ERROR(CheckCount(key, 2 * in.batch, "key"));
+  if (in.batch == 0) return ffi::Error::Success();
+  const CastBuffers bufs = fused::BuffersOf(*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out);
+  return DispatchInput(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    ActFwdProducer<T> p{static_cast<const T*>(x.untyped_data()), in.rows, F, in.cols, act, IsGated(act), false};
+    p.vec_ok = in.cols % 8 == 0 && F % 8 == 0 && Aligned16(x.untyped_data()) &&
+               fused::AllAligned16({bufs.q, bufs.q_t});
+    return fused::RunCast(stream, p, sp, bufs, in.batch, in.rows, F, scale.typed_data(), key.typed_data(), nullptr);
+  });
+}
+
+}  // namespace
+}  // namespace cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCuda, cuda::ActFwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attrs());
+
+}  // namespace te_jax

@@ -1,0 +1,373 @@
+// CUDA FFI handler te_jax_norm_bwd: dx, dgamma, dbeta of LayerNorm/RMSNorm.
+//
+//   xhat = (x - mean) * rsigma (rmsnorm: x * rsigma), g = dy * w,
+//   dx = rsigma * ((g - mean(g)) - xhat * mean(g * xhat))   (rmsnorm: no mean(g)),
+//   dgamma = sum_rows dy * xhat, dbeta = sum_rows dy.
+//
+// Row kernel (H % 8 == 0, H <= 16384, aligned): the grid is (row groups,
+// batch); a thread block takes the rows of its group one after another (a warp
+// per row for H <= 1024), keeps each row in registers, writes dx, and
+// accumulates dgamma/dbeta for its columns in registers. Each group's partial
+// sums go to the workspace ([2, B, G, H] float32, sized by the Python op), and
+// a second kernel adds the G partials in order: deterministic, no atomics.
+// Other widths: a generic dx kernel and a generic column kernel.
+#include <cuda_bf16.h>
+
+#include "norm_act_cast.cuh"
+
+namespace te_jax {
+namespace cuda {
+namespace {
+
+using fused::kThreads;
+
+struct BwdArgs {
+  const void* dy;
+  const void* x;
+  const float* mean;    // [B, M] or nullptr (rmsnorm)
+  const float* rsigma;  // [B, M]
+  const float* gamma;   // [B, H]
+  void* dx;             // [B, M, H], x's dtype
+  float* ws;            // [2, B, G, H]
+  int64_t rows, cols, groups, batch;
+  bool rms, zc, warp_per_row;
+};
+
+__device__ __forceinline__ void Load8F(const float* p, float (&f)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+  const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w, f[4] = b.x, f[5] = b.y, f[6] = b.z, f[7] = b.w;
+}
+
+template <typename T>
+__device__ __forceinline__ uint16_t To16(float v) {
+  if constexpr (std::is_same_v<T, Bf16>) return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+  return __half_as_ushort(__float2half_rn(v));
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreT8(T* p, const float (&f)[8]) {
+  if constexpr (sizeof(T) == 4) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = uint32_t{To16<T>(f[2 * k])} | (uint32_t{To16<T>(f[2 * k + 1])} << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreT1(T* p, float v) {
+  if constexpr (sizeof(T) == 4) {
+    *reinterpret_cast<float*>(p) = v;
+  } else {
+    *reinterpret_cast<uint16_t*>(p) = To16<T>(v);
+  }
+}
+
+// Sum over the threads of one row (a warp, or the block); every thread calls it.
+__device__ __forceinline__ float RowSum(float v, bool warp_per_row, float* red) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = AddRn(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (warp_per_row) return v;
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float s = red[0];
+#pragma unroll
+  for (int w = 1; w < kThreads / 32; ++w) s = AddRn(s, red[w]);
+  __syncthreads();
+  return s;
+}
+
+__device__ __forceinline__ float DxOf(float g, float xhat, float mg, float mgx, float rs, bool rms) {
+  const float c = rms ? g : SubRn(g, mg);
+  return MulRn(rs, SubRn(c, MulRn(xhat, mgx)));
+}
+
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kThreads) NormBwdRowKernel(BwdArgs a) {
+  extern __shared__ float part[];  // warp_per_row: [8][H] partial sums
+  __shared__ float red[kThreads / 32];
+  const int64_t g = blockIdx.x, b = blockIdx.y;
+  const int64_t per = (a.rows + a.groups - 1) / a.groups;
+  const int64_t r_begin = g * per, r_end = min(a.rows, r_begin + per);
+  const int tpr = a.warp_per_row ? 32 : kThreads;
+  const int lane = a.warp_per_row ? (threadIdx.x & 31) : threadIdx.x;
+  const int warp = threadIdx.x / 32;
+  const int64_t H = a.cols;
+  const float hf = static_cast<float>(H);
+  const float* gam = a.gamma + b * H;
+  float dg[kVec][8], db[kVec][8];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) dg[j][k] = db[j][k] = 0.0f;
+  }
+
+  const int64_t step = a.warp_per_row ? kThreads / 32 : 1;
+  for (int64_t r = r_begin + (a.warp_per_row ? warp : 0); r < r_end; r += step) {
+    const int64_t row = b * a.rows + r;
+    const T* dyr = static_cast<const T*>(a.dy) + row * H;
+    const T* xr = static_cast<const T*>(a.x) + row * H;
+    Raw8<T> rd[kVec], rx[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
+      const bool valid = c0 < H;
+      rd[j] = valid ? LoadRaw8(dyr + c0) : ZeroRaw8<T>();
+      rx[j] = valid ? LoadRaw8(xr + c0) : ZeroRaw8<T>();
+    }
+    const float mu = a.rms ? 0.0f : a.mean[row];
+    const float rs = a.rsigma[row];
+    float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
+      if (c0 >= H) continue;
+      float d[8], v[8], w[8];
+      Unpack8(rd[j], d);
+      Unpack8(rx[j], v);
+      Load8F(gam + c0, w);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float xhat = NormXhat(v[k], mu, rs, a.rms);
+        const float gk = MulRn(d[k], NormWeight(w[k], a.zc));
+        sg = AddRn(sg, gk);
+        sgx = AddRn(sgx, MulRn(gk, xhat));
+        dg[j][k] = AddRn(dg[j][k], MulRn(d[k], xhat));
+        db[j][k] = AddRn(db[j][k], d[k]);
+      }
+    }
+    const float mg = a.rms ? 0.0f : DivRn(RowSum(sg, a.warp_per_row, red), hf);
+    const float mgx = DivRn(RowSum(sgx, a.warp_per_row, red), hf);
+    T* dxr = static_cast<T*>(a.dx) + row * H;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
+      if (c0 >= H) continue;
+      float d[8], v[8], w[8], o[8];
+      Unpack8(rd[j], d);
+      Unpack8(rx[j], v);
+      Load8F(gam + c0, w);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float xhat = NormXhat(v[k], mu, rs, a.rms);
+        o[k] = DxOf(MulRn(d[k], NormWeight(w[k], a.zc)), xhat, mg, mgx, rs, a.rms);
+      }
+      StoreT8(dxr + c0, o);
+    }
+  }
+
+  // Partial sums of this group: [2, B, G, H].
+  float* ws_dg = a.ws + (b * a.groups + g) * H;
+  float* ws_db = a.ws + (a.batch * a.groups + b * a.groups + g) * H;
+  if (!a.warp_per_row) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
+      if (c0 >= H) continue;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        ws_dg[c0 + k] = dg[j][k];
+        ws_db[c0 + k] = db[j][k];
+      }
+    }
+    return;
+  }
+  // A warp per row: the 8 warps' sums for the same columns, added in warp order.
+  for (int which = 0; which < 2; ++which) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
+      if (c0 >= H) continue;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) part[warp * H + c0 + k] = which ? db[j][k] : dg[j][k];
+    }
+    __syncthreads();
+    for (int64_t c = threadIdx.x; c < H; c += kThreads) {
+      float s = part[c];
+#pragma unroll
+      for (int w = 1; w < kThreads / 32; ++w) s = AddRn(s, part[w * H + c]);
+      (which ? ws_db : ws_dg)[c] = s;
+    }
+    __syncthreads();
+  }
+}
+
+// dx for any width: a thread block per row, two passes over global memory.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) NormBwdGenericRowKernel(BwdArgs a) {
+  __shared__ float red[kThreads / 32];
+  const int64_t row = blockIdx.x;
+  const int64_t b = row / a.rows;
+  const int64_t H = a.cols;
+  const T* dyr = static_cast<const T*>(a.dy) + row * H;
+  const T* xr = static_cast<const T*>(a.x) + row * H;
+  const float* gam = a.gamma + b * H;
+  const float mu = a.rms ? 0.0f : a.mean[row];
+  const float rs = a.rsigma[row];
+  float sg = 0.0f, sgx = 0.0f;
+  for (int64_t c = threadIdx.x; c < H; c += kThreads) {
+    const float xhat = NormXhat(ToF(xr[c]), mu, rs, a.rms);
+    const float gk = MulRn(ToF(dyr[c]), NormWeight(gam[c], a.zc));
+    sg = AddRn(sg, gk);
+    sgx = AddRn(sgx, MulRn(gk, xhat));
+  }
+  const float hf = static_cast<float>(H);
+  const float mg = a.rms ? 0.0f : DivRn(RowSum(sg, false, red), hf);
+  const float mgx = DivRn(RowSum(sgx, false, red), hf);
+  T* dxr = static_cast<T*>(a.dx) + row * H;
+  for (int64_t c = threadIdx.x; c < H; c += kThreads) {
+    const float xhat = NormXhat(ToF(xr[c]), mu, rs, a.rms);
+    StoreT1(dxr + c, DxOf(MulRn(ToF(dyr[c]), NormWeight(gam[c], a.zc)), xhat, mg, mgx, rs, a.rms));
+  }
+}
+
+// dgamma/dbeta partials for any width: a thread per (group, column).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) NormBwdGenericColKernel(BwdArgs a) {
+  const int64_t id = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  const int64_t b = blockIdx.y;
+  const int64_t H = a.cols;
+  if (id >= a.groups * H) return;
+  const int64_t g = id / H, c = id % H;
+  const int64_t per = (a.rows + a.groups - 1) / a.groups;
+  const int64_t r1 = min(a.rows, (g + 1) * per);
+  float sdg = 0.0f, sdb = 0.0f;
+  for (int64_t r = g * per; r < r1; ++r) {
+    const int64_t row = b * a.rows + r;
+    const float d = ToF(static_cast<const T*>(a.dy)[row * H + c]);
+    const float xhat = NormXhat(ToF(static_cast<const T*>(a.x)[row * H + c]), a.rms ? 0.0f : a.mean[row],
+                                a.rsigma[row], a.rms);
+    sdg = AddRn(sdg, MulRn(d, xhat));
+    sdb = AddRn(sdb, d);
+  }
+  a.ws[(b * a.groups + g) * H + c] = sdg;
+  a.ws[(a.batch * a.groups + b * a.groups + g) * H + c] = sdb;
+}
+
+// dgamma[b, c] (and dbeta) = the group partials added in order.
+__global__ void __launch_bounds__(kThreads) NormBwdReduceKernel(const float* ws, int64_t groups, int64_t cols,
+                                                                 int64_t batch, float* dgamma, float* dbeta) {
+  const int64_t id = int64_t{blockIdx.x} * kThreads + threadIdx.x;
+  if (id >= batch * cols) return;
+  const int64_t b = id / cols, c = id % cols;
+  const float* p = ws + b * groups * cols + c;
+  float s = 0.0f;
+  for (int64_t g = 0; g < groups; ++g) s = AddRn(s, p[g * cols]);
+  dgamma[id] = s;
+  if (dbeta) {
+    const float* q = ws + (batch * groups + b * groups) * cols + c;
+    float t = 0.0f;
+    for (int64_t g = 0; g < groups; ++g) t = AddRn(t, q[g * cols]);
+    dbeta[id] = t;
+  }
+}
+
+int RowConfig(int64_t h, bool* warp_per_row) {
+  const int64_t v = h / 8;
+  *warp_per_row = v <= 128;
+  if (v <= 32) return 1;
+  if (v <= 64) return 2;
+  if (v <= 128) return 4;
+  if (v <= 256) return 1;
+  if (v <= 512) return 2;
+  if (v <= 1024) return 4;
+  if (v <= 2048) return 8;
+  return 0;
+}
+
+template <typename T>
+ffi::Error RunNormBwd(cudaStream_t stream, BwdArgs a, float* dgamma, float* dbeta) {
+  const int64_t H = a.cols;
+  bool warp_per_row = false;
+  const bool vec_ok = H % 8 == 0 && fused::AllAligned16({a.dy, a.x, a.dx, a.gamma});
+  const int vec = vec_ok ? RowConfig(H, &warp_per_row) : 0;
+  a.warp_per_row = warp_per_row;
+  if (a.groups > 65535 || a.batch > 65535) return ffi::Error::Internal("te_jax CUDA: norm backward grid too large");
+  if (vec > 0) {
+    const dim3 grid(static_cast<unsigned>(a.groups), static_cast<unsigned>(a.batch));
+    const int smem = warp_per_row ? static_cast<int>(sizeof(float) * (kThreads / 32) * H) : 0;
+    switch (vec) {
+      case 1: NormBwdRowKernel<T, 1><<<grid, kThreads, smem, stream>>>(a); break;
+      case 2: NormBwdRowKernel<T, 2><<<grid, kThreads, smem, stream>>>(a); break;
+      case 4: NormBwdRowKernel<T, 4><<<grid, kThreads, smem, stream>>>(a); break;
+      default: NormBwdRowKernel<T, 8><<<grid, kThreads, smem, stream>>>(a); break;
+    }
+    TE_RETURN_IF_ERROR(LaunchError("NormBwdRowKernel"));
+  } else {
+    dim3 grid;
+    TE_RETURN_IF_ERROR(GridOf(a.batch * a.rows, &grid));
+    NormBwdGenericRowKernel<T><<<grid, kThreads, 0, stream>>>(a);
+    TE_RETURN_IF_ERROR(LaunchError("NormBwdGenericRowKernel"));
+    TE_RETURN_IF_ERROR(fused::GridFor(a.groups * H, a.batch, &grid));
+    NormBwdGenericColKernel<T><<<grid, kThreads, 0, stream>>>(a);
+    TE_RETURN_IF_ERROR(LaunchError("NormBwdGenericColKernel"));
+  }
+  dim3 grid;
+  TE_RETURN_IF_ERROR(GridOf(CeilDiv(a.batch * H, kThreads), &grid));
+  NormBwdReduceKernel<<<grid, kThreads, 0, stream>>>(a.ws, a.groups, H, a.batch, dgamma, dbeta);
+  return LaunchError("NormBwdReduceKernel");
+}
+
+ffi::Error NormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> mean,
+                   ffi::Buffer<ffi::F32> rsigma, ffi::Buffer<ffi::F32> gamma, ffi::Result<ffi::AnyBuffer> dx,
+                   ffi::Result<ffi::Buffer<ffi::F32>> dgamma, ffi::Result<ffi::Buffer<ffi::F32>> dbeta,
+                   ffi::Result<ffi::Buffer<ffi::F32>> workspace, ffi::Dictionary attrs) {
+  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
+  if (dy.element_type() != x.element_type() || dx->element_type() != x.element_type()) {
+    return InvalidArgument("dy, x and dx must have the same dtype");
+  }
+  auto mb_or = MatrixBatchOf(x, "x");
+  if (mb_or.has_error()) return mb_or.error();
+  const MatrixBatch mb = mb_or.value();
+  NormAttrs na;
+  TE_RETURN_IF_ERROR(ParseNormAttrs(attrs, false, &na));
+  const int64_t B = mb.batch, M = mb.rows, H = mb.cols;
+  TE_RETURN_IF_ERROR(CheckCount(dy, B * M * H, "dy"));
+  TE_RETURN_IF_ERROR(CheckCount(*dx, B * M * H, "dx"));
+  TE_RETURN_IF_ERROR(CheckCount(mean, na.rms ? 0 : B * M, "mean"));
+  TE_RETURN_IF_ERROR(CheckCount(rsigma, B * M, "rsigma"));
+  TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
+  TE_RETURN_IF_ERROR(CheckCount(*dgamma, B * H, "dgamma"));
+  TE_RETURN_IF_ERROR(CheckCount(*dbeta, na.rms ? 0 : B * H, "dbeta"));
+  if (B * H == 0) return ffi::Error::Success();
+  const int64_t ws = workspace->element_count();
+  const int64_t groups = ws / (2 * B * H);
+  if (groups < 1) {
+    return InvalidArgument("workspace: need 2 * G * H float32 elements per matrix (G >= 1), got " +
+                           std::to_string(ws));
+  }
+  if (M == 0) {
+    TE_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(dgamma->typed_data(), 0, sizeof(float) * B * H, stream), "memset"));
+    if (!na.rms) TE_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(dbeta->typed_data(), 0, sizeof(float) * B * H, stream), "memset"));
+    return ffi::Error::Success();
+  }
+  // G = min(what the workspace holds, M); the kernels lay the partials out as [2, B, G, H].
+  BwdArgs a{dy.untyped_data(), x.untyped_data(), na.rms ? nullptr : mean.typed_data(), rsigma.typed_data(),
+            gamma.typed_data(), dx->untyped_data(), workspace->typed_data(), M, H, groups < M ? groups : M, B,
+            na.rms, na.zero_centered_gamma, false};
+  float* db = na.rms ? nullptr : dbeta->typed_data();
+  return DispatchInput(x.element_type(), [&](auto tag) { return RunNormBwd<decltype(tag)>(stream, a, dgamma->typed_data(), db); });
+}
+
+}  // namespace
+}  // namespace cuda
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NormBwdCuda, cuda::NormBwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attrs());
+
+}  // namespace te_jax

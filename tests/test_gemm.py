@@ -1,0 +1,328 @@
+"""GEMM op: custom calls vs float64 products of the dequantized operands and vs the reference twin."""
+
+from __future__ import annotations
+
+import re
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from te_jax.ops import gemm as G
+from te_jax.ops import quantize as qops
+from te_jax.quantize import (
+    CurrentScalingQuantizer,
+    Float8BlockQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+    numerics as nm,
+    reference as ref,
+)
+
+E4, E5 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+F32, BF16, F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+# An odd M on CPU; cuBLASLt (GPU) needs M to be a multiple of 16 (a clear error otherwise, tested below).
+M, N, K = (33 if jax.default_backend() == "cpu" else 48), 128, 256
+MODES = ["fp8_e4m3xe4m3", "fp8_e4m3xe5m2", "fp8_e5m2xe4m3", "block_1x128x128x128", "block_1x128x1x128", "mxfp8",
+         "nvfp4", "nvfp4_rht"]
+
+
+def _rng(*names) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(names).encode()))
+
+
+def _data(rng, rows: int, cols: int) -> jax.Array:
+    """Rows of very different magnitudes, one all-zero row, and outliers."""
+    x = rng.normal(size=(rows, cols)) * np.exp(rng.uniform(-2, 2, size=(rows, 1)))
+    x[1] = 0.0
+    x[2, :4] = [40.0, -40.0, 1e-3, 25.0]
+    return jnp.asarray(x, jnp.float32)
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _operands(mode: str, rng):
+    """(call(bias, out_dtype, backend), dequantized A [M, K], dequantized B [N, K]) for one mode."""
+    x, w = _data(rng, M, K), _data(rng, N, K)
+    if mode.startswith("fp8"):
+        da, db = {"fp8_e4m3xe4m3": (E4, E4), "fp8_e4m3xe5m2": (E4, E5), "fp8_e5m2xe4m3": (E5, E4)}[mode]
+        # A fixed scale that maps 8 to fp8_max: the outliers saturate.
+        qa, _, _, sa = qops.quantize_fp8_tensor(x, jnp.full((1,), nm.fp8_max(da) / 8), qdtype=da)
+        qb, _, _, sb = qops.quantize_fp8_tensor(w, jnp.full((1,), nm.fp8_max(db) / 8), qdtype=db)
+        args, fn, kw = (qa, qb, sa, sb), G.gemm_fp8, {}
+        deq = (ref.dequantize_fp8_tensor(qa, sa), ref.dequantize_fp8_tensor(qb, sb))
+    elif mode.startswith("block"):
+        b2d = mode == "block_1x128x128x128"
+        qa, sa, _, _ = qops.quantize_fp8_block(x)
+        qb, sb, _, _ = qops.quantize_fp8_block(w, block_2d=b2d)
+        args, fn, kw = (qa, sa, qb, sb), G.gemm_fp8_block, dict(b_block_2d=b2d)
+        deq = (ref.dequantize_fp8_block(qa, sa), ref.dequantize_fp8_block(qb, sb, block_2d=b2d))
+    elif mode == "mxfp8":
+        qa, sa, _, _ = qops.quantize_mxfp8(x)
+        qb, sb, _, _ = qops.quantize_mxfp8(w, qdtype=E5)
+        args, fn, kw = (qa, sa, qb, sb), G.gemm_mxfp8, {}
+        deq = (ref.dequantize_mxfp8(qa, sa), ref.dequantize_mxfp8(qb, sb))
+    elif mode == "nvfp4":
+        qa, sa, _, _, aa, _ = qops.quantize_nvfp4(x)
+        qb, sb, _, _, ab, _ = qops.quantize_nvfp4(w, block_2d=True)
+        args, fn, kw = (qa, sa, aa, qb, sb, ab), G.gemm_nvfp4, {}
+        deq = (ref.dequantize_nvfp4(qa, sa, aa), ref.dequantize_nvfp4(qb, sb, ab))
+    else:  # wgrad-style operands: the Hadamard-transformed columnwise copies of x^T [K, M] and w^T [K, N]
+        _, _, qa, sa, _, aa = qops.quantize_nvfp4(x.T, rowwise=False, colwise=True, rht=True)
+        _, _, qb, sb, _, ab = qops.quantize_nvfp4(w.T, rowwise=False, colwise=True, rht=True)
+        args, fn, kw = (qa, sa, aa, qb, sb, ab), G.gemm_nvfp4, {}
+        deq = (ref.dequantize_nvfp4(qa, sa, aa), ref.dequantize_nvfp4(qb, sb, ab))
+
+    def call(bias=None, out_dtype=F32, backend=None):
+        return fn(*args, bias, out_dtype=out_dtype, backend=backend, **kw)
+
+    return call, _f64(deq[0]), _f64(deq[1])
+
+
+def _rel(got, want) -> float:
+    return float(np.linalg.norm(_f64(got) - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("out_dtype", [F32, BF16, F16], ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_float64_and_reference(mode, out_dtype, with_bias):
+    rng = _rng(mode, str(out_dtype), with_bias)
+    call, a, b = _operands(mode, rng)
+    bias = jnp.asarray(rng.normal(size=(N,)), out_dtype) if with_bias else None
+    want = a @ b.T + (_f64(bias) if with_bias else 0.0)
+    out, twin = call(bias, out_dtype, "ffi"), call(bias, out_dtype, "reference")
+    assert out.shape == twin.shape == (M, N) and out.dtype == twin.dtype == out_dtype
+    scale = np.abs(want).max()
+    if out_dtype == F32:
+        assert _rel(out, want) <= 1e-5
+        np.testing.assert_allclose(_f64(out), _f64(twin), rtol=1e-5, atol=1e-6 * scale)
+    else:  # one rounding to the output type, give or take an ulp from float32 summation order
+        ulp = 2.0**-7 if out_dtype == BF16 else 2.0**-10
+        np.testing.assert_allclose(_f64(out), want, rtol=ulp, atol=1e-5 * scale)
+        np.testing.assert_allclose(_f64(out), _f64(twin), rtol=ulp, atol=1e-5 * scale)
+
+
+def test_rht_transforms_cancel():
+    call, a, b = _operands("nvfp4_rht", _rng("rht"))
+    undo = lambda v: _f64(nm.inverse_rht16(jnp.asarray(v, jnp.float32)))  # noqa: E731
+    assert _rel(call(), undo(a) @ undo(b).T) <= 1e-5
+
+
+# ---- errors --------------------------------------------------------------------------
+
+
+def _raw(target: str, *args, out_shape, **attrs):
+    results = (jax.ShapeDtypeStruct(out_shape, jnp.float32), jax.ShapeDtypeStruct((0,), jnp.uint8))
+    return jax.ffi.ffi_call(target, results)(*args, fast_accum=True, **attrs)[0].block_until_ready()
+
+
+def test_e5m2_x_e5m2_is_refused():
+    q = jnp.zeros((4, 32), E5)
+    one = jnp.ones((1,), jnp.float32)
+    with pytest.raises(TypeError, match="te_jax: E5M2 x E5M2"):
+        G.gemm_fp8(q, q, one, one)
+    with pytest.raises(TypeError, match="te_jax: E5M2 x E5M2"):
+        G.gemm_mxfp8(q, jnp.zeros((4, 1), jnp.uint8), q, jnp.zeros((4, 1), jnp.uint8))
+    x = jnp.ones((32, 32), jnp.float32)
+    xq = CurrentScalingQuantizer(E5).quantize(x)
+    wq = CurrentScalingQuantizer(E5).quantize(x, colwise=True)
+    with pytest.raises(TypeError, match="te_jax: E5M2 x E5M2"):
+        G.gemm(xq, wq)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="te_jax: te_jax_gemm_fp8: E5M2 x E5M2"):
+        _raw("te_jax_gemm_fp8", q, q, one, one, jnp.zeros((0,), jnp.float32), out_shape=(4, 4))
+
+
+def test_k_not_a_block_multiple():
+    q, s = jnp.zeros((4, 48), E4), jnp.zeros((4, 1), jnp.uint8)
+    with pytest.raises(ValueError, match="te_jax: MXFP8 GEMM needs K \\(48\\) to be a multiple of 32"):
+        G.gemm_mxfp8(q, s, q, s)
+    with pytest.raises(ValueError, match="te_jax: Float8 block scaling GEMM needs K"):
+        G.gemm_fp8_block(q, s.astype(jnp.float32), q, s.astype(jnp.float32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="K \\(48\\) must be a multiple of the block size 32"):
+        _raw("te_jax_gemm_mxfp8", q, s, q, s, jnp.zeros((0,), jnp.float32), out_shape=(4, 4))
+
+
+def test_bad_scales_and_bias():
+    q, s = jnp.zeros((4, 64), E4), jnp.zeros((4, 2), jnp.uint8)
+    with pytest.raises(ValueError, match=re.escape("te_jax: b_s must be uint8[4, 2], got uint8[4, 3]")):
+        G.gemm_mxfp8(q, s, q, jnp.zeros((4, 3), jnp.uint8))
+    with pytest.raises(ValueError, match=re.escape("te_jax: bias must be [N] = [4]")):
+        G.gemm_mxfp8(q, s, q, s, jnp.zeros((5,)))
+    q128, s128 = jnp.zeros((128, 128), E4), jnp.ones((1, 1), jnp.float32)
+    with pytest.raises(ValueError, match="te_jax: 128x128 x 128x128"):
+        G.gemm_fp8_block(q128, s128, q128, s128, a_block_2d=True, b_block_2d=True)
+    no_bias = jnp.zeros((0,), jnp.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape("a_s must be [4, 2], got [4, 3]")):
+        _raw("te_jax_gemm_mxfp8", q, jnp.zeros((4, 3), jnp.uint8), q, s, no_bias, out_shape=(4, 4))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=re.escape("bias must be [N] = [4] or empty [0], got [5]")):
+        _raw("te_jax_gemm_mxfp8", q, s, q, s, jnp.zeros((5,), jnp.float32), out_shape=(4, 4))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="128x128 x 128x128 block scaling is not supported"):
+        _raw("te_jax_gemm_fp8_block", q128, s128, q128, s128, no_bias, out_shape=(128, 128), a_block_2d=True,
+             b_block_2d=True)
+
+
+def test_operand_errors():
+    x, w = jnp.ones((128, 64), jnp.float32), jnp.ones((64, 128), jnp.float32)
+    with pytest.raises(ValueError, match="te_jax: both GEMM operands must use one scaling mode"):
+        G.gemm(MXFP8Quantizer().quantize(x), CurrentScalingQuantizer().quantize(w, colwise=True))
+    with pytest.raises(ValueError, match="needs the columnwise copy .* quantize it with colwise=True"):
+        G.gemm(MXFP8Quantizer().quantize(x), MXFP8Quantizer().quantize(w))
+    x3 = CurrentScalingQuantizer().quantize(jnp.ones((4, 8, 64)), colwise=True)
+    with pytest.raises(ValueError, match="flatten_axis=2"):
+        G.gemm(x3, x3, ((1, 2), (1, 2)))
+    xr = NVFP4Quantizer(rht=True).quantize(x, colwise=True)
+    xp = NVFP4Quantizer().quantize(x, colwise=True)
+    with pytest.raises(ValueError, match="random Hadamard transform"):
+        G.gemm(xr, xp, ((0,), (0,)))
+
+
+# ---- the three GEMMs of a dense layer ------------------------------------------------
+
+DENSE = {  # quantizers of x, W, dy
+    "fp8_hybrid": (CurrentScalingQuantizer(E4), CurrentScalingQuantizer(E4), CurrentScalingQuantizer(E5)),
+    "block": (Float8BlockQuantizer(), Float8BlockQuantizer(block_2d=True), Float8BlockQuantizer()),
+    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer(), MXFP8Quantizer(E5)),
+    "nvfp4": (NVFP4Quantizer(), NVFP4Quantizer(block_2d=True), NVFP4Quantizer(stochastic_rounding=True)),
+    "nvfp4_rht": (NVFP4Quantizer(rht=True), NVFP4Quantizer(block_2d=True),
+                  NVFP4Quantizer(rht=True, stochastic_rounding=True)),
+}
+
+
+@pytest.mark.parametrize("name", DENSE)
+def test_dense_fwd_dgrad_wgrad(name):
+    rng = _rng("dense", name)
+    x = jnp.asarray(rng.normal(size=(2, 64, 256)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(256, 128)) / 16, jnp.float32)
+    dy = jnp.asarray(rng.normal(size=(2, 64, 128)), jnp.float32)
+    qx, qw, qg = DENSE[name]
+    key = jax.random.key(7)
+    xq, wq, gq = (q.quantize(t, colwise=True, key=key) for q, t in zip((qx, qw, qg), (x, w, dy)))
+    row = lambda t: _f64(t.dequantize())  # noqa: E731
+    col = lambda t: _f64(t.dequantize_colwise())  # noqa: E731  ([N, M], Hadamard domain with rht)
+    gemms = {
+        "fwd": (G.gemm(xq, wq, ((2,), (0,)), out_dtype=F32), np.einsum("bsh,fh->bsf", row(xq), col(wq)), x @ w),
+        "dgrad": (G.gemm(gq, wq, ((2,), (1,)), out_dtype=F32), np.einsum("bsf,hf->bsh", row(gq), row(wq)), dy @ w.T),
+        "wgrad": (G.gemm(xq, gq, ((0, 1), (0, 1)), out_dtype=F32), col(xq) @ col(gq).T,
+                  jnp.einsum("bsh,bsf->hf", x, dy)),
+    }
+    loose = 0.3 if name.startswith("nvfp4") else 0.1
+    for which, (out, want, exact) in gemms.items():
+        assert out.shape == want.shape, which
+        assert _rel(out, want) <= 1e-5, which
+        assert _rel(out, _f64(exact)) <= loose, which  # and close to the unquantized product
+
+
+# ---- transformations and the other paths ---------------------------------------------
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0), (0, None), (None, 0)], ids=str)
+@pytest.mark.parametrize("name", ["fp8_hybrid", "mxfp8", "nvfp4"])
+def test_jit_vmap(name, in_axes):
+    qx, qw, _ = DENSE[name]
+    rng = _rng("vmap", name, in_axes)
+    xs = jnp.asarray(rng.normal(size=(3, 32, 128)), jnp.float32)
+    ws = jnp.asarray(rng.normal(size=(3, 128, 64)), jnp.float32)
+
+    def f(x, w):
+        return G.gemm(qx.quantize(x), qw.quantize(w, rowwise=False, colwise=True), out_dtype=F32)
+
+    xs_in, ws_in = (xs if in_axes[0] == 0 else xs[0]), (ws if in_axes[1] == 0 else ws[0])
+    got = jax.jit(jax.vmap(f, in_axes=in_axes))(xs_in, ws_in)
+    want = np.stack([f(xs[i] if in_axes[0] == 0 else xs_in, ws[i] if in_axes[1] == 0 else ws_in) for i in range(3)])
+    np.testing.assert_allclose(_f64(got), _f64(want), rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_leading_axes_and_batch_dims():
+    rng = _rng("batch")
+    xs = jnp.asarray(rng.normal(size=(3, 32, 128)), jnp.float32)
+    ws = jnp.asarray(rng.normal(size=(3, 64, 128)), jnp.float32)
+    q = MXFP8Quantizer()
+    xq, wq = q.quantize(xs), q.quantize(ws)
+    got = jax.jit(lambda a, b: G.gemm(a, b, ((2,), (2,)), ((0,), (0,)), out_dtype=F32))(xq, wq)
+    want = np.einsum("bmk,bnk->bmn", _f64(xq.dequantize()), _f64(wq.dequantize()))
+    assert got.shape == (3, 32, 64) and _rel(got, want) <= 1e-5
+    # The custom call's own leading axes: folded into M with a shared B, or a batched B.
+    a, a_s = xq.data.reshape(3, 32, 128), xq.scale_inv.reshape(3, 32, 4)
+    b, b_s = wq.data.reshape(3, 64, 128), wq.scale_inv.reshape(3, 64, 4)
+    for bb, bs in [(b[0], b_s[0]), (b, b_s)]:
+        out = G.gemm_mxfp8(a, a_s, bb, bs, out_dtype=F32)
+        np.testing.assert_allclose(_f64(out), _f64(G.gemm_mxfp8(a, a_s, bb, bs, out_dtype=F32, backend="reference")),
+                                   rtol=1e-5, atol=1e-4)
+
+
+def test_per_matrix_scales():
+    rng = _rng("per-matrix")
+    x, w = jnp.asarray(rng.normal(size=(2, 16, 64)), jnp.float32), jnp.asarray(rng.normal(size=(2, 32, 64)), F32)
+    qx, _, _, _, sx = qops.quantize_fp8_current(x)  # one scale per matrix: [2, 1]
+    qw, _, _, _, sw = qops.quantize_fp8_current(w)
+    want = np.einsum("bmk,bnk->bmn", _f64(ref.dequantize_fp8_tensor(qx, sx)), _f64(ref.dequantize_fp8_tensor(qw, sw)))
+    for backend in ("ffi", "reference"):
+        assert _rel(G.gemm_fp8(qx, qw, sx, sw, out_dtype=F32, backend=backend), want) <= 1e-5
+    shared = np.einsum("bmk,nk->bmn", _f64(ref.dequantize_fp8_tensor(qx, sx)),
+                       _f64(ref.dequantize_fp8_tensor(qw[0], sw[0])))
+    assert _rel(G.gemm_fp8(qx, qw[0], sx, sw[0], out_dtype=F32), shared) <= 1e-5
+    with pytest.raises(ValueError, match=re.escape("te_jax: b_scale_inv must be float32 [1] or one value per matrix")):
+        G.gemm_fp8(qx, qw[0], sx, sw)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="a_scale_inv must be float32 \\[1\\] or one value per matrix"):
+        _raw("te_jax_gemm_fp8", qx, qw[0], jnp.ones((3,)), sw[0], jnp.zeros((0,)), out_shape=(2, 16, 32))
+
+
+def test_vmap_bias_and_mixed_batching():
+    rng = _rng("vmap-bias")
+    xs = jnp.asarray(rng.normal(size=(3, 2, 16, 64)), jnp.float32)
+    w, bias = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32), jnp.asarray(rng.normal(size=(3, 32)), BF16)
+    q = NVFP4Quantizer()
+
+    def f(x, b):  # x: [2, 16, 64], contraction over the last axis; a bias per vmapped element
+        return G.gemm(q.quantize(x), q.quantize(w, colwise=True), bias=b, out_dtype=BF16)
+
+    got = jax.jit(jax.vmap(f))(xs, bias)
+    want = np.stack([f(xs[i], bias[i]) for i in range(3)])
+    assert got.shape == (3, 2, 16, 32)
+    np.testing.assert_allclose(_f64(got), _f64(want), rtol=2**-7, atol=1e-3)
+
+
+def test_one_or_no_quantized_operand():
+    rng = _rng("hp")
+    x = jnp.asarray(rng.normal(size=(16, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+    xq = CurrentScalingQuantizer().quantize(x)
+    got = G.gemm(xq, w, out_dtype=F32, bias=jnp.ones((32,)))
+    assert _rel(got, _f64(xq.dequantize()) @ _f64(w) + 1.0) <= 1e-6
+    got = G.gemm(x, w, out_dtype=F32)
+    assert _rel(got, _f64(x) @ _f64(w)) <= 1e-2
+
+
+def _lowered_text(fn, *args, platform: str) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_workspace_per_platform():
+    a, b, one = jnp.zeros((2, 16, 64), E4), jnp.zeros((32, 64), E4), jnp.ones((1,), jnp.float32)
+    s_a, s_b = jnp.zeros((2, 16, 2), jnp.uint8), jnp.zeros((32, 2), jnp.uint8)
+    cases = [  # (fn, args, workspace bytes on CUDA) per docs/gemm_ffi.md, "Workspace"
+        (lambda a, b: G.gemm_fp8(a, b, one, one), (a, b), 0),
+        (lambda a, b: G.gemm_mxfp8(a, s_a, b, s_b, out_dtype=F32), (a, b), 2 * (32 + 32) * 64),
+        (lambda a, b: G.gemm_mxfp8(a, s_a, b, s_b, out_dtype=F16), (a, b), 2 * 64 * 64 + 4 * 32 * 32),
+        (lambda a, b: G.gemm_fp8(a, b, one, one, jnp.zeros((32,)), out_dtype=BF16), (a, b), 4 * 32 * 32),
+    ]
+    for fn, args, scratch in cases:
+        assert re.findall(r"tensor<(\d+)xui8>", _lowered_text(fn, *args, platform="cpu")) == ["0"]
+        text = _lowered_text(fn, *args, platform="cuda")
+        assert re.findall(r"tensor<(\d+)xui8>", text) == [str(32 * 2**20 + scratch + 4096)]
+    # The document's examples: MXFP8 8192^3 and 8192x28672x8192 need 256 MiB and 576 MiB of scratch.
+    assert G.workspace_bytes("te_jax_gemm_mxfp8", (8192, 8192), (8192, 8192), 8192, BF16) == 288 * 2**20 + 4096
+    assert G.workspace_bytes("te_jax_gemm_nvfp4", (8192, 4096), (28672, 4096), 8192, BF16) == 608 * 2**20 + 4104
+
+
+def test_cuda_shape_checks_at_lowering():
+    a, s = jnp.zeros((33, 64), E4), jnp.zeros((33, 2), jnp.uint8)
+    fn = lambda a, s: G.gemm_mxfp8(a, s, a, s)  # noqa: E731
+    _lowered_text(fn, a, s, platform="cpu")  # the CPU handler takes any M
+    with pytest.raises(ValueError, match="te_jax: te_jax_gemm_mxfp8 on CUDA needs M and N to be multiples of 16"):
+        _lowered_text(fn, a, s, platform="cuda")

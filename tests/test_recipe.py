@@ -1,0 +1,342 @@
+"""Recipes: fields and defaults, validation, roles, and that every field changes behaviour."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax
+from te_jax import recipe as R
+from te_jax.dense import DenseQuantizers, dense
+from te_jax.quantize import (
+    CurrentScalingQuantizer,
+    DelayedScalingQuantizer,
+    Float8BlockQuantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
+from te_jax.quantize.delayed import init_state
+
+E4, E5 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+FORWARD = ("linear_input", "linear_weight")
+
+
+def _defaults(cls):
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+def test_fields_and_defaults_are_the_issues():
+    assert _defaults(R.DelayedScaling) == dict(
+        margin=0, fp8_format=R.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max",
+        scaling_factor_compute_algo=None, reduce_amax=True, amax_reduction="max")
+    assert _defaults(R.Float8CurrentScaling) == dict(fp8_format=R.Format.HYBRID, use_power_2_scales=False,
+                                                     amax_epsilon=0.0)
+    assert _defaults(R.MXFP8BlockScaling) == dict(fp8_format=R.Format.E4M3)
+    assert _defaults(R.NVFP4BlockScaling) == dict(disable_rht=False, disable_stochastic_rounding=False,
+                                                  disable_2d_quantization=False)
+    assert _defaults(R.Float8BlockScaling) == dict(fp8_format=R.Format.E4M3, x_block_scaling_dim=1,
+                                                   w_block_scaling_dim=2, grad_block_scaling_dim=1,
+                                                   use_f32_scales=False)
+    assert [f.name for f in dataclasses.fields(R.CustomRecipe)] == ["qfactory"]
+    assert {f.name for f in R.Format} == {"E4M3", "E5M2", "HYBRID"}
+
+
+ALL_DEFAULT = [R.DelayedScaling(), R.Float8CurrentScaling(), R.MXFP8BlockScaling(), R.NVFP4BlockScaling(),
+               R.Float8BlockScaling(), R.CustomRecipe(qfactory=lambda role: None)]
+
+
+@pytest.mark.parametrize("rec", ALL_DEFAULT, ids=lambda r: type(r).__name__)
+def test_frozen_hashable_static(rec):
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rec.__setattr__(dataclasses.fields(rec)[0].name, None)
+    assert hash(rec) == hash(dataclasses.replace(rec)) and rec == dataclasses.replace(rec)
+    traces = []
+
+    def f(x, r):
+        traces.append(r)
+        return x + 1
+
+    f = jax.jit(f, static_argnums=1)
+    assert float(f(1.0, rec)) == 2.0 and float(f(2.0, dataclasses.replace(rec))) == 3.0
+    assert len(traces) == 1  # an equal recipe hits jit's cache
+
+
+BAD = [
+    (R.DelayedScaling, dict(margin=-1), "margin must be an int >= 0"),
+    (R.DelayedScaling, dict(margin=1.5), "margin"),
+    (R.DelayedScaling, dict(fp8_format=R.Format.E5M2), "Format.E4M3, Format.HYBRID"),
+    (R.DelayedScaling, dict(fp8_format="fp16"), "Format.E4M3, Format.HYBRID"),
+    (R.DelayedScaling, dict(amax_history_len=0), ">= 1"),
+    (R.DelayedScaling, dict(amax_compute_algo="mean"), "'max', 'most_recent'"),
+    (R.DelayedScaling, dict(scaling_factor_compute_algo="x"), "None or a callable"),
+    (R.DelayedScaling, dict(reduce_amax=1), "True or False"),
+    (R.DelayedScaling, dict(amax_reduction="sum"), "('max', 'mean')"),
+    (R.Float8CurrentScaling, dict(fp8_format=R.Format.E5M2), "Format.E4M3, Format.HYBRID"),
+    (R.Float8CurrentScaling, dict(use_power_2_scales="yes"), "True or False"),
+    (R.Float8CurrentScaling, dict(amax_epsilon=-1.0), "finite number >= 0"),
+    (R.Float8CurrentScaling, dict(amax_epsilon=float("inf")), "finite number >= 0"),
+    (R.MXFP8BlockScaling, dict(fp8_format=R.Format.E5M2), "Format.E4M3, Format.HYBRID"),
+    (R.NVFP4BlockScaling, dict(disable_rht=None), "True or False"),
+    (R.NVFP4BlockScaling, dict(disable_stochastic_rounding=0), "True or False"),
+    (R.NVFP4BlockScaling, dict(disable_2d_quantization="no"), "True or False"),
+    (R.Float8BlockScaling, dict(x_block_scaling_dim=3), "(1, 2)"),
+    (R.Float8BlockScaling, dict(w_block_scaling_dim=0), "(1, 2)"),
+    (R.Float8BlockScaling, dict(grad_block_scaling_dim=2), "at most one block dim"),
+    (R.Float8BlockScaling, dict(x_block_scaling_dim=2), "at most one block dim"),
+    (R.Float8BlockScaling, dict(use_f32_scales=None), "True or False"),
+    (R.Float8BlockScaling, dict(fp8_format=R.Format.E5M2), "E5M2 operands"),
+    (R.CustomRecipe, dict(qfactory=3), "callable"),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs,message", BAD, ids=[f"{c.__name__}-{list(k)[0]}" for c, k, _ in BAD])
+def test_validation_names_allowed_values(cls, kwargs, message):
+    with pytest.raises(ValueError, match="te_jax") as err:
+        cls(**kwargs)
+    assert message in str(err.value)
+
+
+def test_format_accepts_names():
+    assert R.DelayedScaling(fp8_format="E4M3").fp8_format is R.Format.E4M3
+    assert R.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1).quantizer("linear_input").block_2d
+
+
+# ---- roles -----------------------------------------------------------------------------
+
+
+def test_role_is_a_string_with_a_path():
+    role = R.Role("linear_input", ("TransformerLayer_0", "mlp", "wi"))
+    assert role == "linear_input" and role in ("linear_input", "linear_weight") and hash(role) == hash("linear_input")
+    assert role.path == ("TransformerLayer_0", "mlp", "wi") and role.path_str == "TransformerLayer_0/mlp/wi"
+    assert R.Role("linear_weight", "a/b").path == ("a", "b") and R.Role("linear_weight").path == ()
+    assert {role: 1}["linear_input"] == 1
+    back = pickle.loads(pickle.dumps(role))
+    assert back == role and back.path == role.path
+    with pytest.raises(AttributeError):
+        role.path = ()
+    with pytest.raises(ValueError, match="roles are"):
+        R.Role("linear_bias")
+    with pytest.raises(ValueError, match="roles are"):
+        R.DelayedScaling().quantizer("weight")
+
+
+EXPECTED = {  # recipe -> role -> (type, dtype) or None
+    "DelayedScaling": (R.DelayedScaling(), DelayedScalingQuantizer, (E4, E4, None, E5, None)),
+    "DelayedScaling-E4M3": (R.DelayedScaling(fp8_format=R.Format.E4M3), DelayedScalingQuantizer,
+                            (E4, E4, None, E4, None)),
+    "Float8CurrentScaling": (R.Float8CurrentScaling(), CurrentScalingQuantizer, (E4, E4, None, E5, None)),
+    "MXFP8BlockScaling": (R.MXFP8BlockScaling(), MXFP8Quantizer, (E4, E4, None, E4, None)),
+    "MXFP8BlockScaling-HYBRID": (R.MXFP8BlockScaling(fp8_format=R.Format.HYBRID), MXFP8Quantizer,
+                                 (E4, E4, None, E5, None)),
+    "Float8BlockScaling": (R.Float8BlockScaling(), Float8BlockQuantizer, (E4, E4, None, E4, None)),
+    "Float8BlockScaling-HYBRID": (R.Float8BlockScaling(fp8_format=R.Format.HYBRID), Float8BlockQuantizer,
+                                  (E4, E4, None, E5, None)),
+    "NVFP4BlockScaling": (R.NVFP4BlockScaling(), NVFP4Quantizer, ("fp4",) * 2 + (None, "fp4", None)),
+}
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+@pytest.mark.parametrize("index,role", list(enumerate(R.ROLES)))
+def test_every_role(name, index, role):
+    rec, cls, dtypes = EXPECTED[name]
+    for r in (role, R.Role(role, ("layer",))):
+        q = rec.quantizer(r)
+        if dtypes[index] is None:
+            assert q is None
+            continue
+        assert isinstance(q, cls)
+        want = jnp.dtype(jnp.float4_e2m1fn) if dtypes[index] == "fp4" else dtypes[index]
+        assert jnp.dtype(q.dtype) == want
+
+
+def test_custom_recipe_gets_roles_with_paths():
+    seen = []
+
+    def qfactory(role):
+        seen.append((str(role), role.path))
+        return CurrentScalingQuantizer(jnp.float8_e5m2) if role.path[-1] == "b" and role == "linear_input" else None
+
+    q = DenseQuantizers.from_recipe(R.CustomRecipe(qfactory), ("a", "b"))
+    assert seen == [(r, ("a", "b")) for r in R.ROLES]
+    assert q.input == CurrentScalingQuantizer(jnp.float8_e5m2) and q.weight is None
+    assert DenseQuantizers.from_recipe(R.CustomRecipe(qfactory), ("a", "c")).input is None
+    with pytest.raises(TypeError, match="return None or an object with quantize"):
+        R.CustomRecipe(lambda role: 3).quantizer("linear_input")
+
+
+# ---- every field changes behaviour -------------------------------------------------------
+
+
+def _steps(q, amaxes):
+    state = q.init_state()
+    for a in amaxes:
+        state = q.update_state(state, jnp.float32(a))
+    return float(state["scale"][0])
+
+
+def test_delayed_fields_change_the_state_update():
+    base = R.DelayedScaling(amax_history_len=4)
+    q = lambda **kw: dataclasses.replace(base, **kw).quantizer("linear_input")  # noqa: E731
+    assert _steps(q(), [2.0]) == 224.0
+    assert _steps(q(margin=1), [2.0]) == 112.0
+    assert _steps(q(margin=3), [2.0]) == 28.0
+    # history length: the spike of 8 leaves a window of 2 after 2 steps, not one of 4
+    assert _steps(q(), [8.0, 1.0, 1.0]) == 56.0
+    assert _steps(q(amax_history_len=2), [8.0, 1.0, 1.0]) == 448.0
+    assert q(amax_history_len=2).init_state()["amax_history"].shape == (2,)
+    # amax_compute_algo
+    assert _steps(q(amax_compute_algo="most_recent"), [8.0, 1.0]) == 448.0
+    assert _steps(q(), [8.0, 1.0]) == 56.0
+    assert _steps(q(amax_compute_algo=lambda h: 2 * jnp.max(h)), [8.0, 1.0]) == 28.0
+    # scaling_factor_compute_algo
+    sf = lambda amax, scale, fp8_max, margin: fp8_max / amax / 4 + margin  # noqa: E731
+    assert _steps(q(scaling_factor_compute_algo=sf), [2.0]) == 56.0
+    assert _steps(q(scaling_factor_compute_algo=sf, margin=1), [2.0]) == 57.0
+    # format: the gradient quantizer's dtype and fp8_max
+    grad_q = dataclasses.replace(base, fp8_format=R.Format.E4M3).quantizer("linear_grad_output")
+    assert grad_q.dtype == E4 and _steps(grad_q, [2.0]) == 224.0
+    assert _steps(base.quantizer("linear_grad_output"), [2.0]) == 28672.0
+    # reduce_amax / amax_reduction reach the quantizer (their effect: test_reduction_in_the_jaxpr, 8-device test)
+    assert q(reduce_amax=False).reduce_amax is False and q(amax_reduction="mean").amax_reduction == "mean"
+
+
+def _reduction_jaxpr(rec, mesh_resource=None):
+    mesh = jax.make_mesh((1,), ("dp",), axis_types=(jax.sharding.AxisType.Auto,))
+    q = DenseQuantizers.from_recipe(rec)
+    x, k = jnp.ones((32, 32)), jnp.ones((32, 32))
+
+    def step(x, k, st):
+        return jax.grad(lambda x, st: jnp.sum(dense(x, k, quantizers=q, state=st)[0]), argnums=(0, 1))(x, st)
+
+    f = jax.shard_map(step, mesh=mesh, in_specs=(jax.P("dp"), jax.P(), jax.P()), out_specs=(jax.P("dp"), jax.P()),
+                      check_vma=False)
+    with te_jax.autocast(recipe=rec, mesh_resource=mesh_resource):
+        return str(jax.make_jaxpr(f)(x, k, q.init_state()))
+
+
+def test_reduction_in_the_jaxpr():
+    """reduce_amax and amax_reduction decide the collective over the MeshResource's axes."""
+    base = R.DelayedScaling(amax_history_len=2)
+    with_max = _reduction_jaxpr(base)
+    assert with_max.count("pmax") == 3 and "psum" not in with_max
+    with_mean = _reduction_jaxpr(dataclasses.replace(base, amax_reduction="mean"))
+    assert "pmax" not in with_mean and with_mean.count("psum") == 3
+    assert "pmax" not in _reduction_jaxpr(dataclasses.replace(base, reduce_amax=False))
+    assert "pmax" not in _reduction_jaxpr(base, te_jax.MeshResource(tp_resource="tp"))
+    assert _reduction_jaxpr(base, te_jax.MeshResource(dp_resource="dp")).count("pmax") == 3
+
+
+def test_stateless_fields_change_quantization():
+    x = jnp.concatenate([jnp.full((1, 128), 3e-4), jnp.linspace(-1e-3, 1e-3, 127 * 128).reshape(127, 128)])
+    scale_inv = lambda rec, role="linear_input": rec.quantizer(role).quantize(x).scale_inv  # noqa: E731
+    base = R.Float8CurrentScaling()
+    s = float(scale_inv(base)[0])
+    assert s == pytest.approx(1e-3 / 448, rel=1e-6)
+    assert float(scale_inv(R.Float8CurrentScaling(use_power_2_scales=True))[0]) == 2.0 ** np.ceil(np.log2(s))
+    assert float(scale_inv(R.Float8CurrentScaling(amax_epsilon=1.0))[0]) == pytest.approx(1 / 448)
+    assert R.Float8CurrentScaling(fp8_format=R.Format.E4M3).quantizer("linear_grad_output").dtype == E4
+    # Float8 block scaling: block dims pick 1x128 or 128x128 scales; use_f32_scales keeps exact scales
+    blk = R.Float8BlockScaling()
+    assert scale_inv(blk).shape == (128, 1) and scale_inv(blk, "linear_weight").shape == (1, 1)
+    other = R.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1)
+    assert scale_inv(other).shape == (1, 1) and scale_inv(other, "linear_weight").shape == (128, 1)
+    grad2 = R.Float8BlockScaling(w_block_scaling_dim=1, grad_block_scaling_dim=2)
+    assert scale_inv(grad2, "linear_grad_output").shape == (1, 1)
+    pow2 = np.asarray(scale_inv(blk))
+    assert np.all(np.log2(pow2) == np.round(np.log2(pow2)))
+    f32 = np.asarray(scale_inv(R.Float8BlockScaling(use_f32_scales=True)))
+    assert not np.all(np.log2(f32) == np.round(np.log2(f32)))
+    # NVFP4: flags reach the quantizers
+    nv, off = R.NVFP4BlockScaling(), R.NVFP4BlockScaling(True, True, True)
+    assert nv.quantizer("linear_weight").block_2d and not off.quantizer("linear_weight").block_2d
+    assert nv.quantizer("linear_input").rht and not off.quantizer("linear_input").rht
+    assert nv.quantizer("linear_grad_output").rht and not off.quantizer("linear_grad_output").rht
+    assert nv.quantizer("linear_grad_output").stochastic_rounding
+    assert not off.quantizer("linear_grad_output").stochastic_rounding
+
+
+def _fwd_bwd(rec, key=0, n=128):
+    q = DenseQuantizers.from_recipe(rec)
+    x = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    k = jax.random.normal(jax.random.key(2), (n, n), jnp.float32) / 8
+    c = jax.random.normal(jax.random.key(3), (n, n), jnp.float32)
+
+    @jax.jit
+    def run(x, k, key):
+        def loss(x, k):
+            y, _ = dense(x, k, quantizers=q, state=q.init_state(), key=jax.random.key(key))
+            return jnp.sum(y * c), y
+        (_, y), (dx, dk) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, k)
+        return y, dx, dk
+
+    return [np.asarray(a) for a in run(x, k, key)]
+
+
+FIELD_VARIANTS = [  # (default recipe, variant, which of (y, dx, dk) must change)
+    (R.Float8CurrentScaling(), R.Float8CurrentScaling(fp8_format=R.Format.E4M3), (1, 2)),
+    (R.Float8CurrentScaling(), R.Float8CurrentScaling(use_power_2_scales=True), (0, 1, 2)),
+    (R.Float8CurrentScaling(), R.Float8CurrentScaling(amax_epsilon=100.0), (0, 1, 2)),
+    (R.MXFP8BlockScaling(), R.MXFP8BlockScaling(fp8_format=R.Format.HYBRID), (1, 2)),
+    (R.DelayedScaling(amax_history_len=2), R.DelayedScaling(amax_history_len=2, fp8_format=R.Format.E4M3), (1, 2)),
+    (R.Float8BlockScaling(), R.Float8BlockScaling(fp8_format=R.Format.HYBRID), (1, 2)),
+    (R.Float8BlockScaling(), R.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1), (0, 1, 2)),
+    (R.Float8BlockScaling(), R.Float8BlockScaling(w_block_scaling_dim=1), (0, 1)),
+    (R.Float8BlockScaling(w_block_scaling_dim=1), R.Float8BlockScaling(w_block_scaling_dim=1,
+                                                                       grad_block_scaling_dim=2), (1, 2)),
+    (R.Float8BlockScaling(), R.Float8BlockScaling(use_f32_scales=True), (0, 1, 2)),
+    (R.NVFP4BlockScaling(), R.NVFP4BlockScaling(disable_rht=True), (2,)),
+    (R.NVFP4BlockScaling(), R.NVFP4BlockScaling(disable_2d_quantization=True), (0, 1)),
+    (R.NVFP4BlockScaling(), R.NVFP4BlockScaling(disable_stochastic_rounding=True), (1, 2)),
+]
+
+
+@pytest.mark.parametrize("base,variant,changed", FIELD_VARIANTS, ids=[repr(v) for _, v, _ in FIELD_VARIANTS])
+def test_every_field_changes_the_dense_layer(base, variant, changed):
+    a, b = _fwd_bwd(base), _fwd_bwd(variant)
+    for i, name in enumerate(("y", "dx", "dk")):
+        assert np.array_equal(a[i], b[i]) != (i in changed), f"{name} {'unchanged' if i in changed else 'changed'}"
+
+
+def test_stochastic_rounding_follows_the_key():
+    a, b = _fwd_bwd(R.NVFP4BlockScaling(), key=0), _fwd_bwd(R.NVFP4BlockScaling(), key=1)
+    assert np.array_equal(a[0], b[0]) and not np.array_equal(a[1], b[1])
+    off = R.NVFP4BlockScaling(disable_stochastic_rounding=True)
+    assert all(np.array_equal(u, v) for u, v in zip(_fwd_bwd(off, key=0), _fwd_bwd(off, key=1)))
+
+
+# ---- load_recipe ---------------------------------------------------------------------------
+
+
+def test_load_recipe(tmp_path, monkeypatch):
+    gallery = Path(__file__).parents[1] / "recipes"
+    monkeypatch.chdir(gallery.parent)
+    rec = R.load_recipe("recipes/current_scaling_ref.py")
+    assert isinstance(rec, R.CustomRecipe) and rec.quantizer("linear_output").dtype == E5
+    assert isinstance(R.load_recipe("mixed_per_layer"), R.CustomRecipe)
+    assert R.load_recipe("DelayedScaling") == R.DelayedScaling()
+    assert R.load_recipe("nvfp4_block_scaling") == R.NVFP4BlockScaling()
+    assert R.load_recipe("MXFP8BlockScaling") == R.MXFP8BlockScaling()
+    (tmp_path / "mine.py").write_text("def qfactory(role):\n    return None\n")
+    assert R.load_recipe(str(tmp_path / "mine.py")).quantizer("linear_input") is None
+    (tmp_path / "empty.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match="must define a function qfactory"):
+        R.load_recipe(str(tmp_path / "empty.py"))
+    with pytest.raises(FileNotFoundError):
+        R.load_recipe("recipes/nope.py")
+    with pytest.raises(ValueError, match="no recipe named"):
+        R.load_recipe("no_such_recipe")
+    monkeypatch.chdir(tmp_path)  # the gallery is still found next to the package
+    assert isinstance(R.load_recipe("current_scaling_ref"), R.CustomRecipe)
+
+
+def test_init_state_of_delayed_quantizer():
+    st = R.DelayedScaling(amax_history_len=5).quantizer("linear_weight").init_state()
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), st) == jax.tree.map(lambda a: (a.shape, a.dtype),
+                                                                          init_state(5))
+    assert np.all(np.asarray(st["amax_history"]) == 0) and float(st["scale"][0]) == 1.0
