@@ -24,16 +24,27 @@ shapes (batched operands, bias, every output dtype) against a float64 product
 of the dequantized operands and reports the worst error relative to the
 float32-accumulation tolerance.
 
+Autotuning: te_jax's CUDA handlers time up to 16 cuBLASLt heuristic
+algorithms when a configuration is first used (the warm-up calls pay for it)
+and keep the fastest; ``--autotune off`` sets ``TE_JAX_GEMM_AUTOTUNE=0`` (the
+heuristic's first algorithm), ``verbose`` logs each decision to stderr.
+``--compare-heuristic`` re-times the per-tensor te_jax rows in a subprocess
+with autotuning off and adds them as "... [heuristic #0]" rows, so both
+appear in one table from one machine.
+
 Usage: python benchmarks/bench_gemm.py [--out r.json] [--md r.md] [--no-check]
+       [--autotune on|off|verbose] [--compare-heuristic] [--only REGEX]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
+import re
+import subprocess
 import sys
-import time
+import tempfile
 import traceback
 
 import jax
@@ -43,6 +54,7 @@ from jax import lax
 
 import te_jax  # noqa: F401
 from te_jax.ops import gemm as gemm_ops
+from timing import time_call
 from te_jax.quantize import (CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 
 FP8_PEAK_TFLOPS = 1979.0
@@ -189,21 +201,6 @@ def check(key) -> list[dict]:
 # ---- timing ----------------------------------------------------------------------------
 
 
-def time_call(fn, input_sets, warmup: int, iters: int, trials: int) -> float:
-    """Median seconds per call over `trials` runs of `iters` back-to-back calls."""
-    for i in range(warmup):
-        jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
-    per_call = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        out = None
-        for i in range(iters):
-            out = fn(*input_sets[i % len(input_sets)])
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) / iters)
-    return statistics.median(per_call)
-
-
 def xla_fp8_fns():
     direct = jax.jit(lambda qa, qb, sa, sb: lax.dot_general(qa, qb, NT, preferred_element_type=jnp.bfloat16)
                      * (sa * sb).astype(jnp.bfloat16))
@@ -221,6 +218,8 @@ def bench_shape(m, n, k, key, args) -> list[dict]:
                   jax.random.normal(keys[2 * s + 1], (n, k), jnp.bfloat16)) for s in range(2)]
 
     def add(name, fn, sets, note=""):
+        if args.only and not re.search(args.only, name):
+            return
         try:
             t = time_call(fn, sets, args.warmup, args.iters, args.trials)
             rows.append(dict(shape=[m, n, k], name=name, ms=t * 1e3, tflops=flops / t / 1e12, note=note))
@@ -235,6 +234,7 @@ def bench_shape(m, n, k, key, args) -> list[dict]:
     add("bf16 XLA", jax.jit(lambda a, b: lax.dot_general(a, b, NT)), bf16_sets)
 
     fp8_sets = []
+    wanted = lambda label: not args.only or re.search(args.only, label)  # noqa: E731
     for a, b in bf16_sets:
         fp8_args, _, _ = operands("fp8", a, b)
         fp8_sets.append(fp8_args)
@@ -244,6 +244,8 @@ def bench_shape(m, n, k, key, args) -> list[dict]:
             hit = F8_GEMM in hlo
         except Exception as err:  # noqa: BLE001
             hit, hlo = False, f"{type(err).__name__}: {err}"
+        if not wanted(f"fp8 XLA ({variant})"):
+            continue
         print(f"  XLA fp8 ({variant}): compiled HLO {'contains' if hit else 'does NOT contain'} {F8_GEMM}")
         if variant == "direct" or hit:
             add(f"fp8 XLA ({variant})", fn, fp8_sets, note="" if hit else f"(no {F8_GEMM} in HLO)")
@@ -253,6 +255,8 @@ def bench_shape(m, n, k, key, args) -> list[dict]:
                                ("fp8_block", "te fp8_block 1x128 x 128x128", {}),
                                ("mxfp8", "te mxfp8", {}),
                                ("nvfp4", "te nvfp4", {})]:
+        if not wanted(label):
+            continue
         try:
             sets, kw = [], {}
             for a, b in bf16_sets:
@@ -294,6 +298,27 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _with_heuristic_rows(rows: list[dict], shapes, args) -> list[dict]:
+    """Re-times the te fp8 rows with TE_JAX_GEMM_AUTOTUNE=0 in a subprocess; inserts them after their shape's rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "heuristic.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--no-check", "--autotune", "off", "--only", "^te fp8 ",
+               "--out", out, "--warmup", str(args.warmup), "--iters", str(args.iters), "--trials", str(args.trials),
+               "--shapes", ";".join(",".join(map(str, s)) for s in shapes)]
+        print("heuristic #0 rows (autotuning off):", flush=True)
+        done = subprocess.run(cmd, check=False)
+        if done.returncode != 0 or not os.path.exists(out):
+            print(f"note: the heuristic-only subprocess failed (exit {done.returncode})")
+            return rows
+        with open(out) as f:
+            extra = json.load(f)["rows"]
+    merged = []
+    for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
+        merged += [r for r in rows if tuple(r["shape"]) == shape]
+        merged += [dict(r, name=f"{r['name']} [heuristic #0]") for r in extra if tuple(r["shape"]) == shape]
+    return merged
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the results as JSON here")
@@ -303,26 +328,34 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--shapes", default="", help="M,N,K;M,N,K;... (default: the four standard shapes)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    p.add_argument("--autotune", choices=("on", "off", "verbose"), default="on",
+                   help="te_jax's cuBLASLt autotuning (TE_JAX_GEMM_AUTOTUNE), read when the first GEMM runs")
+    p.add_argument("--compare-heuristic", action="store_true",
+                   help="also time the te fp8 rows with autotuning off (in a subprocess)")
+    p.add_argument("--only", default="", help="time only the GEMMs whose label matches this regex")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
+    os.environ["TE_JAX_GEMM_AUTOTUNE"] = {"on": "1", "off": "0", "verbose": "verbose"}[args.autotune]
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s] or SHAPES
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} (compute capability {getattr(dev, 'compute_capability', '?')}), "
-          f"jax {jax.__version__}")
+          f"jax {jax.__version__}, te_jax GEMM autotuning {args.autotune}")
     key = jax.random.PRNGKey(0)
     checks = [] if args.no_check else check(jax.random.fold_in(key, 1))
     rows = []
     for i, (m, n, k) in enumerate(shapes):
         print(f"shape M={m} N={n} K={k}")
         rows += bench_shape(m, n, k, jax.random.fold_in(key, 100 + i), args)
+    if args.compare_heuristic:
+        rows = _with_heuristic_rows(rows, shapes, args)
     md = table(rows)
     n_fail = sum(not c["ok"] for c in checks)
     if checks:
         md += f"\n\ncorrectness check: {len(checks) - n_fail}/{len(checks)} passed"
         md += "".join(f"\n- FAIL {c['case']}: {c.get('error', c.get('err_over_tol'))}" for c in checks if not c["ok"])
     print(md)
-    result = dict(device=dev.device_kind, jax=jax.__version__, fp8_peak_tflops=FP8_PEAK_TFLOPS, rows=rows,
-                  check=checks)
+    result = dict(device=dev.device_kind, jax=jax.__version__, fp8_peak_tflops=FP8_PEAK_TFLOPS,
+                  autotune=args.autotune, rows=rows, check=checks)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -25,9 +25,7 @@ Usage: python benchmarks/bench_quantize.py [--m 16384 --n 8192] [--out r.json] [
 
 from __future__ import annotations
 
-import argparse
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -37,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax  # noqa: F401
+from timing import bandwidth_parser, time_fn
 from te_jax.ops import quantize as qops
 from te_jax.quantize import reference as ref
 
@@ -45,22 +44,6 @@ F32 = jnp.float32
 
 
 # ---- timing ----------------------------------------------------------------------------
-
-
-def time_fn(fn, inputs, iters: int, trials: int, warmup: int = 3) -> float:
-    """Median milliseconds per call of jitted ``fn(x)`` over ``inputs`` (cycled)."""
-    out = None
-    for i in range(warmup):
-        out = fn(inputs[i % len(inputs)])
-    jax.block_until_ready(out)
-    per_call = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        for i in range(iters):
-            out = fn(inputs[i % len(inputs)])
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - t0) / iters * 1e3)
-    return statistics.median(per_call)
 
 
 # ---- the cases -------------------------------------------------------------------------
@@ -323,15 +306,7 @@ def check_all() -> list[str]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--m", type=int, default=16384)
-    p.add_argument("--n", type=int, default=8192)
-    p.add_argument("--nbuf", type=int, default=3, help="rotating input buffers")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--trials", type=int, default=15)
-    p.add_argument("--out", default="bench_quantize.json")
-    p.add_argument("--md", default=None)
-    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
+    p = bandwidth_parser(__doc__, "bench_quantize.json")
     args = p.parse_args()
     print(f"jax {jax.__version__}, devices {jax.devices()}")
     failures = []

@@ -301,11 +301,12 @@ def _dense_bwd(plan, res, cotangents):
         dyq, _, grads[r[3]] = _quantize(plan, r[3], dy, st.get(r[3]), key, colwise=True, flatten_axis=plan.nb)
     dy_n = tuple(range(plan.nb, plan.nb + plan.nn))
     k_n = tuple(range(plan.nk, plan.nk + plan.nn))
-    dx = gemm(_either(dyq, dy), k_res, (dy_n, k_n), out_dtype=plan.x_dtype)
+    # Backward GEMMs accumulate without Hopper's fast FP8 accumulation (more exact gradients).
+    dx = gemm(_either(dyq, dy), k_res, (dy_n, k_n), out_dtype=plan.x_dtype, fast_accum=False)
     if q.grad_input is not None:
         dx, _, grads[r[4]] = _qdq(plan, r[4], dx, st.get(r[4]), key, plan.nb)
     batch = tuple(range(plan.nb))
-    dk = gemm(x_res, _either(dyq, dy), (batch, batch), out_dtype=plan.k_dtype)
+    dk = gemm(x_res, _either(dyq, dy), (batch, batch), out_dtype=plan.k_dtype, fast_accum=False)
     dbias = None
     if plan.bias_dtype is not None:
         dbias = jnp.sum(dy.astype(jnp.float32), axis=batch).astype(plan.bias_dtype)

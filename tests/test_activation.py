@@ -149,7 +149,11 @@ def test_act_bwd_cast_follows_spec(act, case):
     x, dy, (base, base_db) = _bwd_case(act)
     got, db = kernel(aops.act_bwd, dy, x, act=act, spec=spec, scale=SCALE, key=KEY, dbias=True)
     assert_cast_follows_spec(got, base.q, spec)
-    assert_same_bits(db, base_db, "dbias does not depend on the mode")
+    if jax.default_backend() == "cpu":
+        assert_same_bits(db, base_db, "dbias does not depend on the mode")
+    else:  # the CUDA tile and row kernels sum dbias's partials in different orders
+        np.testing.assert_allclose(np.asarray(db), np.asarray(base_db), rtol=1e-5,
+                                   atol=1e-6 * float(np.abs(np.asarray(base_db)).max()))
 
 
 @pytest.mark.parametrize("act", ACTS)

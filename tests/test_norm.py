@@ -110,9 +110,10 @@ def test_norm_fwd_odd_row_counts(shape, case):
     assert_cast_follows_spec(got.cast, base.cast.q, spec)
 
 
-# Hidden sizes for every CUDA path: warp per row, thread block per row (1..8
-# vectors per thread), the generic kernel (H > 16384, H % 8 != 0).
-H_CASES = [8, 40, 100, 768, 1000, 4096, 12288, 16384, 16392]
+# Hidden sizes for every CUDA path: a warp per row (1, 2, 4 vectors per
+# thread), a thread block per row (1, 2, 4, 8), the generic kernels (H % 8 != 0,
+# H > 16384).
+H_CASES = [8, 40, 100, 768, 1000, 2048, 4096, 8192, 12288, 16384, 16392]
 
 
 @pytest.mark.parametrize("h", H_CASES)
@@ -185,7 +186,8 @@ def _ref_loss(kind, zero_centered, eps):
     return loss
 
 
-BWD_PARAMS = [(k, jnp.bfloat16, s) for k in KINDS for s in [(64, 256), (37, 100), (2, 40, 1024), (24, 16392)]] + [
+BWD_PARAMS = [(k, jnp.bfloat16, s) for k in KINDS
+              for s in [(200, 256), (37, 100), (2, 40, 1024), (130, 4096), (24, 16392)]] + [
     (k, d, (64, 256)) for k in KINDS for d in (jnp.float32, jnp.float16)
 ]
 

@@ -27,13 +27,16 @@ sources=(csrc/cuda/*.cu csrc/cuda/*.cc)
 if [ ${#sources[@]} -eq 0 ]; then
   echo "compile_cuda: no CUDA sources"; exit 0
 fi
+# One nvcc per (source, arch), two at a time (CI has 2 cores).
+jobs=()
 for src in "${sources[@]}"; do
   for arch in 90a 100a; do
     case "$src" in
-      *.cc) [ "$arch" = 90a ] || continue; nvcc "${flags[@]}" -x cu -c "$src" -o "$out/$(basename "$src").o" ;;
-      *) nvcc "${flags[@]}" -gencode "arch=compute_${arch},code=sm_${arch}" -c "$src" -o "$out/$(basename "$src").$arch.o" ;;
+      *.cc) [ "$arch" = 90a ] && jobs+=("-x cu -c $src -o $out/$(basename "$src").o") ;;
+      *) jobs+=("-gencode arch=compute_${arch},code=sm_${arch} -c $src -o $out/$(basename "$src").$arch.o") ;;
     esac
   done
 done
+printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "nvcc ${flags[*]} {}" || { echo "compile_cuda: FAILED"; exit 1; }
 rm -rf "$out"
 echo "compile_cuda: compiled ${#sources[@]} CUDA sources for sm_90a and sm_100a"

@@ -247,24 +247,31 @@ constexpr uint32_t kColwiseStream = 1u;
 // additions is part of the spec.
 constexpr uint32_t kRhtSignMask = 0x5a93u;
 
+// One butterfly stage with stride H (a template so every index is a constant
+// and the 16 values stay in registers).
+template <int H>
+TE_HD void RhtStage(float v[16]) {
+TE_UNROLL
+  for (int s = 0; s < 16; s += 2 * H) {
+TE_UNROLL
+    for (int j = s; j < s + H; ++j) {
+      const float a = v[j];
+      const float b = v[j + H];
+      v[j] = a + b;
+      v[j + H] = a - b;
+    }
+  }
+}
+
 TE_HD void Rht16(float v[16]) {
 TE_UNROLL
   for (int i = 0; i < 16; ++i) {
     if ((kRhtSignMask >> i) & 1u) v[i] = -v[i];
   }
-TE_UNROLL
-  for (int h = 1; h < 16; h <<= 1) {
-TE_UNROLL
-    for (int s = 0; s < 16; s += 2 * h) {
-TE_UNROLL
-      for (int j = s; j < s + h; ++j) {
-        const float a = v[j];
-        const float b = v[j + h];
-        v[j] = a + b;
-        v[j + h] = a - b;
-      }
-    }
-  }
+  RhtStage<1>(v);
+  RhtStage<2>(v);
+  RhtStage<4>(v);
+  RhtStage<8>(v);
 TE_UNROLL
   for (int i = 0; i < 16; ++i) v[i] *= 0.25f;
 }

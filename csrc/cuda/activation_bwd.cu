@@ -18,7 +18,7 @@ struct ActBwdProducer {
   const T* dy;
   const T* x;
   int64_t rows, cols, F;  // dx is [rows, cols]; dy is [rows, F]
-  ActKind act;
+  ActKind act = ActKind::kGelu;
   bool gated;
   bool vec_ok;
 
@@ -75,13 +75,13 @@ ffi::Error ActBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi:
   auto mb_or = MatrixBatchOf(x, "x");
   if (mb_or.has_error()) return mb_or.error();
   const MatrixBatch mb = mb_or.value();
-  ActKind act;
+  ActKind act = ActKind::kGelu;
   TE_RETURN_IF_ERROR(ParseAct(attrs, &act));
   CastSpec sp;
   TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
   auto want_dbias = attrs.get<bool>("dbias");
   if (want_dbias.has_error()) return want_dbias.error();
-  int64_t F;
+  int64_t F = 0;
   TE_RETURN_IF_ERROR(OutCols(act, mb.cols, &F));
   TE_RETURN_IF_ERROR(CheckCastResults(sp, mb, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
   const int64_t B = mb.batch, M = mb.rows, N = mb.cols;

@@ -16,7 +16,7 @@ template <typename T>
 struct ActFwdProducer {
   const T* x;
   int64_t rows, cols, in_cols;  // cols: F (output), in_cols: x's last axis
-  ActKind act;
+  ActKind act = ActKind::kGelu;
   bool gated;
   bool vec_ok;
 
@@ -59,11 +59,11 @@ ffi::Error ActFwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> s
   auto mb_or = MatrixBatchOf(x, "x");
   if (mb_or.has_error()) return mb_or.error();
   const MatrixBatch in = mb_or.value();
-  ActKind act;
+  ActKind act = ActKind::kGelu;
   TE_RETURN_IF_ERROR(ParseAct(attrs, &act));
   CastSpec sp;
   TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
-  int64_t F;
+  int64_t F = 0;
   TE_RETURN_IF_ERROR(OutCols(act, in.cols, &F));
   const MatrixBatch out{in.batch, in.rows, F};
   TE_RETURN_IF_ERROR(CheckCastResults(sp, out, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));

@@ -1,20 +1,59 @@
-// cuBLASLt plans: creation (once per configuration) and execution (see gemm_cublaslt.cuh).
+// cuBLASLt plans: creation, autotuning (once per configuration) and execution
+// (see gemm_cublaslt.cuh).
+//
+// Autotuning
+// ----------
+// When a plan is built, cublasLtMatmulAlgoGetHeuristic is asked for up to
+// kMaxCandidates algorithms that fit the workspace. Unless autotuning is off
+// (environment variable TE_JAX_GEMM_AUTOTUNE=0, read once per process), only
+// one candidate is usable, or the call's stream is being captured into a CUDA
+// graph (cudaStreamIsCapturing), each candidate runs once as a warm-up and then
+// kTimedRuns times between CUDA events on the call's own stream, with the
+// call's real operands, scales, bias and alpha, writing the first matmul's D
+// and the cuBLASLt workspace: both belong to this GEMM (its output or staging
+// buffer, its scratch), and the real matmuls are enqueued afterwards, so they
+// overwrite whatever the candidates wrote; the scratch regions the handlers
+// filled before (converted scales, dequantized operands) are never touched.
+// The host waits for each candidate's last event (a one-time stall of the
+// stream's host-side dispatch per configuration). A candidate's time is its
+// fastest run; the heuristic's order wins ties within kMargin, so timing noise
+// on small problems does not flip the choice between runs. Candidates that
+// cuBLASLt refuses are skipped (if all are refused, the first one's error is
+// returned). TE_JAX_GEMM_AUTOTUNE=verbose prints each decision to stderr.
+//
+// CUDA graphs: while the stream is being captured, nothing is timed (recording
+// events and running candidates would become graph nodes, and synchronising
+// on them is illegal); the plan takes the heuristic's first algorithm and
+// keeps it for the process, like every plan keeps its algorithm, so a
+// configuration never changes algorithm (and result bits) once chosen. The
+// steady state (a built plan) neither allocates nor synchronises.
 #include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
+#include "../common/ffi_common.h"
 #include "gemm_cublaslt.cuh"
 
 namespace te_jax {
 namespace gemm {
 namespace {
 
+constexpr int kMaxCandidates = 16;  // heuristic results considered by the autotuner
+constexpr int kTimedRuns = 5;       // timed runs per candidate (after one warm-up)
+constexpr float kMargin = 0.02f;    // a later candidate must be this much faster to win
+
 // Everything that selects a descriptor, layouts or algorithm.
-using PlanKey = std::array<int64_t, 20>;
+using PlanKey = std::array<int64_t, 21>;
 
 struct Plan {
-  std::mutex mu;  // serialises "set pointer attributes, then enqueue"
+  std::mutex mu;       // serialises building, and "set pointer attributes, then enqueue"
+  bool ready = false;  // built (a failed build leaves it false: the next call retries)
   cublasLtHandle_t handle = nullptr;
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t lt_a = nullptr;  // cuBLAS-A = our B
@@ -23,8 +62,16 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
 };
 
+// The alignment (bytes, a power of two up to 256) every matrix of a
+// RunMatmuls call is guaranteed to have, per pointer.
+struct Alignments {
+  int64_t a = 256, b = 256, d = 256, a_scale = 256, b_scale = 256, bias = 256, alpha = 256;
+};
+
 // Process-lifetime caches (never destroyed: tearing cuBLASLt down at exit can
-// race with the CUDA runtime's own teardown).
+// race with the CUDA runtime's own teardown). The cache mutex only guards the
+// map; a plan is built under its own mutex, so building (and autotuning, which
+// waits on its stream) never blocks another device's thread.
 std::mutex& CacheMutex() {
   static auto* mu = new std::mutex;
   return *mu;
@@ -33,9 +80,26 @@ std::map<PlanKey, std::unique_ptr<Plan>>& Plans() {
   static auto* plans = new std::map<PlanKey, std::unique_ptr<Plan>>;
   return *plans;
 }
+std::mutex& HandleMutex() {
+  static auto* mu = new std::mutex;
+  return *mu;
+}
 std::map<int, cublasLtHandle_t>& Handles() {
   static auto* handles = new std::map<int, cublasLtHandle_t>;
   return *handles;
+}
+
+// TE_JAX_GEMM_AUTOTUNE: "0" off, "verbose" on and logged, anything else (or unset) on.
+enum class Autotune : int { kOff = 0, kOn = 1, kVerbose = 2 };
+Autotune AutotuneMode() {
+  static const Autotune mode = [] {
+    const char* v = std::getenv("TE_JAX_GEMM_AUTOTUNE");
+    if (v == nullptr) return Autotune::kOn;
+    if (std::strcmp(v, "0") == 0) return Autotune::kOff;
+    if (std::strcmp(v, "verbose") == 0) return Autotune::kVerbose;
+    return Autotune::kOn;
+  }();
+  return mode;
 }
 
 ffi::Error LtError(const char* what, cublasStatus_t status, const MatmulSpec& spec) {
@@ -44,15 +108,16 @@ ffi::Error LtError(const char* what, cublasStatus_t status, const MatmulSpec& sp
                               ") for " + ShapeString(spec));
 }
 
-#define TE_LT_CHECK(call, spec)                                              \
-  do {                                                                       \
-    const cublasStatus_t _te_status = (call);                                \
+#define TE_LT_CHECK(call, spec)                                                       \
+  do {                                                                                \
+    const cublasStatus_t _te_status = (call);                                         \
     if (_te_status != CUBLAS_STATUS_SUCCESS) return LtError(#call, _te_status, spec); \
   } while (0)
 
-// Largest power of two (up to 256) dividing the address and the batch stride.
-int64_t AlignmentOf(const void* p, int64_t stride_bytes = 0) {
-  const uint64_t v = reinterpret_cast<uintptr_t>(p) | static_cast<uint64_t>(stride_bytes) | 256u;
+// Largest power of two (up to 256) dividing the address and both strides.
+int64_t AlignmentOf(const void* p, int64_t stride_bytes = 0, int64_t step_bytes = 0) {
+  const uint64_t v = reinterpret_cast<uintptr_t>(p) | static_cast<uint64_t>(stride_bytes) |
+                     static_cast<uint64_t>(step_bytes) | 256u;
   return static_cast<int64_t>(v & (~v + 1));
 }
 
@@ -90,10 +155,23 @@ int32_t LtScaleMode(ScaleMode m) {
   }
 }
 
-PlanKey KeyOf(const MatmulSpec& s, const MatmulPointers& p) {
-  const int64_t a_stride = s.batch > 1 ? MatrixBytes(s.a_type, s.m, s.k) : 0;
-  const int64_t b_stride = s.batch > 1 ? MatrixBytes(s.b_type, s.n, s.k) : 0;
-  const int64_t d_stride = s.batch > 1 ? MatrixBytes(s.d_type, s.m, s.n) : 0;
+// Every pointer's alignment over all `steps.calls` matmuls: the first
+// pointer's, lowered by the strided-batch stride and by the per-call step.
+Alignments AlignmentsOf(const MatmulSpec& s, const MatmulPointers& p, const MatmulSteps& st) {
+  const bool strided = s.batch > 1;
+  const bool loop = st.calls > 1;
+  Alignments al;
+  al.a = AlignmentOf(p.a, strided ? MatrixBytes(s.a_type, s.m, s.k) : 0, loop ? st.a : 0);
+  al.b = AlignmentOf(p.b, strided ? MatrixBytes(s.b_type, s.n, s.k) : 0, loop ? st.b : 0);
+  al.d = AlignmentOf(p.d, strided ? MatrixBytes(s.d_type, s.m, s.n) : 0, loop ? st.d : 0);
+  al.a_scale = AlignmentOf(p.a_scale, 0, loop ? st.a_scale : 0);
+  al.b_scale = AlignmentOf(p.b_scale, 0, loop ? st.b_scale : 0);
+  al.bias = AlignmentOf(p.bias);
+  al.alpha = AlignmentOf(p.alpha, 0, loop ? st.alpha : 0);
+  return al;
+}
+
+PlanKey KeyOf(const MatmulSpec& s, const Alignments& al) {
   return PlanKey{s.device,
                  s.m,
                  s.n,
@@ -108,12 +186,13 @@ PlanKey KeyOf(const MatmulSpec& s, const MatmulPointers& p) {
                  s.bias,
                  s.device_alpha,
                  static_cast<int64_t>(s.workspace_bytes),
-                 AlignmentOf(p.a, a_stride),
-                 AlignmentOf(p.b, b_stride),
-                 AlignmentOf(p.d, d_stride),
-                 AlignmentOf(p.a_scale),
-                 AlignmentOf(p.b_scale),
-                 AlignmentOf(p.bias)};
+                 al.a,
+                 al.b,
+                 al.d,
+                 al.a_scale,
+                 al.b_scale,
+                 al.bias,
+                 al.alpha};
 }
 
 struct Preference {
@@ -123,12 +202,15 @@ struct Preference {
   }
 };
 
-// Frees a plan whose construction failed (a built plan lives for the process).
+// Frees what a failed build created and resets the plan so that the next call retries.
 void DestroyPartialPlan(Plan& plan) {
   if (plan.desc != nullptr) cublasLtMatmulDescDestroy(plan.desc);
   for (cublasLtMatrixLayout_t layout : {plan.lt_a, plan.lt_b, plan.lt_d}) {
     if (layout != nullptr) cublasLtMatrixLayoutDestroy(layout);
   }
+  plan.desc = nullptr;
+  plan.lt_a = plan.lt_b = plan.lt_d = nullptr;
+  plan.ready = false;
 }
 
 template <typename T>
@@ -148,8 +230,20 @@ ffi::Error SetPointers(Plan& plan, const MatmulSpec& spec, const MatmulPointers&
   return ffi::Error::Success();
 }
 
+// Enqueues one matmul with `algo` (the pointer attributes must be set).
+cublasStatus_t Enqueue(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
+                       const cublasLtMatmulAlgo_t& algo, cudaStream_t stream) {
+  static const float kOne = 1.0f, kZero = 0.0f;
+  const void* alpha = s.device_alpha ? static_cast<const void*>(p.alpha) : &kOne;
+  const void* beta = s.device_alpha ? static_cast<const void*>(p.beta) : &kZero;
+  // beta is 0: C (= D, same layout) is never read.
+  return cublasLtMatmul(plan.handle, plan.desc, alpha, p.b, plan.lt_a, p.a, plan.lt_b, beta, p.d, plan.lt_d, p.d,
+                        plan.lt_d, &algo, p.workspace, s.workspace_bytes, stream);
+}
+
 ffi::ErrorOr<cublasLtHandle_t> HandleFor(const MatmulSpec& spec) {
-  auto& handles = Handles();  // CacheMutex() is held by the caller
+  std::lock_guard<std::mutex> lock(HandleMutex());
+  auto& handles = Handles();
   auto it = handles.find(spec.device);
   if (it != handles.end()) return it->second;
   cublasLtHandle_t handle = nullptr;
@@ -159,7 +253,99 @@ ffi::ErrorOr<cublasLtHandle_t> HandleFor(const MatmulSpec& spec) {
   return handle;
 }
 
-ffi::Error BuildPlan(Plan& plan, const MatmulSpec& s, const MatmulPointers& p) {
+// "M=.. N=.. K=.. batch=.. calls=.. A/B/D types .. fast_accum=.." for the autotuning log.
+std::string Describe(const MatmulSpec& s, int64_t calls) {
+  return ShapeString(s) + " calls=" + std::to_string(calls) + " types(A,B,D)=(" +
+         std::to_string(static_cast<int>(s.a_type)) + "," + std::to_string(static_cast<int>(s.b_type)) + "," +
+         std::to_string(static_cast<int>(s.d_type)) + ") fast_accum=" + std::to_string(s.fast_accum) +
+         " bias=" + std::to_string(s.bias);
+}
+
+// Events for one candidate's timed runs, destroyed with the tuner.
+class Events {
+ public:
+  ~Events() {
+    for (cudaEvent_t e : events_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+  }
+  cudaError_t Create(int n) {
+    events_.assign(n, nullptr);
+    for (cudaEvent_t& e : events_) {
+      const cudaError_t status = cudaEventCreate(&e);
+      if (status != cudaSuccess) return status;
+    }
+    return cudaSuccess;
+  }
+  cudaEvent_t operator[](int i) const { return events_[i]; }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+};
+
+// Times every candidate on `stream` (the pointer attributes are set) and
+// returns the index of the one to keep (see "Autotuning" above).
+ffi::ErrorOr<size_t> TimeCandidates(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
+                                    const std::vector<cublasLtMatmulAlgo_t>& candidates, int64_t calls,
+                                    cudaStream_t stream) {
+  Events ev;
+  cudaError_t cuda_status = ev.Create(kTimedRuns + 1);
+  if (cuda_status != cudaSuccess) {  // cannot time: keep the heuristic's first algorithm
+    cudaGetLastError();
+    return size_t{0};
+  }
+  constexpr float kNever = std::numeric_limits<float>::infinity();
+  std::vector<float> ms(candidates.size(), kNever);
+  cublasStatus_t first_refusal = CUBLAS_STATUS_SUCCESS;
+  for (size_t c = 0; c < candidates.size(); ++c) {
+    cublasStatus_t status = Enqueue(plan, s, p, candidates[c], stream);  // warm-up, and may refuse
+    for (int r = 0; r < kTimedRuns && status == CUBLAS_STATUS_SUCCESS; ++r) {
+      if (r == 0) cuda_status = cudaEventRecord(ev[0], stream);
+      if (cuda_status == cudaSuccess) status = Enqueue(plan, s, p, candidates[c], stream);
+      if (cuda_status == cudaSuccess && status == CUBLAS_STATUS_SUCCESS) {
+        cuda_status = cudaEventRecord(ev[r + 1], stream);
+      }
+      if (cuda_status != cudaSuccess) break;
+    }
+    if (cuda_status == cudaSuccess && status == CUBLAS_STATUS_SUCCESS) {
+      cuda_status = cudaEventSynchronize(ev[kTimedRuns]);
+    }
+    if (cuda_status != cudaSuccess) {  // a failed launch or a broken context: not a candidate's fault
+      cudaGetLastError();
+      return ffi::Unexpected(CudaError("GEMM autotuning", cuda_status, ShapeString(s)));
+    }
+    if (status != CUBLAS_STATUS_SUCCESS) {  // cuBLASLt refused this algorithm for these operands
+      if (first_refusal == CUBLAS_STATUS_SUCCESS) first_refusal = status;
+      continue;
+    }
+    for (int r = 0; r < kTimedRuns; ++r) {
+      float t = kNever;
+      if (cudaEventElapsedTime(&t, ev[r], ev[r + 1]) != cudaSuccess) {
+        cudaGetLastError();  // ours, and not sticky: do not leave it for the next launch check
+      } else if (t < ms[c]) {
+        ms[c] = t;
+      }
+    }
+  }
+  size_t best = candidates.size();
+  for (size_t c = 0; c < candidates.size(); ++c) {
+    if (ms[c] == kNever) continue;
+    if (best == candidates.size() || ms[c] < ms[best] * (1.0f - kMargin)) best = c;
+  }
+  if (best == candidates.size()) {
+    if (first_refusal == CUBLAS_STATUS_SUCCESS) return size_t{0};  // ran, but no timing came back
+    return ffi::Unexpected(LtError("cublasLtMatmul (every autotuning candidate)", first_refusal, s));
+  }
+  if (AutotuneMode() == Autotune::kVerbose) {
+    std::fprintf(stderr, "te_jax GEMM autotune %s: %zu candidates, heuristic #0 %.4f ms, chose #%zu %.4f ms\n",
+                 Describe(s, calls).c_str(), candidates.size(), static_cast<double>(ms[0]), best,
+                 static_cast<double>(ms[best]));  // "inf" for #0: cuBLASLt refused it
+  }
+  return best;
+}
+
+ffi::Error BuildPlan(Plan& plan, const MatmulSpec& s, const Alignments& al, const MatmulPointers& p, int64_t calls,
+                     cudaStream_t stream) {
   auto handle = HandleFor(s);
   if (handle.has_error()) return handle.error();
   plan.handle = handle.value();
@@ -200,36 +386,56 @@ ffi::Error BuildPlan(Plan& plan, const MatmulSpec& s, const MatmulPointers& p) {
   if (s.bias && IsNarrow(s.a_type)) {
     TE_LT_CHECK(SetDesc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, static_cast<int32_t>(s.d_type)), s);
   }
-  // The heuristic may look at pointer values (alignment), so it sees real ones.
-  ffi::Error ptr_status = SetPointers(plan, s, p);
-  if (ptr_status.failure()) return ptr_status;
+  // The heuristic may look at pointer values, and the autotuner runs, so set real ones.
+  TE_RETURN_IF_ERROR(SetPointers(plan, s, p));
 
   Preference pref;
   TE_LT_CHECK(cublasLtMatmulPreferenceCreate(&pref.pref), s);
   const uint64_t ws = s.workspace_bytes;
   TE_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                    sizeof(ws)), s);
-  const bool strided = s.batch > 1;
-  const uint32_t align[3] = {
-      static_cast<uint32_t>(AlignmentOf(p.b, strided ? MatrixBytes(s.b_type, s.n, s.k) : 0)),   // cuBLAS-A
-      static_cast<uint32_t>(AlignmentOf(p.a, strided ? MatrixBytes(s.a_type, s.m, s.k) : 0)),   // cuBLAS-B
-      static_cast<uint32_t>(AlignmentOf(p.d, strided ? MatrixBytes(s.d_type, s.m, s.n) : 0))};  // C and D
+  // The guaranteed alignments of every matrix the plan serves (not just the first one's).
+  const uint32_t align[4] = {static_cast<uint32_t>(al.b),   // cuBLAS-A = our B
+                             static_cast<uint32_t>(al.a),   // cuBLAS-B = our A
+                             static_cast<uint32_t>(al.d),   // C (= D)
+                             static_cast<uint32_t>(al.d)};  // D
   const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i) {
-    const uint32_t value = align[i < 3 ? i : 2];
-    TE_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.pref, align_attrs[i], &value, sizeof(value)), s);
+    TE_LT_CHECK(cublasLtMatmulPreferenceSetAttribute(pref.pref, align_attrs[i], &align[i], sizeof(align[i])), s);
   }
-  cublasLtMatmulHeuristicResult_t result{};
+  std::array<cublasLtMatmulHeuristicResult_t, kMaxCandidates> results{};
   int found = 0;
   TE_LT_CHECK(cublasLtMatmulAlgoGetHeuristic(plan.handle, plan.desc, plan.lt_a, plan.lt_b, plan.lt_d, plan.lt_d,
-                                             pref.pref, 1, &result, &found), s);
-  if (found == 0) {
+                                             pref.pref, kMaxCandidates, results.data(), &found), s);
+  std::vector<cublasLtMatmulAlgo_t> candidates;
+  for (int i = 0; i < found; ++i) {
+    if (results[i].state == CUBLAS_STATUS_SUCCESS && results[i].workspaceSize <= ws) {
+      candidates.push_back(results[i].algo);
+    }
+  }
+  if (candidates.empty()) {
     return ffi::Error::Internal("te_jax GEMM: cuBLASLt found no algorithm for " + ShapeString(s) +
                                 " (check the dtype pairing, scale modes and the device's support for them)");
   }
-  plan.algo = result.algo;
+  plan.algo = candidates[0];
+  if (candidates.size() == 1 || AutotuneMode() == Autotune::kOff) return ffi::Error::Success();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
+    cudaGetLastError();
+    capture = cudaStreamCaptureStatusInvalidated;  // unknown: do not time
+  }
+  if (capture != cudaStreamCaptureStatusNone) {
+    if (AutotuneMode() == Autotune::kVerbose) {
+      std::fprintf(stderr, "te_jax GEMM autotune %s: stream capture in progress, using heuristic #0 untimed\n",
+                   Describe(s, calls).c_str());
+    }
+    return ffi::Error::Success();
+  }
+  auto best = TimeCandidates(plan, s, p, candidates, calls, stream);
+  if (best.has_error()) return best.error();
+  plan.algo = candidates[best.value()];
   return ffi::Error::Success();
 }
 
@@ -243,25 +449,59 @@ class RelaxedCapture {
   cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
 };
 
-ffi::ErrorOr<Plan*> PlanFor(const MatmulSpec& spec, const MatmulPointers& ptrs) {
-  const PlanKey key = KeyOf(spec, ptrs);
+// The plan for `key`, created empty (not ready) if new.
+Plan* PlanSlot(const PlanKey& key) {
   std::lock_guard<std::mutex> lock(CacheMutex());
-  auto& plans = Plans();
-  auto it = plans.find(key);
-  if (it != plans.end()) return it->second.get();
-  RelaxedCapture relaxed;  // one-time host work may allocate (cublasLtCreate)
-  auto plan = std::make_unique<Plan>();
-  ffi::Error err = BuildPlan(*plan, spec, ptrs);
-  if (err.failure()) {
-    DestroyPartialPlan(*plan);
-    return ffi::Unexpected(std::move(err));
-  }
-  Plan* raw = plan.get();
-  plans.emplace(key, std::move(plan));
-  return raw;
+  std::unique_ptr<Plan>& slot = Plans()[key];
+  if (!slot) slot = std::make_unique<Plan>();
+  return slot.get();
+}
+
+MatmulPointers Advance(const MatmulPointers& first, const MatmulSteps& st, int64_t i) {
+  auto at = [i](const void* p, int64_t step) -> const void* {
+    return p == nullptr ? nullptr : static_cast<const uint8_t*>(p) + i * step;
+  };
+  MatmulPointers p = first;
+  p.a = at(first.a, st.a);
+  p.b = at(first.b, st.b);
+  p.d = const_cast<void*>(at(first.d, st.d));
+  p.a_scale = at(first.a_scale, st.a_scale);
+  p.b_scale = at(first.b_scale, st.b_scale);
+  p.alpha = static_cast<const float*>(at(first.alpha, st.alpha));
+  p.beta = static_cast<const float*>(at(first.beta, st.alpha));
+  return p;
 }
 
 }  // namespace
+
+ffi::Error RunMatmuls(const MatmulSpec& spec, const MatmulPointers& first, const MatmulSteps& steps,
+                      cudaStream_t stream) {
+  if (steps.calls < 1) return ffi::Error::Success();
+  const Alignments al = AlignmentsOf(spec, first, steps);
+  Plan& plan = *PlanSlot(KeyOf(spec, al));
+  std::lock_guard<std::mutex> lock(plan.mu);
+  if (!plan.ready) {
+    RelaxedCapture relaxed;  // one-time host work may allocate (cublasLtCreate, events)
+    ffi::Error err = BuildPlan(plan, spec, al, first, steps.calls, stream);
+    if (err.failure()) {
+      DestroyPartialPlan(plan);
+      return err;
+    }
+    plan.ready = true;
+  }
+  for (int64_t i = 0; i < steps.calls; ++i) {
+    const MatmulPointers p = Advance(first, steps, i);
+    TE_RETURN_IF_ERROR(SetPointers(plan, spec, p));
+    const cublasStatus_t status = Enqueue(plan, spec, p, plan.algo, stream);
+    if (status != CUBLAS_STATUS_SUCCESS) {
+      const std::string what = steps.calls > 1 ? "cublasLtMatmul (matrix " + std::to_string(i) + " of " +
+                                                     std::to_string(steps.calls) + ")"
+                                               : std::string("cublasLtMatmul");
+      return LtError(what.c_str(), status, spec);
+    }
+  }
+  return ffi::Error::Success();
+}
 
 std::string ShapeString(const MatmulSpec& s) {
   return "M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" + std::to_string(s.k) +
@@ -271,22 +511,6 @@ std::string ShapeString(const MatmulSpec& s) {
 ffi::Error CudaError(const char* what, cudaError_t status, const std::string& shape) {
   return ffi::Error::Internal(std::string("te_jax GEMM: ") + what + " failed with " + cudaGetErrorName(status) +
                               " (" + cudaGetErrorString(status) + ") for " + shape);
-}
-
-ffi::Error RunMatmul(const MatmulSpec& spec, const MatmulPointers& ptrs, cudaStream_t stream) {
-  auto plan_or = PlanFor(spec, ptrs);
-  if (plan_or.has_error()) return plan_or.error();
-  Plan& plan = *plan_or.value();
-  static const float kOne = 1.0f, kZero = 0.0f;
-  const void* alpha = spec.device_alpha ? static_cast<const void*>(ptrs.alpha) : &kOne;
-  const void* beta = spec.device_alpha ? static_cast<const void*>(ptrs.beta) : &kZero;
-  std::lock_guard<std::mutex> lock(plan.mu);
-  ffi::Error err = SetPointers(plan, spec, ptrs);
-  if (err.failure()) return err;
-  TE_LT_CHECK(cublasLtMatmul(plan.handle, plan.desc, alpha, ptrs.b, plan.lt_a, ptrs.a, plan.lt_b, beta, ptrs.d,
-                             plan.lt_d, ptrs.d, plan.lt_d, &plan.algo, ptrs.workspace, spec.workspace_bytes, stream),
-              spec);
-  return ffi::Error::Success();
 }
 
 DeviceGuard::~DeviceGuard() {

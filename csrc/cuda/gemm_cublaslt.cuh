@@ -1,5 +1,6 @@
-// One cuBLASLt matmul in te_jax's row-major, contraction-last terms, with a
-// process-wide cache of handles, descriptors and heuristic results.
+// One cuBLASLt matmul (or several identical ones over consecutive matrices)
+// in te_jax's row-major, contraction-last terms, with a process-wide cache of
+// handles, descriptors and autotuned algorithms.
 //
 //   out[b, m, n] = alpha * sum_k A[b, m, k] * B[b, n, k]   (times the operand scales)
 //
@@ -9,14 +10,22 @@
 // the "TN" layout that FP8 on Hopper requires. Hence cuBLAS's A_SCALE_* and
 // B_SCALE_* attributes carry *our B's* and *our A's* scales respectively.
 //
-// Caching (CUDA-graph safe): the first call for a configuration (device,
-// shapes, dtypes, scale modes, fast_accum, bias, pointer mode, workspace size,
-// and the alignment of every pointer) creates the cuBLASLt handle of the
-// device, the matmul descriptor, the matrix layouts and the heuristic's
-// algorithm, with the thread's stream-capture mode relaxed for that one-time
-// host work. Every later call only takes the plan's mutex, sets the pointer
-// attributes (host-only, no allocation) and enqueues cublasLtMatmul. Nothing
-// in the steady state allocates, synchronises or creates a descriptor.
+// Plans (CUDA-graph safe): a plan is keyed by everything that selects a
+// descriptor, layouts or algorithm (device, shapes, dtypes, scale modes,
+// fast_accum, bias, pointer mode, workspace size) and by the *guaranteed*
+// alignment of every pointer over all the matrices it will be used for (the
+// first pointer combined with the batch stride and the per-call step), so one
+// plan serves every matrix of a RunMatmuls call and its assumptions hold for
+// each. The first call for a key builds the plan under that plan's own mutex
+// (not the cache's, so other devices' threads never wait on it), with the
+// thread's stream-capture mode relaxed: the device's cuBLASLt handle, the
+// matmul descriptor, the layouts, up to kMaxCandidates heuristic algorithms,
+// and (unless the stream is being captured, or TE_JAX_GEMM_AUTOTUNE=0) times
+// each candidate on the call's own stream with the call's real buffers and
+// keeps the fastest (see gemm_cublaslt.cu, "Autotuning"). Every later call
+// only takes the plan's mutex, sets the pointer attributes (host-only, no
+// allocation) and enqueues cublasLtMatmul: nothing in the steady state
+// allocates, synchronises or creates a descriptor.
 #pragma once
 
 #include <cublasLt.h>
@@ -67,9 +76,23 @@ struct MatmulPointers {
   void* workspace = nullptr;     // 256-byte aligned, spec.workspace_bytes long
 };
 
-// Enqueues one (strided-batched) matmul on `stream`. The current device must
-// be spec.device (see DeviceGuard).
-ffi::Error RunMatmul(const MatmulSpec& spec, const MatmulPointers& ptrs, cudaStream_t stream);
+// `calls` matmuls of one spec, call i using the first call's pointers advanced
+// by i * step (bytes). Steps of 0 share a buffer between calls.
+struct MatmulSteps {
+  int64_t calls = 1;
+  int64_t a = 0, b = 0, d = 0;
+  int64_t a_scale = 0, b_scale = 0;
+  int64_t alpha = 0;  // alpha and beta advance together
+};
+
+// Enqueues the (strided-batched) matmul(s) on `stream`, back to back, all with
+// one plan. The current device must be spec.device (see DeviceGuard). The
+// first call for a plan may time candidate algorithms on `stream`, writing
+// the d of the first call and the workspace (both are outputs/scratch of
+// this GEMM, and the real matmuls run after); it never does so while
+// `stream` is being captured into a CUDA graph.
+ffi::Error RunMatmuls(const MatmulSpec& spec, const MatmulPointers& first, const MatmulSteps& steps,
+                      cudaStream_t stream);
 
 // "M=.. N=.. K=.. batch=.." for error messages.
 std::string ShapeString(const MatmulSpec& spec);

@@ -7,7 +7,8 @@
 // Every handler: validate, carve the workspace result, enqueue the scale
 // conversion / dequantize kernels, then one cuBLASLt matmul (strided-batched
 // or with A's leading axes folded into M) or one per matrix when per-matrix
-// scales or block scales of a batched B make that necessary, then the
+// scales or block scales of a batched B make that necessary (all with one
+// plan, whose alignment assumptions hold for every matrix), then the
 // bias/cast kernel if cuBLASLt's epilogue cannot produce the output itself.
 #include <string>
 
@@ -21,17 +22,14 @@ namespace {
 
 constexpr size_t kMinBlockScalingVersion = 120900;  // cuBLASLt 12.9
 
-const uint8_t* Bytes(const void* p) { return static_cast<const uint8_t*>(p); }
-
-// One GEMM as `calls` identical cuBLASLt calls whose pointers advance by the steps.
+// One GEMM as `steps.calls` identical cuBLASLt calls whose pointers advance by the steps.
 struct Calls {
   MatmulSpec spec;
-  int64_t calls = 1;
   MatmulPointers first;
-  int64_t a_step = 0, b_step = 0, d_step = 0;  // bytes
-  int64_t a_scale_step = 0, b_scale_step = 0;  // bytes
-  int64_t alpha_step = 0;                      // floats
+  MatmulSteps steps;
 };
+
+int64_t RoundUp(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // Per-matrix calls (`loop`), one strided-batched call, or one call with A's
 // leading axes folded into M (shared B).
@@ -42,10 +40,10 @@ void SetLayout(const Problem& p, bool loop, int64_t a_bits, int64_t b_bits, Call
   c->spec.m = p.m;
   c->spec.batch = 1;
   if (loop) {
-    c->calls = p.count;
-    c->a_step = p.m * p.k * a_bits / 8;
-    c->b_step = p.b_shared ? 0 : p.n * p.k * b_bits / 8;
-    c->d_step = p.m * p.n * d_bits / 8;
+    c->steps.calls = p.count;
+    c->steps.a = p.m * p.k * a_bits / 8;
+    c->steps.b = p.b_shared ? 0 : p.n * p.k * b_bits / 8;
+    c->steps.d = p.m * p.n * d_bits / 8;
   } else if (p.b_shared) {
     c->spec.m = p.count * p.m;
   } else {
@@ -62,19 +60,7 @@ ffi::Error Finish(const Problem& p, const OutputPlan& op, Calls& c, const ffi::A
   c.first.d = op.staged ? static_cast<void*>(staging) : out.untyped_data();
   c.first.workspace = ws.cublas_workspace();
   c.spec.workspace_bytes = ws.cublas_bytes();
-  for (int64_t i = 0; i < c.calls; ++i) {
-    MatmulPointers ptr = c.first;
-    ptr.a = Bytes(ptr.a) + i * c.a_step;
-    ptr.b = Bytes(ptr.b) + i * c.b_step;
-    ptr.d = static_cast<uint8_t*>(ptr.d) + i * c.d_step;
-    if (ptr.a_scale != nullptr) ptr.a_scale = Bytes(ptr.a_scale) + i * c.a_scale_step;
-    if (ptr.b_scale != nullptr) ptr.b_scale = Bytes(ptr.b_scale) + i * c.b_scale_step;
-    if (ptr.alpha != nullptr) {
-      ptr.alpha += i * c.alpha_step;
-      ptr.beta += i * c.alpha_step;
-    }
-    TE_RETURN_IF_ERROR(RunMatmul(c.spec, ptr, stream));
-  }
+  TE_RETURN_IF_ERROR(RunMatmuls(c.spec, c.first, c.steps, stream));
   if (op.staged || op.post_add) {
     const float* src = op.staged ? staging : static_cast<const float*>(out.untyped_data());
     const void* b = op.bias ? bias.untyped_data() : nullptr;
@@ -104,13 +90,29 @@ ffi::Error GemmFp8(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   TE_RETURN_IF_ERROR(CheckFp8Pair(p, a, b, &c.spec.a_type, &c.spec.b_type));
   TE_RETURN_IF_ERROR(CheckScalars(p, a_scale_inv, "a_scale_inv", p.count));
   TE_RETURN_IF_ERROR(CheckScalars(p, b_scale_inv, "b_scale_inv", p.b_count()));
-  const bool a_per_matrix = a_scale_inv.element_count() > 1, b_per_matrix = b_scale_inv.element_count() > 1;
+  const int64_t a_n = static_cast<int64_t>(a_scale_inv.element_count());
+  const int64_t b_n = static_cast<int64_t>(b_scale_inv.element_count());
+  const bool a_per_matrix = a_n > 1, b_per_matrix = b_n > 1;
   auto op_or = PlanOutput(p, bias, *out, /*narrow=*/true);
   if (op_or.has_error()) return op_or.error();
   const OutputPlan op = op_or.value();
   Workspace ws(*workspace);
   float* staging = TakeStaging(p, op, ws);
+  // cuBLASLt needs 16-byte aligned scale pointers: per-matrix values (4 bytes
+  // apart), or a scale XLA placed at a smaller alignment, go through 256-byte
+  // slots in the workspace (so every matrix of a loop has the same alignment).
+  const auto* a_src = static_cast<const float*>(a_scale_inv.untyped_data());
+  const auto* b_src = static_cast<const float*>(b_scale_inv.untyped_data());
+  auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  float* a_slots = a_per_matrix || !aligned16(a_src) ? static_cast<float*>(ws.Take(kScalarSlotBytes * a_n)) : nullptr;
+  float* b_slots = b_per_matrix || !aligned16(b_src) ? static_cast<float*>(ws.Take(kScalarSlotBytes * b_n)) : nullptr;
   TE_RETURN_IF_ERROR(ws.Check(p));
+  if (a_slots != nullptr) {
+    TE_RETURN_IF_ERROR(Launched(LaunchSpreadScalars(a_src, a_slots, a_n, stream), "the a_scale_inv copy", p));
+  }
+  if (b_slots != nullptr) {
+    TE_RETURN_IF_ERROR(Launched(LaunchSpreadScalars(b_src, b_slots, b_n, stream), "the b_scale_inv copy", p));
+  }
 
   c.spec.device = guard.device();
   c.spec.d_type = op.d_type;
@@ -119,10 +121,10 @@ ffi::Error GemmFp8(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi:
   SetLayout(p, a_per_matrix || b_per_matrix, 8, 8, &c);
   c.first.a = a.untyped_data();
   c.first.b = b.untyped_data();
-  c.first.a_scale = a_scale_inv.untyped_data();
-  c.first.b_scale = b_scale_inv.untyped_data();
-  c.a_scale_step = a_per_matrix ? 4 : 0;
-  c.b_scale_step = b_per_matrix ? 4 : 0;
+  c.first.a_scale = a_slots != nullptr ? static_cast<const void*>(a_slots) : a_src;
+  c.first.b_scale = b_slots != nullptr ? static_cast<const void*>(b_slots) : b_src;
+  c.steps.a_scale = a_per_matrix ? kScalarSlotBytes : 0;
+  c.steps.b_scale = b_per_matrix ? kScalarSlotBytes : 0;
   return Finish(p, op, c, bias, *out, staging, ws, stream);
 }
 
@@ -163,8 +165,11 @@ ffi::Error GemmFp8Block(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
   if (op_or.has_error()) return op_or.error();
   const OutputPlan op = op_or.value();
   const bool loop = !p.b_shared;  // scale tensors have no batch stride in cuBLASLt
-  // Per matrix (loop) or per folded matrix, the converted scales in floats.
-  const int64_t a_per = a_block_2d ? a_rows * l4 : a_rows * l, b_per = b_block_2d ? b_rows * l4 : b_rows * l;
+  // Per matrix (loop) or per folded matrix, the converted scales in floats;
+  // in a loop each matrix's region starts 256-byte aligned, so one plan's
+  // alignment assumptions hold for every matrix.
+  const int64_t a_per = RoundUp(a_block_2d ? a_rows * l4 : a_rows * l, loop ? kScalarSlotBytes / 4 : 1);
+  const int64_t b_per = RoundUp(b_block_2d ? b_rows * l4 : b_rows * l, loop ? kScalarSlotBytes / 4 : 1);
   Workspace ws(*workspace);
   float* staging = TakeStaging(p, op, ws);
   auto* a_conv = static_cast<float*>(ws.Take(4 * p.count * a_per));
@@ -173,12 +178,14 @@ ffi::Error GemmFp8Block(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
 
   const auto* a_src = static_cast<const float*>(a_s.untyped_data());
   const auto* b_src = static_cast<const float*>(b_s.untyped_data());
-  cudaError_t st = a_block_2d ? LaunchPadScales(a_src, a_conv, 1, p.count * a_rows, l, stream)
-                              : (loop ? LaunchTransposeScales(a_src, a_conv, p.count, p.m, l, stream)
-                                      : LaunchTransposeScales(a_src, a_conv, 1, p.count * p.m, l, stream));
+  // A: one region per matrix (loop), or A's leading axes folded into one matrix.
+  const int64_t a_mats = loop ? p.count : 1, a_mat_rows = loop ? a_rows : p.count * a_rows;
+  const int64_t a_stride = loop ? a_per : p.count * a_per;
+  cudaError_t st = a_block_2d ? LaunchPadScales(a_src, a_conv, a_mats, a_mat_rows, l, a_stride, stream)
+                              : LaunchTransposeScales(a_src, a_conv, a_mats, a_mat_rows, l, a_stride, stream);
   TE_RETURN_IF_ERROR(Launched(st, "the A block-scale conversion", p));
-  st = b_block_2d ? LaunchPadScales(b_src, b_conv, 1, p.b_count() * b_rows, l, stream)
-                  : LaunchTransposeScales(b_src, b_conv, p.b_count(), p.n, l, stream);
+  st = b_block_2d ? LaunchPadScales(b_src, b_conv, p.b_count(), b_rows, l, b_per, stream)
+                  : LaunchTransposeScales(b_src, b_conv, p.b_count(), p.n, l, b_per, stream);
   TE_RETURN_IF_ERROR(Launched(st, "the B block-scale conversion", p));
 
   c.spec.device = guard.device();
@@ -190,8 +197,8 @@ ffi::Error GemmFp8Block(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_
   c.first.b = b.untyped_data();
   c.first.a_scale = a_conv;
   c.first.b_scale = b_conv;
-  c.a_scale_step = loop ? 4 * a_per : 0;
-  c.b_scale_step = loop ? 4 * b_per : 0;
+  c.steps.a_scale = loop ? 4 * a_per : 0;
+  c.steps.b_scale = loop ? 4 * b_per : 0;
   ffi::Error err = Finish(p, op, c, bias, *out, staging, ws, stream);
   if (err.failure()) {
     auto cc = ComputeCapability(guard.device());
@@ -265,8 +272,8 @@ ffi::Error GemmMxfp8(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s, 
     c.first.b = b.untyped_data();
     c.first.a_scale = a_swz;
     c.first.b_scale = b_swz;
-    c.a_scale_step = loop ? a_per : 0;
-    c.b_scale_step = loop ? b_per : 0;
+    c.steps.a_scale = loop ? a_per : 0;
+    c.steps.b_scale = loop ? b_per : 0;
   } else {
     auto* a_bf16 = static_cast<uint16_t*>(ws.Take(2 * p.count * p.m * p.k));
     auto* b_bf16 = static_cast<uint16_t*>(ws.Take(2 * p.b_count() * p.n * p.k));
@@ -346,8 +353,8 @@ ffi::Error GemmNvfp4(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s, 
     c.first.b = b.untyped_data();
     c.first.a_scale = a_swz;
     c.first.b_scale = b_swz;
-    c.a_scale_step = loop ? a_per : 0;
-    c.b_scale_step = loop && !p.b_shared ? b_per : 0;
+    c.steps.a_scale = loop ? a_per : 0;
+    c.steps.b_scale = loop && !p.b_shared ? b_per : 0;
   } else {
     auto* a_bf16 = static_cast<uint16_t*>(ws.Take(2 * p.count * p.m * p.k));
     auto* b_bf16 = static_cast<uint16_t*>(ws.Take(2 * p.b_count() * p.n * p.k));
@@ -369,7 +376,7 @@ ffi::Error GemmNvfp4(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s, 
                               "the NVFP4 alpha kernel", p));
   c.first.alpha = alpha;
   c.first.beta = alpha + calls;
-  c.alpha_step = loop ? 1 : 0;
+  c.steps.alpha = loop ? static_cast<int64_t>(sizeof(float)) : 0;
   return Finish(p, op, c, bias, *out, staging, ws, stream);
 }
 

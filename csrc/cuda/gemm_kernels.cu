@@ -30,21 +30,23 @@ __device__ __forceinline__ int64_t GlobalThread() {
 
 __device__ __forceinline__ int64_t GridStride() { return static_cast<int64_t>(gridDim.x) * blockDim.x; }
 
-__global__ void TransposeScalesKernel(const float* src, float* dst, int64_t batch, int64_t rows, int64_t l) {
+__global__ void TransposeScalesKernel(const float* src, float* dst, int64_t batch, int64_t rows, int64_t l,
+                                      int64_t dst_stride) {
   const int64_t per = rows * l;
   for (int64_t i = GlobalThread(); i < batch * per; i += GridStride()) {
     const int64_t b = i / per, rem = i % per;
     const int64_t c = rem / rows, r = rem % rows;  // dst index (c, r): coalesced writes
-    dst[i] = src[b * per + r * l + c];
+    dst[b * dst_stride + rem] = src[b * per + r * l + c];
   }
 }
 
 __global__ void PadScalesKernel(const float* src, float* dst, int64_t batch, int64_t row_blocks, int64_t l,
-                                int64_t l4) {
-  const int64_t total = batch * row_blocks * l4;
-  for (int64_t i = GlobalThread(); i < total; i += GridStride()) {
-    const int64_t row = i / l4, c = i % l4;  // row runs over batch * row_blocks
-    dst[i] = c < l ? src[row * l + c] : 0.0f;
+                                int64_t l4, int64_t dst_stride) {
+  const int64_t per = row_blocks * l4;
+  for (int64_t i = GlobalThread(); i < batch * per; i += GridStride()) {
+    const int64_t b = i / per, rem = i % per;
+    const int64_t row = rem / l4, c = rem % l4;
+    dst[b * dst_stride + rem] = c < l ? src[(b * row_blocks + row) * l + c] : 0.0f;
   }
 }
 
@@ -139,6 +141,10 @@ __global__ void Nvfp4AlphaKernel(const float* a_amax, int64_t a_count, const flo
   }
 }
 
+__global__ void SpreadScalarsKernel(const float* src, float* dst, int64_t count, int64_t stride) {
+  for (int64_t i = GlobalThread(); i < count; i += GridStride()) dst[i * stride] = src[i];
+}
+
 __device__ __forceinline__ float LoadFloat(const void* p, int64_t i, OutType t) {
   switch (t) {
     case OutType::kF32:
@@ -174,15 +180,16 @@ cudaError_t Launched() { return cudaGetLastError(); }
 }  // namespace
 
 cudaError_t LaunchTransposeScales(const float* src, float* dst, int64_t batch, int64_t rows, int64_t l,
-                                  cudaStream_t stream) {
-  TransposeScalesKernel<<<GridFor(batch * rows * l), kThreads, 0, stream>>>(src, dst, batch, rows, l);
+                                  int64_t dst_stride, cudaStream_t stream) {
+  TransposeScalesKernel<<<GridFor(batch * rows * l), kThreads, 0, stream>>>(src, dst, batch, rows, l, dst_stride);
   return Launched();
 }
 
 cudaError_t LaunchPadScales(const float* src, float* dst, int64_t batch, int64_t row_blocks, int64_t l,
-                            cudaStream_t stream) {
+                            int64_t dst_stride, cudaStream_t stream) {
   const int64_t l4 = (l + 3) / 4 * 4;
-  PadScalesKernel<<<GridFor(batch * row_blocks * l4), kThreads, 0, stream>>>(src, dst, batch, row_blocks, l, l4);
+  PadScalesKernel<<<GridFor(batch * row_blocks * l4), kThreads, 0, stream>>>(src, dst, batch, row_blocks, l, l4,
+                                                                             dst_stride);
   return Launched();
 }
 
@@ -213,6 +220,12 @@ cudaError_t LaunchDequantNvfp4ToBf16(const uint8_t* q, const uint8_t* s, uint16_
 cudaError_t LaunchNvfp4Alpha(const float* a_amax, int64_t a_count, const float* b_amax, int64_t b_count,
                              float* alpha, float* beta, int64_t count, cudaStream_t stream) {
   Nvfp4AlphaKernel<<<GridFor(count), kThreads, 0, stream>>>(a_amax, a_count, b_amax, b_count, alpha, beta, count);
+  return Launched();
+}
+
+cudaError_t LaunchSpreadScalars(const float* src, float* dst, int64_t count, cudaStream_t stream) {
+  SpreadScalarsKernel<<<GridFor(count), kThreads, 0, stream>>>(src, dst, count,
+                                                                kScalarSlotBytes / static_cast<int64_t>(sizeof(float)));
   return Launched();
 }
 

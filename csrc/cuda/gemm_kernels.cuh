@@ -16,16 +16,18 @@ namespace gemm {
 
 // Float8 1x128 block scales, cuBLASLt CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F:
 // per matrix, src [rows, L] row-major (ours) -> dst [L, rows] ("rows-major",
-// the outer dimension contiguous). `batch` matrices back to back in both.
+// the outer dimension contiguous). `batch` matrices, back to back in src and
+// `dst_stride` (>= rows * L) floats apart in dst (the gaps are not written).
 cudaError_t LaunchTransposeScales(const float* src, float* dst, int64_t batch, int64_t rows, int64_t l,
-                                  cudaStream_t stream);
+                                  int64_t dst_stride, cudaStream_t stream);
 
 // Float8 128x128 block scales, CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F:
 // per matrix, src [row_blocks, L] row-major -> dst [row_blocks, L4] with
 // L4 = round_up(L, 4) and zeros in the padding (cuBLASLt's "K-major, column
-// stride a multiple of 4").
+// stride a multiple of 4"). `batch` matrices, back to back in src and
+// `dst_stride` (>= row_blocks * L4) floats apart in dst.
 cudaError_t LaunchPadScales(const float* src, float* dst, int64_t batch, int64_t row_blocks, int64_t l,
-                            cudaStream_t stream);
+                            int64_t dst_stride, cudaStream_t stream);
 
 // Bytes of one matrix's scales in cuBLASLt's 128x4 tiled layout
 // (VEC32_UE8M0 / VEC16_UE4M3): round_up(rows, 128) * round_up(cols, 4).
@@ -55,6 +57,16 @@ cudaError_t LaunchDequantNvfp4ToBf16(const uint8_t* q, const uint8_t* s, uint16_
 // A count of 1 broadcasts that amax over the `count` matrices.
 cudaError_t LaunchNvfp4Alpha(const float* a_amax, int64_t a_count, const float* b_amax, int64_t b_count,
                              float* alpha, float* beta, int64_t count, cudaStream_t stream);
+
+// Bytes between per-tensor scalars copied by LaunchSpreadScalars: a slot keeps
+// every copy at the workspace's own 256-byte alignment, so one cuBLASLt plan
+// (keyed by pointer alignment) serves every matrix of a loop.
+constexpr int64_t kScalarSlotBytes = 256;
+
+// Per-tensor float32 scalars into aligned slots: dst[i * kScalarSlotBytes / 4]
+// = src[i] for i < count (cuBLASLt reads scale pointers that must be 16-byte
+// aligned; values of a [..., 1] array are 4 bytes apart).
+cudaError_t LaunchSpreadScalars(const float* src, float* dst, int64_t count, cudaStream_t stream);
 
 // Output dtypes of the finalisation kernel.
 enum class OutType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };

@@ -165,6 +165,7 @@ __global__ void __launch_bounds__(kThreads) NormRowKernel(RowArgs ra, CastArgs a
     ra.rsigma[b * p.rows + r] = rs;
   }
 
+  if (kMode == fused::kModeStats && !ra.amax) return;  // uniform: statistics only
   const BatchCtx ctx = fused::MakeCtx(a, kMode, b, active && r == 0 && lane == 0);
   uint32_t amax = 0;
 #pragma unroll

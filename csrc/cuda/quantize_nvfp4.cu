@@ -3,19 +3,27 @@
 //
 // Pass 1 reads x once for the global amax (and, with the random Hadamard
 // transform, the amax of the transformed columnwise copy). Pass 2 is a tile
-// kernel: a 64x64 tile is read once with 16-byte loads; 1D rowwise blocks are
-// quantized from registers (2 lanes per block); the raw tile goes to shared
-// memory, where each thread takes 2 columns x 16 rows: the columnwise
-// blocks (after the RHT), and for 16x16 blocks the block amax (a shuffle over
-// the 8 lanes of a block), which a third phase uses for the rowwise copy.
+// kernel that reads x once more with 16-byte loads and keeps everything in
+// registers: each lane holds 16 rows x V columns (V = 16 / sizeof(T), one
+// 16-byte vector per row), so it owns complete 16-row column groups (RHT,
+// column amax and the columnwise codes need no data exchange) and half (V = 8)
+// or a quarter (V = 4) of each 16-column row block (a shuffle gives the row
+// amax; a 16x16 block is one shuffle over the lanes of 16 columns). The four
+// warps of a block stack along M (a 64 x 32V tile), so the columnwise codes
+// and scales of one tile column are contiguous (32 and 4 bytes); they are
+// staged in shared memory and written with one full-sector store per column
+// chunk. Rowwise codes go straight to global memory (128 contiguous bytes per
+// row per warp). With 16x16 blocks and round-to-nearest the rowwise and
+// columnwise codes of an element are the same (same block, same global amax),
+// so they are computed once and nibble-transposed. The per-element math
+// (nvfp4_math.cuh) is restructured for fewer instructions and checked against
+// numerics.h on the host.
 #include "amax.cuh"
+#include "nvfp4_math.cuh"
 
 namespace te_jax {
 namespace cuda {
 namespace {
-
-constexpr int kNvTile = 64;
-constexpr int kNvThreads = 128;
 
 struct Nvfp4Global {
   float s_dec;   // 1 / S_enc
@@ -27,8 +35,9 @@ __device__ __forceinline__ Nvfp4Global GlobalOf(float amax) {
   return {1.0f / s_enc, s_enc * (1.0f / 6.0f)};
 }
 
-// FloatToE2M1 for a product (never a subnormal or a signaling NaN under
-// FTZ), in half the instructions; checked against FloatToE2M1 for every such
+// Per-element E2M1 codes for the fallback kernel (the tile kernels use
+// nvfp4_math.cuh). FloatToE2M1 for a product (never a subnormal or a
+// signaling NaN under FTZ), in half the instructions; checked against FloatToE2M1 for every such
 // float32. Adding M = 2^(max(e, 0) + 22) rounds |x| (RNE) to the E2M1 grid
 // spacing of its binade (0.5 below 2, 1 below 4, 2 above); the code is the
 // number of steps plus 2 * max(e, 0), saturated at 7.
@@ -85,124 +94,326 @@ struct Nvfp4Args {
   uint8_t* s;
   uint8_t* q_t;         // columnwise, or nullptr
   uint8_t* s_t;
+  bool st_vec;          // a tile column's 4 s_t bytes can be stored as one uint32
 };
 
-template <typename T, bool k2D, bool kRht, bool kSR>
-__global__ void __launch_bounds__(kNvThreads) Nvfp4TileKernel(Nvfp4Args a) {
-  constexpr int kVecPerRow = kNvTile / 8, kVpt = kNvTile * kNvTile / 8 / kNvThreads;
-  constexpr int kWordsPerVec = sizeof(T) / 2;
-  constexpr int kRowBytes = kNvTile * sizeof(T), kChunks = kRowBytes / 16;
-  constexpr int kSwz = sizeof(T);  // chunks read per row by the 8 lanes of a segment
-  __shared__ uint4 smem[kNvTile * kRowBytes / 16];
-  __shared__ uint32_t blk_amax[kNvTile / 16][kNvTile / 16];
-  const uint8_t* tile = reinterpret_cast<const uint8_t*>(smem);
+constexpr int kQWarps = 4;
+constexpr int kQThreads = 32 * kQWarps;
+constexpr int kQRows = 16 * kQWarps;  // tile rows: 16 per warp
 
-  const int tid = threadIdx.x;
-  const int64_t tiles = int64_t{a.tiles_m} * a.tiles_n;
-  const int64_t b = blockIdx.x / tiles;
-  const int t_in = static_cast<int>(blockIdx.x % tiles);
-  const int64_t row0 = int64_t{t_in / a.tiles_n} * kNvTile, col0 = int64_t{t_in % a.tiles_n} * kNvTile;
-  const int64_t size = a.rows * a.cols;
-  const T* x = static_cast<const T*>(a.x) + b * size;
+// ---- block amax helpers -----------------------------------------------------------
+//
+// Maxima of AbsBits(float32 value). For bfloat16 and float32 they are the
+// exact max of the bit patterns; for float16 the value (and NaN-ness) is
+// exact, a NaN's payload may differ from the per-element conversion, which
+// does not matter for a block scale (E4M3 of any NaN is the NaN code).
+
+constexpr uint32_t kAbs16x2 = 0x7fff7fffu;
+
+// AbsBits of the float32 value of a 2-byte element's |bits| (0..0x7fff).
+template <typename T>
+__device__ __forceinline__ uint32_t AbsBitsOf16(uint32_t h) {
+  if constexpr (std::is_same_v<T, Bf16>) {
+    return h << 16;
+  } else {
+    return AbsBits(ToF(Half{static_cast<uint16_t>(h)}));
+  }
+}
+
+// Max of the two 16-bit halves of packed |bits|, as float32 AbsBits.
+template <typename T>
+__device__ __forceinline__ uint32_t FoldAbs16x2(uint32_t p) {
+  return AbsBitsOf16<T>(max(p >> 16, p & 0xffffu));
+}
+
+// Max |x| over the 16 / sizeof(T) elements of a 16-byte vector (AbsBits).
+template <typename T>
+__device__ __forceinline__ uint32_t VecAbsMax(const uint4& w) {
+  if constexpr (sizeof(T) == 4) {
+    return __vimax3_u32(max(AbsBits(__uint_as_float(w.x)), AbsBits(__uint_as_float(w.y))),
+                        AbsBits(__uint_as_float(w.z)), AbsBits(__uint_as_float(w.w)));
+  } else {
+    return FoldAbs16x2<T>(__vimax3_u16x2(__vmaxu2(w.x & kAbs16x2, w.y & kAbs16x2), w.z & kAbs16x2, w.w & kAbs16x2));
+  }
+}
+
+// Packed 16-bit twin of nvfp4::AbsMaxAcc (signed and unsigned max per half).
+struct AbsMaxAcc16x2 {
+  uint32_t smax = 0x80008000u, umax = 0u;
+  __device__ __forceinline__ void Add2(uint32_t a, uint32_t b) {
+    smax = __vimax3_s16x2(smax, a, b);
+    umax = __vimax3_u16x2(umax, a, b);
+  }
+  // Per half: the max of |bits| (0..0x7fff).
+  __device__ __forceinline__ uint32_t Result() const { return __vmaxu2(smax & kAbs16x2, umax & kAbs16x2); }
+};
+
+// Max |x| over all 16 vectors (a lane's 16 x V part of a 16x16 block).
+template <typename T>
+__device__ __forceinline__ uint32_t TileAbsMax(const uint4 (&raw)[16]) {
+  if constexpr (sizeof(T) == 4) {
+    nvfp4::AbsMaxAcc acc;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      acc.Add2(raw[i].x, raw[i].y);
+      acc.Add2(raw[i].z, raw[i].w);
+    }
+    return acc.Result();
+  } else {
+    AbsMaxAcc16x2 acc;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      acc.Add2(raw[i].x, raw[i].y);
+      acc.Add2(raw[i].z, raw[i].w);
+    }
+    return FoldAbs16x2<T>(acc.Result());
+  }
+}
+
+// Max AbsBits of 16 floats.
+__device__ __forceinline__ uint32_t AbsMax16(const float (&v)[16]) {
+  nvfp4::AbsMaxAcc acc;
+#pragma unroll
+  for (int i = 0; i < 16; i += 2) acc.Add2(FloatBits(v[i]), FloatBits(v[i + 1]));
+  return acc.Result();
+}
+
+// Word q (0..3) of a 16-byte vector.
+__device__ __forceinline__ uint32_t WordOf(const uint4& w, int q) {
+  return q == 0 ? w.x : (q == 1 ? w.y : (q == 2 ? w.z : w.w));
+}
+
+__device__ __forceinline__ bool NanBits(uint32_t abs_bits) { return abs_bits > 0x7f800000u; }
+
+// 16-byte load of data that this pass reads once.
+__device__ __forceinline__ uint4 LoadOnce(const void* p) { return __ldcs(static_cast<const uint4*>(p)); }
+
+// ---- the tile kernel ------------------------------------------------------------------
+
+// Shared-memory slot (8-byte units) of column cl's chunk w (16 rows of codes)
+// in the columnwise staging buffer: 32 bytes per column plus one slot of skew
+// per lane (cl / V), so that a warp's 8-byte writes (lane stride 4V + 1
+// slots) hit 16 different bank pairs.
+template <int V>
+__device__ __forceinline__ int QtSlot(int cl, int w) {
+  return cl * kQWarps + w + cl / V;
+}
+
+// 4 resident blocks (16 warps) per SM: at most 128 registers per thread, 64 of
+// them the lane's 16 input vectors (more registers do not shorten the code).
+template <typename T, bool k2D, bool kRht, bool kSR>
+__global__ void __launch_bounds__(kQThreads, 4) Nvfp4TileKernel(Nvfp4Args a) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));  // elements per lane per row
+  constexpr int kLanesPerBlock = 16 / V;                 // lanes of one 16-column block
+  constexpr int kCols = 32 * V;                          // tile columns
+  constexpr int kTables = k2D ? 0 : (kRht ? 2 : 1);      // encode-multiplier tables (1D)
+  constexpr bool kSharedCodes = k2D && !kSR;             // rowwise codes == columnwise codes
+  __shared__ float enc_tab[kTables > 0 ? kTables : 1][256];
+  __shared__ uint2 qt_stage[kCols * kQWarps + 32];
+  __shared__ uint32_t st_stage[kCols + 32];
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  // Tiles in reverse order: the amax pass read x front to back, so the end of
+  // x is the part most likely to still be in L2.
+  const uint32_t t_rev = gridDim.x - 1u - blockIdx.x;
+  const uint32_t tn = t_rev % static_cast<uint32_t>(a.tiles_n), rest = t_rev / static_cast<uint32_t>(a.tiles_n);
+  const uint32_t tm = rest % static_cast<uint32_t>(a.tiles_m);
+  const int64_t b = rest / static_cast<uint32_t>(a.tiles_m);
+  const int64_t M = a.rows, N = a.cols, size = M * N;
+  const int64_t row_t = int64_t{tm} * kQRows, col_t = int64_t{tn} * kCols;
+  const int64_t r0 = row_t + warp * 16, c = col_t + lane * V;
+  const bool rows_ok = r0 < M;  // M % 16 == 0: a warp's 16 rows are all in or all out
+  const bool cols_ok = c < N;   // N % 16 == 0: a lane's V columns are all in or all out
+
+  uint4 raw[16];
+  {
+    const T* p = static_cast<const T*>(a.x) + b * size + r0 * N + c;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) raw[i] = (rows_ok && cols_ok) ? LoadOnce(p + i * N) : make_uint4(0u, 0u, 0u, 0u);
+  }
+
   const Nvfp4Global g_row = GlobalOf(a.amax[b]);
   const Nvfp4Global g_col = GlobalOf(a.amax_t[b]);
+  if constexpr (kTables > 0) {
+    for (int i = tid; i < 256; i += kQThreads) {
+      enc_tab[0][i] = Nvfp4BlockEncode(static_cast<uint8_t>(i), g_row.s_dec);
+      if constexpr (kTables > 1) enc_tab[kTables - 1][i] = Nvfp4BlockEncode(static_cast<uint8_t>(i), g_col.s_dec);
+    }
+    __syncthreads();
+  }
   uint32_t row_seed = 0, col_seed = 0;
   if constexpr (kSR) {
     row_seed = StreamSeed(a.key[2 * b], a.key[2 * b + 1], kRowwiseStream);
     col_seed = StreamSeed(a.key[2 * b], a.key[2 * b + 1], kColwiseStream);
   }
-  const bool keep = a.q_t != nullptr || k2D;
+  const uint32_t row_fold = nvfp4::SeedFold(row_seed), col_fold = nvfp4::SeedFold(col_seed);
+  uint8_t* st_bytes = reinterpret_cast<uint8_t*>(st_stage);
 
-  Raw8<T> raw[kVpt];
-#pragma unroll
-  for (int i = 0; i < kVpt; ++i) {
-    const int v = tid + kNvThreads * i, r = v / kVecPerRow, cv = v % kVecPerRow;
-    const int64_t gr = row0 + r, gc = col0 + cv * 8;
-    raw[i] = (gr < a.rows && gc < a.cols) ? LoadRaw8(x + gr * a.cols + gc) : ZeroRaw8<T>();
+  // 16x16 blocks: one block per lane group, the same for both copies.
+  uint32_t m2d = 0;
+  uint8_t sb2d = 0;
+  float enc2d = 0.0f;
+  if constexpr (k2D) {
+    m2d = GroupMax<kLanesPerBlock>(TileAbsMax<T>(raw));
+    sb2d = BlockScaleCode(m2d, g_row.factor);
+    enc2d = Nvfp4BlockEncode(sb2d, g_row.s_dec);
   }
-#pragma unroll
-  for (int i = 0; i < kVpt; ++i) {
-    const int v = tid + kNvThreads * i, r = v / kVecPerRow, cv = v % kVecPerRow;
-    const int64_t gr = row0 + r, gc = col0 + cv * 8;
-    if (keep) {
-      const int swz = ((r >> 4) * kSwz) & (kChunks - 1);
-#pragma unroll
-      for (int k = 0; k < kWordsPerVec; ++k) smem[r * kChunks + ((cv * kWordsPerVec + k) ^ swz)] = raw[i].w[k];
-    }
-    if (!k2D && a.q) {
-      float f[8];
-      Unpack8(raw[i], f);
-      const uint32_t m = GroupMax<2>(AbsMaxBits8(f));
-      const uint8_t sb = BlockScaleCode(m, g_row.factor);
-      const float enc = Nvfp4BlockEncode(sb, g_row.s_dec);
-      const int64_t idx = gr * a.cols + gc;
-      const uint32_t w = E2M1x8<kSR>(f, enc, row_seed, static_cast<uint32_t>(idx));
-      if (gr < a.rows && gc < a.cols) {
-        *reinterpret_cast<uint32_t*>(a.q + (b * size + idx) / 2) = w;
-        if ((cv & 1) == 0) a.s[(b * size + idx) / 16] = sb;
-      }
-    }
-  }
-  if (!keep) return;
-  __syncthreads();
 
-  // Column phase: 16 rows (segment seg) x 2 columns per thread; a warp holds
-  // 16 columns, so the 8 lanes with the same seg form one 16x16 block.
-  {
-    const int seg = tid & 3, c = (tid >> 2) * 2;
-    const int byte = c * static_cast<int>(sizeof(T));
-    const int off = (((byte / 16) ^ ((seg * kSwz) & (kChunks - 1))) * 16) + byte % 16;
-    float v[2][16];
+  // Every warp computes (a warp past M works on zeros), so that the
+  // shuffles run converged; stores are predicated.
+  const bool store_ok = rows_ok && cols_ok;
+  const bool scale_lane = store_ok && lane % kLanesPerBlock == 0;
+  const uint64_t e0 = static_cast<uint64_t>(b * size + r0 * N + c);  // element offset of (r0, c)
+  const uint64_t q_pitch = static_cast<uint64_t>(N / 2), s_pitch = static_cast<uint64_t>(N / 16);
+  uint8_t* const q_row = a.q != nullptr ? a.q + (e0 >> 1) : nullptr;
+  uint8_t* const s_row = a.q != nullptr ? a.s + (e0 >> 4) : nullptr;
+
+  if constexpr (kSharedCodes) {
+    uint32_t w[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) Load2(reinterpret_cast<const T*>(tile + (seg * 16 + i) * kRowBytes + off), v[0][i], v[1][i]);
-    uint32_t m2d = 0;
-    if constexpr (k2D) {
+    for (int i = 0; i < 16; ++i) {
+      float f[V];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) m2d = max(m2d, max(AbsBits(v[0][i]), AbsBits(v[1][i])));
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) m2d = max(m2d, __shfl_xor_sync(0xffffffffu, m2d, o));
-      if ((tid & 31) < 4) blk_amax[seg][tid / 32] = m2d;
+      for (int k = 0; k < V; ++k) f[k] = ElemOf<T>(raw[i], k);
+      w[i] = NanBits(m2d) ? 0u : nvfp4::EncodeN<V, false>(f, enc2d, 0u, 0u, 0u);
     }
-    const int64_t gc = col0 + c, gr0 = row0 + seg * 16;
-    if (a.q_t && gc < a.cols && gr0 < a.rows) {
+    if (a.q != nullptr) {
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        if constexpr (kRht) Rht16(v[j]);
-        uint32_t m = m2d;
-        if constexpr (!k2D) {
-#pragma unroll
-          for (int i = 0; i < 16; ++i) m = max(m, AbsBits(v[j][i]));
+      for (int i = 0; i < 16; ++i) {
+        if (store_ok) {
+          if constexpr (V == 8) {
+            *reinterpret_cast<uint32_t*>(q_row + i * q_pitch) = w[i];
+          } else {
+            *reinterpret_cast<uint16_t*>(q_row + i * q_pitch) = static_cast<uint16_t>(w[i]);
+          }
         }
-        const uint8_t sb = BlockScaleCode(m, g_col.factor);
-        const float enc = Nvfp4BlockEncode(sb, g_col.s_dec);
-        const int64_t idx = (gc + j) * a.rows + gr0;
-        const uint32_t lo = E2M1x8<kSR>(v[j], enc, col_seed, static_cast<uint32_t>(idx));
-        const uint32_t hi = E2M1x8<kSR>(v[j] + 8, enc, col_seed, static_cast<uint32_t>(idx + 8));
-        *reinterpret_cast<uint2*>(a.q_t + (b * size + idx) / 2) = make_uint2(lo, hi);
-        a.s_t[(b * size + idx) / 16] = sb;
+        if (scale_lane) s_row[i * s_pitch] = sb2d;
+      }
+    }
+    if (a.q_t != nullptr) {
+      uint32_t lo[8], hi[8];
+      if constexpr (V == 8) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          lo[i] = w[i];
+          hi[i] = w[i + 8];
+        }
+        nvfp4::TransposeNibbles8x8(lo);
+        nvfp4::TransposeNibbles8x8(hi);
+      } else {
+        // Rows i and i + 8 side by side: after the transpose, word j < 4 is
+        // column j's rows 0..7 and word j + 4 its rows 8..15.
+#pragma unroll
+        for (int i = 0; i < 8; ++i) lo[i] = (w[i] & 0xffffu) | (w[i + 8] << 16);
+        nvfp4::TransposeNibbles8x8(lo);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) hi[j] = lo[j + 4];
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int cl = lane * V + j;
+        qt_stage[QtSlot<V>(cl, warp)] = make_uint2(lo[j], hi[j]);
+        st_bytes[(cl + lane) * 4 + warp] = sb2d;
+      }
+    }
+  } else {
+    // Columnwise copy: lane-local 16-row column groups.
+    if (a.q_t != nullptr) {
+      uint32_t mcol[V];
+      if constexpr (!k2D && !kRht && sizeof(T) == 2) {
+#pragma unroll
+        for (int qw = 0; qw < 4; ++qw) {
+          AbsMaxAcc16x2 acc;
+#pragma unroll
+          for (int i = 0; i < 16; i += 2) acc.Add2(WordOf(raw[i], qw), WordOf(raw[i + 1], qw));
+          const uint32_t p = acc.Result();
+          mcol[2 * qw] = AbsBitsOf16<T>(p & 0xffffu);
+          mcol[2 * qw + 1] = AbsBitsOf16<T>(p >> 16);
+        }
+      }
+      const uint32_t idx_c = static_cast<uint32_t>(c) * static_cast<uint32_t>(M) + static_cast<uint32_t>(r0);
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        float v[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = ElemOf<T>(raw[i], j);
+        if constexpr (kRht) nvfp4::Rht16Fast(v);
+        uint32_t m;
+        if constexpr (k2D) {
+          m = m2d;
+        } else if constexpr (!kRht && sizeof(T) == 2) {
+          m = mcol[j];
+        } else {
+          m = AbsMax16(v);
+        }
+        const uint8_t sb = k2D ? sb2d : BlockScaleCode(m, g_col.factor);
+        const float enc = k2D ? enc2d : enc_tab[kTables - 1][sb];
+        const uint32_t idx = idx_c + static_cast<uint32_t>(j) * static_cast<uint32_t>(M);
+        uint32_t lo = nvfp4::EncodeN<8, kSR>(v, enc, col_seed, col_fold, idx);
+        uint32_t hi = nvfp4::EncodeN<8, kSR>(v + 8, enc, col_seed, col_fold, idx + 8u);
+        if (NanBits(m)) lo = hi = 0u;
+        const int cl = lane * V + j;
+        qt_stage[QtSlot<V>(cl, warp)] = make_uint2(lo, hi);
+        st_bytes[(cl + lane) * 4 + warp] = sb;
+      }
+    }
+    // Rowwise copy: row blocks over kLanesPerBlock lanes.
+    if (a.q != nullptr) {
+      const uint32_t idx_r = static_cast<uint32_t>(r0) * static_cast<uint32_t>(N) + static_cast<uint32_t>(c);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        float f[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k) f[k] = ElemOf<T>(raw[i], k);
+        const uint32_t m = k2D ? m2d : GroupMax<kLanesPerBlock>(VecAbsMax<T>(raw[i]));
+        const uint8_t sb = k2D ? sb2d : BlockScaleCode(m, g_row.factor);
+        const float enc = k2D ? enc2d : enc_tab[0][sb];
+        const uint32_t idx = idx_r + static_cast<uint32_t>(i) * static_cast<uint32_t>(N);
+        uint32_t w = nvfp4::EncodeN<V, kSR>(f, enc, row_seed, row_fold, idx);
+        if (NanBits(m)) w = 0u;
+        if (store_ok) {
+          if constexpr (V == 8) {
+            *reinterpret_cast<uint32_t*>(q_row + i * q_pitch) = w;
+          } else {
+            *reinterpret_cast<uint16_t*>(q_row + i * q_pitch) = static_cast<uint16_t>(w);
+          }
+        }
+        if (scale_lane) s_row[i * s_pitch] = sb;
       }
     }
   }
-  if (!k2D || a.q == nullptr) return;
+  if (a.q_t == nullptr) return;
   __syncthreads();
 
-  // 16x16 blocks, rowwise copy: the tile again from shared memory.
+  // Columnwise codes: 4 x 8 bytes (64 rows) per tile column; 4 threads write
+  // one column's 32 contiguous bytes.
+  const uint64_t et = static_cast<uint64_t>(b * size + col_t * M + row_t);  // element offset of (row_t, col_t)^T
+  uint8_t* const qt_tile = a.q_t + (et >> 1);
+  uint8_t* const st_tile = a.s_t + (et >> 4);
+  const uint64_t qt_pitch = static_cast<uint64_t>(M / 2), st_pitch = static_cast<uint64_t>(M / 16);
 #pragma unroll
-  for (int i = 0; i < kVpt; ++i) {
-    const int v = tid + kNvThreads * i, r = v / kVecPerRow, cv = v % kVecPerRow;
-    const int64_t gr = row0 + r, gc = col0 + cv * 8;
-    if (gr >= a.rows || gc >= a.cols) continue;
-    const int swz = ((r >> 4) * kSwz) & (kChunks - 1);
-    Raw8<T> rw;
+  for (int it = 0; it < kCols * kQWarps / kQThreads; ++it) {
+    const int item = tid + it * kQThreads, cl = item / kQWarps, w = item % kQWarps;
+    if (col_t + cl < N && row_t + 16 * w < M) {
+      *reinterpret_cast<uint2*>(qt_tile + static_cast<uint64_t>(cl) * qt_pitch + 8 * w) =
+          qt_stage[QtSlot<V>(cl, w)];
+    }
+  }
+  // Columnwise scales: 4 bytes (64 rows) per tile column.
 #pragma unroll
-    for (int k = 0; k < kWordsPerVec; ++k) rw.w[k] = smem[r * kChunks + ((cv * kWordsPerVec + k) ^ swz)];
-    float f[8];
-    Unpack8(rw, f);
-    const uint8_t sb = BlockScaleCode(blk_amax[r >> 4][cv >> 1], g_row.factor);
-    const float enc = Nvfp4BlockEncode(sb, g_row.s_dec);
-    const int64_t idx = gr * a.cols + gc;
-    *reinterpret_cast<uint32_t*>(a.q + (b * size + idx) / 2) = E2M1x8<kSR>(f, enc, row_seed, static_cast<uint32_t>(idx));
-    if ((cv & 1) == 0) a.s[(b * size + idx) / 16] = sb;
+  for (int it = 0; it < kCols / kQThreads; ++it) {
+    const int cl = tid + it * kQThreads;
+    if (col_t + cl >= N) continue;
+    const uint32_t word = st_stage[cl + cl / V];
+    uint8_t* dst = st_tile + static_cast<uint64_t>(cl) * st_pitch;
+    if (a.st_vec && row_t + kQRows <= M) {
+      *reinterpret_cast<uint32_t*>(dst) = word;
+    } else {
+#pragma unroll
+      for (int w = 0; w < kQWarps; ++w) {
+        if (row_t + 16 * w < M) dst[w] = static_cast<uint8_t>(word >> (8 * w));
+      }
+    }
   }
 }
 
@@ -219,7 +430,7 @@ __global__ void __launch_bounds__(256)
   float v[16];
 #pragma unroll
   for (int k = 0; k < 16; ++k) v[k] = ToF(x[b * size + i * rs + (j0 + k) * cs]);
-  if constexpr (kRht) Rht16(v);
+  if constexpr (kRht) nvfp4::Rht16Fast(v);
   uint32_t m = 0;
 #pragma unroll
   for (int k = 0; k < 16; ++k) m = max(m, AbsBits(v[k]));
@@ -236,46 +447,69 @@ __global__ void __launch_bounds__(256)
   s[id] = sb;
 }
 
-// amax of x (plain) and amax_t of the RHT of x^T: each thread takes 16 rows
-// of 16 / sizeof(T) columns (kVec) or of one column.
-template <typename T, bool kVec>
+// amax of x (plain) and amax_t of the RHT of x^T, vectorized: each warp takes
+// a 16 x 32V tile (the quantize kernel's per-warp tile: 16 rows of one
+// 16-byte vector per lane), each lane the RHT of its V columns. amax_t is
+// the max of |butterfly| (an FADD result, so a NaN there is canonical) times
+// 1/4: scaling is monotone, so that equals the max over the scaled values.
+// A block's 8 warps are in one matrix (one atomicMax per output per block).
+constexpr int kRhtAmaxWarps = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(32 * kRhtAmaxWarps) RhtAmaxTileKernel(const T* x, int64_t rows, int64_t cols,
+                                                                       int64_t col_groups, int64_t warp_tiles,
+                                                                       int64_t blocks_per_matrix, float* amax,
+                                                                       float* amax_t) {
+  constexpr int V = 16 / static_cast<int>(sizeof(T));
+  __shared__ uint32_t scratch[2][kRhtAmaxWarps];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t b = blockIdx.x / blocks_per_matrix;
+  const int64_t wt = (blockIdx.x % blocks_per_matrix) * kRhtAmaxWarps + warp;
+  const int64_t r0 = (wt / col_groups) * 16, c = (wt % col_groups) * (32 * V) + lane * V;
+  uint32_t m = 0, mt = 0;
+  if (wt < warp_tiles && c < cols) {
+    const T* p = x + b * rows * cols + r0 * cols + c;
+    uint4 raw[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) raw[i] = __ldg(reinterpret_cast<const uint4*>(p + i * cols));
+    if constexpr (std::is_same_v<T, Bf16>) {
+      m = TileAbsMax<T>(raw);  // bfloat16 -> float32 is a shift: the max of |bits| is exact
+    }
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      float v[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v[i] = ElemOf<T>(raw[i], j);
+      if constexpr (!std::is_same_v<T, Bf16>) m = max(m, AbsMax16(v));
+      nvfp4::Rht16Butterfly(v);
+      mt = max(mt, AbsMax16(v));
+    }
+    mt = AbsBits(BitsFloat(mt) * 0.25f);
+  }
+  BlockAmaxAtomic<32 * kRhtAmaxWarps>(m, scratch[0], amax + b);
+  BlockAmaxAtomic<32 * kRhtAmaxWarps>(mt, scratch[1], amax_t + b);
+}
+
+// The same for any number of columns: each thread takes 16 rows of one column.
+template <typename T>
 __global__ void __launch_bounds__(256) RhtAmaxKernel(const T* x, int64_t rows, int64_t cols, int64_t col_blocks,
                                                      float* amax, float* amax_t) {
-  constexpr int kCpt = kVec ? 16 / sizeof(T) : 1;
   __shared__ uint32_t scratch[2][8];
   const int64_t per_matrix = (rows / 16) * col_blocks;
   const int64_t b = blockIdx.x / per_matrix, rem = blockIdx.x % per_matrix;
-  const int64_t seg = rem / col_blocks, c0 = ((rem % col_blocks) * 256 + threadIdx.x) * kCpt;
+  const int64_t seg = rem / col_blocks, c0 = (rem % col_blocks) * 256 + threadIdx.x;
   uint32_t m = 0, mt = 0;
   if (c0 < cols) {
     const T* p = x + b * rows * cols + seg * 16 * cols + c0;
-    if constexpr (kVec) {
-      uint4 raw[16];
+    float v[16];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) raw[i] = __ldg(reinterpret_cast<const uint4*>(p + i * cols));
-#pragma unroll
-      for (int k = 0; k < kCpt; ++k) {
-        float v[16];
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          v[i] = ElemOf<T>(raw[i], k);
-          m = max(m, AbsBits(v[i]));
-        }
-        Rht16(v);
-#pragma unroll
-        for (int i = 0; i < 16; ++i) mt = max(mt, AbsBits(v[i]));
-      }
-    } else {
-      float v[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        v[i] = ToF(p[i * cols]);
-        m = max(m, AbsBits(v[i]));
-      }
-      Rht16(v);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) mt = max(mt, AbsBits(v[i]));
+    for (int i = 0; i < 16; ++i) {
+      v[i] = ToF(p[i * cols]);
+      m = max(m, AbsBits(v[i]));
     }
+    nvfp4::Rht16Fast(v);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) mt = max(mt, AbsBits(v[i]));
   }
   BlockAmaxAtomic<256>(m, scratch[0], amax + b);
   BlockAmaxAtomic<256>(mt, scratch[1], amax_t + b);
@@ -286,25 +520,33 @@ ffi::Error LaunchRhtAmax(cudaStream_t stream, const T* x, const MatrixBatch& mb,
   TE_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(amax, 0, sizeof(float) * mb.batch, stream), "memset amax"));
   TE_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(amax_t, 0, sizeof(float) * mb.batch, stream), "memset amax_t"));
   if (mb.rows == 0 || mb.cols == 0) return ffi::Error::Success();
-  const bool vec = (mb.cols * sizeof(T)) % 16 == 0 && Aligned16(x);
-  const int64_t col_blocks = CeilDiv(mb.cols, 256 * (vec ? 16 / sizeof(T) : 1));
   dim3 grid;
-  TE_RETURN_IF_ERROR(GridOf(mb.batch * (mb.rows / 16) * col_blocks, &grid));
-  if (vec) {
-    RhtAmaxKernel<T, true><<<grid, 256, 0, stream>>>(x, mb.rows, mb.cols, col_blocks, amax, amax_t);
-  } else {
-    RhtAmaxKernel<T, false><<<grid, 256, 0, stream>>>(x, mb.rows, mb.cols, col_blocks, amax, amax_t);
+  if ((mb.cols * sizeof(T)) % 16 == 0 && Aligned16(x)) {
+    constexpr int64_t V = 16 / sizeof(T);
+    const int64_t col_groups = CeilDiv(mb.cols, 32 * V);
+    const int64_t warp_tiles = (mb.rows / 16) * col_groups;
+    const int64_t bpm = CeilDiv(warp_tiles, kRhtAmaxWarps);
+    TE_RETURN_IF_ERROR(GridOf(mb.batch * bpm, &grid));
+    RhtAmaxTileKernel<T><<<grid, 32 * kRhtAmaxWarps, 0, stream>>>(x, mb.rows, mb.cols, col_groups, warp_tiles, bpm,
+                                                                  amax, amax_t);
+    return LaunchError("RhtAmaxTileKernel");
   }
+  const int64_t col_blocks = CeilDiv(mb.cols, 256);
+  TE_RETURN_IF_ERROR(GridOf(mb.batch * (mb.rows / 16) * col_blocks, &grid));
+  RhtAmaxKernel<T><<<grid, 256, 0, stream>>>(x, mb.rows, mb.cols, col_blocks, amax, amax_t);
   return LaunchError("RhtAmaxKernel");
 }
 
 template <typename T, bool k2D, bool kRht, bool kSR>
 ffi::Error LaunchTiles(cudaStream_t stream, const MatrixBatch& mb, Nvfp4Args a) {
-  a.tiles_m = static_cast<int>(CeilDiv(mb.rows, kNvTile));
-  a.tiles_n = static_cast<int>(CeilDiv(mb.cols, kNvTile));
+  constexpr int64_t kCols = 32 * (16 / sizeof(T));
+  a.tiles_m = static_cast<int>(CeilDiv(mb.rows, kQRows));
+  a.tiles_n = static_cast<int>(CeilDiv(mb.cols, kCols));
+  // s_t rows are M / 16 bytes; a tile's 4 column bytes start at a multiple of 4.
+  a.st_vec = a.s_t != nullptr && (mb.rows / 16) % 4 == 0 && (reinterpret_cast<uintptr_t>(a.s_t) & 3u) == 0;
   dim3 grid;
   TE_RETURN_IF_ERROR(GridOf(int64_t{a.tiles_m} * a.tiles_n * mb.batch, &grid));
-  Nvfp4TileKernel<T, k2D, kRht, kSR><<<grid, kNvThreads, 0, stream>>>(a);
+  Nvfp4TileKernel<T, k2D, kRht, kSR><<<grid, kQThreads, 0, stream>>>(a);
   return LaunchError("Nvfp4TileKernel");
 }
 

@@ -72,6 +72,8 @@ def check_spec(spec: CastSpec, in_dtype, m: int, n: int) -> CastSpec:
             raise ValueError("te_jax: rht and stochastic_rounding apply to the nvfp4 mode only")
     if not (np.isfinite(spec.epsilon) and spec.epsilon >= 0):
         raise ValueError(f"te_jax: amax_epsilon must be a finite number >= 0, got {spec.epsilon}")
+    if m == 0 or n == 0:
+        raise ValueError(f"te_jax: a quantized output needs a non-empty matrix, got [{m}, {n}]")
     if spec.mode in BLOCKS:
         qops.check_blocks((m, n), BLOCKS[spec.mode], rowwise=spec.rowwise, colwise=spec.colwise or spec.rht,
                           mode=_MODE_NAMES[spec.mode])

@@ -78,9 +78,11 @@ class _Layout:
 def workspace_bytes(target: str, a_shape, b_shape, k: int, out_dtype, bias_dtype=None) -> int:
     """The CUDA handlers' workspace: cuBLASLt's 32 MiB plus their scratch (docs/gemm_ffi.md, "Workspace")."""
     rows_a, rows_b = math.prod(a_shape[:-1]), math.prod(b_shape[:-1])
-    scratch = {"te_jax_gemm_fp8": 0, "te_jax_gemm_fp8_block": 4 * (rows_a + rows_b) * (k // 128),
+    mats_a, mats_b = math.prod(a_shape[:-2]), math.prod(b_shape[:-2])  # matrices per operand (1 if 2-D)
+    slots = 256 * (mats_a + mats_b)  # 256-byte aligned per-matrix scale slots / regions
+    scratch = {"te_jax_gemm_fp8": slots, "te_jax_gemm_fp8_block": 4 * (rows_a + rows_b) * (k // 128) + slots,
                "te_jax_gemm_mxfp8": 2 * (rows_a + rows_b) * k,
-               "te_jax_gemm_nvfp4": 2 * (rows_a + rows_b) * k + 8 * math.prod(a_shape[:-2])}[target]
+               "te_jax_gemm_nvfp4": 2 * (rows_a + rows_b) * k + 8 * mats_a}[target]
     narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     staged = (bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.float32 and jnp.dtype(out_dtype) in narrow) or (
         target in ("te_jax_gemm_mxfp8", "te_jax_gemm_nvfp4") and jnp.dtype(out_dtype) == jnp.float16)

@@ -1,8 +1,8 @@
 """Quantization: ScaledTensor, scaling modes, quantizers and the reference numerics."""
 
 from te_jax.quantize import numerics, reference
-from te_jax.quantize.delayed import DelayedScalingQuantizer  # noqa: F401
 from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode, flattened_shape
+from te_jax.quantize.delayed import DelayedScalingQuantizer
 from te_jax.quantize.quantizers import (
     CurrentScalingQuantizer,
     Float8BlockQuantizer,
@@ -14,6 +14,7 @@ from te_jax.quantize.quantizers import (
 
 __all__ = [
     "CurrentScalingQuantizer",
+    "DelayedScalingQuantizer",
     "Float8BlockQuantizer",
     "MXFP8Quantizer",
     "NVFP4Quantizer",

@@ -1,0 +1,329 @@
+"""Layer benchmark: te_jax.flax layers (forward + backward) against bf16 flax.linen and flax's FP8.
+
+Sections (``--sections``), each timed as one jitted training step: the
+forward, the loss ``sum(y * c)`` and the gradients of every parameter, of the
+input and (te_jax) of the FP8 state, all bfloat16 activations and parameters:
+
+* ``mlp``: LayerNormMLP at T=8192, H=8192, F=28672, gelu: flax.linen
+  ``LayerNorm -> Dense -> gelu -> Dense`` in bf16, the same with flax's FP8
+  dot_general injected into the Dense layers (``nn.Fp8DirectDotGeneralOp``,
+  i.e. ``nn.Fp8DotGeneral``, and the deprecated ``nn.Fp8DotGeneralOp``), and
+  ``te_jax.flax.LayerNormMLP`` under DelayedScaling, Float8CurrentScaling,
+  Float8BlockScaling, MXFP8 and NVFP4 (the last two are emulated by bf16 GEMMs
+  on Hopper, for information).
+* ``lndense``: LayerNormDenseGeneral 8192 -> 28672 at T=8192 (flax: LayerNorm + Dense).
+* ``dense``: DenseGeneral 8192 -> 28672 at T=8192.
+
+Breakdown: for each te_jax row (and bf16), the same forward, dgrad and wgrad
+GEMMs are timed alone on operands quantized beforehand with the recipe's
+quantizers ("GEMM ms"); the rest of the step ("other ms" = total - GEMM) is
+casts, norm, activation, amax/state updates and the remaining elementwise work.
+
+Timing: warm-up, then ``--trials`` runs of ``--iters`` back-to-back steps
+(alternating two input sets), median per step. ``--quick`` uses small shapes
+and few iterations (a CPU smoke run).
+
+Usage: python benchmarks/bench_layers.py [--out r.json] [--md r.md] [--quick] [--sections mlp,lndense,dense]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+import traceback
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import te_jax
+import te_jax.flax as tf
+from te_jax import recipe as R
+from te_jax.dense import DenseQuantizers
+from te_jax.ops.gemm import gemm
+
+BF16 = jnp.bfloat16
+RECIPES = {
+    "te delayed": R.DelayedScaling(),
+    "te current": R.Float8CurrentScaling(),
+    "te block": R.Float8BlockScaling(),
+    "te mxfp8": R.MXFP8BlockScaling(),
+    "te nvfp4": R.NVFP4BlockScaling(),
+}
+FLAX_FP8 = {"flax fp8 (Fp8DotGeneral)": "direct", "flax fp8 (Fp8DotGeneralOp, qdq)": "qdq"}
+# The targets of issue 5 (H200): (section, row, at most ms or None, at least this many times faster than flax fp8).
+TARGETS = [("mlp", "te delayed", 15.5, 1.14), ("mlp", "te current", None, 1.0), ("mlp", "te block", None, 1.0),
+           ("lndense", "te delayed", None, 1.0), ("lndense", "te current", None, 1.0),
+           ("dense", "te delayed", None, 1.0), ("dense", "te current", None, 1.0)]
+
+
+def _dot_cls(kind):
+    if kind is None:
+        return None
+    return nn.Fp8DirectDotGeneralOp if kind == "direct" else nn.Fp8DotGeneralOp
+
+
+class FlaxLayer(nn.Module):
+    """The flax.linen reference of each section (bf16, optionally with flax's FP8 dot_general)."""
+
+    section: str
+    features: int
+    out_features: int = 0  # the MLP's second Dense
+    fp8: str | None = None
+    bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        kw = dict(use_bias=self.bias, dtype=BF16, param_dtype=BF16, dot_general_cls=_dot_cls(self.fp8))
+        if self.section != "dense":
+            x = nn.LayerNorm(dtype=BF16, param_dtype=BF16)(x)
+        x = nn.Dense(self.features, **kw)(x)
+        if self.section == "mlp":
+            x = nn.Dense(self.out_features, **kw)(nn.gelu(x))
+        return x
+
+
+def te_layer(section: str, h: int, n: int, bias: bool) -> nn.Module:
+    kw = dict(use_bias=bias, dtype=BF16, param_dtype=BF16)
+    if section == "mlp":
+        return tf.LayerNormMLP(intermediate_dim=n, activation="gelu", **kw)
+    if section == "lndense":
+        return tf.LayerNormDenseGeneral(n, **kw)
+    return tf.DenseGeneral(n, **kw)
+
+
+def make_step(model, variables, recipe):
+    """A jitted fwd+bwd step ``(variables, x, c) -> (loss, grads)``; grads include x's (and fp8_meta's)."""
+
+    def step(variables, x, c, key):
+        def loss_fn(v):
+            inner = {k: val for k, val in v.items() if k != "x"}
+            y = model.apply(inner, v["x"], rngs={"quantize": key})
+            return jnp.sum(y.astype(jnp.float32) * c)
+
+        ctx = te_jax.autocast(recipe=recipe) if recipe is not None else te_jax.autocast(enabled=False)
+        with ctx:
+            return te_jax.train.value_and_grad(loss_fn)({**variables, "x": x})
+
+    jitted = jax.jit(step)
+    key = jax.random.key(123)
+    return lambda x, c: jitted(variables, x, c, key)
+
+
+# ---- GEMM-only steps (the breakdown) --------------------------------------------------------
+
+
+def gemm_plan(section: str, t: int, h: int, n: int):
+    """The GEMMs of one step: (lhs name, rhs name, contracting dims, fast_accum), and tensor shapes."""
+    shapes = {"x": (t, h), "w1": (h, n), "dy1": (t, n)}
+    gemms = [("x", "w1", ((1,), (0,)), True), ("dy1", "w1", ((1,), (1,)), False), ("x", "dy1", ((0,), (0,)), False)]
+    if section == "mlp":
+        shapes.update(a=(t, n), w2=(n, h), dy2=(t, h))
+        gemms += [("a", "w2", ((1,), (0,)), True), ("dy2", "w2", ((1,), (1,)), False),
+                  ("a", "dy2", ((0,), (0,)), False)]
+    return gemms, shapes
+
+
+def gemm_only_step(section: str, t: int, h: int, n: int, recipe, key):
+    """``(fn, input_sets)`` computing just the step's GEMMs, on operands quantized beforehand."""
+    gemms, shapes = gemm_plan(section, t, h, n)
+    role = {"x": "input", "a": "input", "w1": "weight", "w2": "weight", "dy1": "grad_output", "dy2": "grad_output"}
+    q = DenseQuantizers.from_recipe(recipe) if recipe is not None else None
+    sets = []
+    for s in range(2):
+        ops = {}
+        for i, (name, shape) in enumerate(sorted(shapes.items())):
+            k = jax.random.fold_in(key, 10 * s + i)
+            v = (jax.random.normal(k, shape, jnp.float32) * (0.05 if name.startswith("w") else 1.0)).astype(BF16)
+            if q is not None:
+                qz = getattr(q, role[name])
+                st = qz.init_state() if hasattr(qz, "init_state") else None
+                v = jax.block_until_ready(jax.jit(lambda v, k, qz=qz, st=st: qz.quantize(
+                    v, st, rowwise=True, colwise=True, key=k))(v, jax.random.key_data(k)))
+            ops[name] = v
+        sets.append((ops,))
+
+    def run(ops):
+        outs = []
+        for lhs, rhs, dims, fast in gemms:
+            if q is None:
+                outs.append(lax.dot_general(ops[lhs], ops[rhs], (dims, ((), ()))))
+            else:
+                outs.append(gemm(ops[lhs], ops[rhs], dims, out_dtype=BF16, fast_accum=fast))
+        return outs
+
+    return jax.jit(run), sets
+
+
+# ---- timing ----------------------------------------------------------------------------------
+
+
+def time_call(fn, input_sets, warmup: int, iters: int, trials: int) -> float:
+    """Median seconds per call over ``trials`` runs of ``iters`` back-to-back calls."""
+    for i in range(warmup):
+        jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
+    per_call = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = fn(*input_sets[i % len(input_sets)])
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / iters)
+    return statistics.median(per_call)
+
+
+def bench_section(section: str, t: int, h: int, n: int, args) -> list[dict]:
+    key = jax.random.key(0)
+    flops = (12.0 if section == "mlp" else 6.0) * t * h * n
+    sets = [(jax.random.normal(jax.random.fold_in(key, s), (t, h), jnp.float32).astype(BF16),
+             jax.random.normal(jax.random.fold_in(key, 10 + s), (t, h if section == "mlp" else n), jnp.float32))
+            for s in range(2)]
+    x0 = sets[0][0]
+    rows = []
+    variants = [("bf16 flax", "flax", None), *((name, "flax", kind) for name, kind in FLAX_FP8.items()),
+                *((name, "te", r) for name, r in RECIPES.items()
+                  if section == "mlp" or name in ("te delayed", "te current"))]
+    for name, impl, arg in variants:
+        if args.only and not re.search(args.only, name):
+            continue
+        row = dict(section=section, shape=dict(T=t, H=h, N=n), name=name)
+        try:
+            if impl == "flax":
+                model = FlaxLayer(section, n, out_features=h, fp8=arg, bias=args.bias)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    variables = model.init(jax.random.key(1), x0)
+                recipe = None
+            else:
+                model, recipe = te_layer(section, h, n, args.bias), arg
+                with te_jax.autocast(recipe=recipe):
+                    variables = model.init(jax.random.key(1), x0)
+            step = make_step(model, variables, recipe)
+            sec = time_call(step, sets, args.warmup, args.iters, args.trials)
+            row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
+            del step, variables
+            if name == "bf16 flax" or impl == "te":
+                fn, gsets = gemm_only_step(section, t, h, n, None if name == "bf16 flax" else recipe,
+                                           jax.random.fold_in(key, 99))
+                row["gemm_ms"] = time_call(fn, gsets, args.warmup, args.iters, args.trials) * 1e3
+                row["other_ms"] = row["ms"] - row["gemm_ms"]
+                del fn, gsets
+            if impl == "te" and name in ("te mxfp8", "te nvfp4") and _is_hopper():
+                row["note"] = "bf16 GEMM emulation on sm_90"
+        except Exception as err:  # noqa: BLE001 (benchmark: report and continue)
+            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            if args.verbose:
+                traceback.print_exc()
+        rows.append(row)
+        print(f"  {name:32s} " + (f"{row['ms']:.3f} ms  {row['tflops']:.3g} TFLOP/s"
+                                  + (f"  (GEMMs {row['gemm_ms']:.3f} ms, other {row['other_ms']:.3f} ms)"
+                                     if "gemm_ms" in row else "") if "ms" in row else row["error"]), flush=True)
+    return rows
+
+
+def _is_hopper() -> bool:
+    return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def _flax_fp8_ms(group):
+    times = [r["ms"] for r in group if r["name"] in FLAX_FP8 and "ms" in r]
+    return min(times) if times else None
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| layer (T, H, N) | variant | median ms | TFLOP/s | vs bf16 | vs best flax fp8 | GEMM ms | other ms "
+             "| GEMM share | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for section in dict.fromkeys(r["section"] for r in rows):
+        group = [r for r in rows if r["section"] == section]
+        base = next((r["ms"] for r in group if r["name"] == "bf16 flax" and "ms" in r), None)
+        flax8 = _flax_fp8_ms(group)
+        for r in group:
+            s = r["shape"]
+            label = f"{section} ({s['T']}, {s['H']}, {s['N']})"
+            if "ms" not in r:
+                lines.append(f"| {label} | {r['name']} | - | - | - | - | - | - | - | {r['error'][:120]} |")
+                continue
+            ms, g = r["ms"], r.get("gemm_ms")
+            vs_bf16 = f"{base / ms:.2f}x" if base else "-"
+            vs_flax = f"{flax8 / ms:.2f}x" if flax8 else "-"
+            split = (f"{g:.3f} | {r['other_ms']:.3f} | {g / ms:.0%}" if g is not None else "- | - | -")
+            lines.append(f"| {label} | {r['name']} | {ms:.3f} | {r['tflops']:.3g} | {vs_bf16} | {vs_flax} | {split} | "
+                         f"{r.get('note', '')} |")
+    return "\n".join(lines)
+
+
+def targets(rows: list[dict], quick: bool) -> list[dict]:
+    """Issue 5's performance targets, checked against this run (informative only off an H200 / in --quick)."""
+    out = []
+    for section, name, max_ms, min_speedup in TARGETS:
+        group = [r for r in rows if r["section"] == section]
+        row = next((r for r in group if r["name"] == name and "ms" in r), None)
+        flax8 = _flax_fp8_ms(group)
+        if row is None or flax8 is None:
+            continue
+        speedup = flax8 / row["ms"]
+        ok = speedup >= min_speedup and (max_ms is None or row["ms"] <= max_ms)
+        want = (f"<= {max_ms} ms and " if max_ms else "") + f">= {min_speedup:.2f}x flax fp8"
+        out.append(dict(section=section, name=name, ms=row["ms"], vs_flax_fp8=speedup, target=want,
+                        ok=ok, binding=not quick))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--md", help="write the markdown report here")
+    p.add_argument("--quick", action="store_true", help="small shapes, few iterations (CPU smoke run)")
+    p.add_argument("--sections", default="mlp,lndense,dense")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--hidden", type=int, default=8192)
+    p.add_argument("--ffn", type=int, default=28672)
+    p.add_argument("--bias", action="store_true", help="biases on the dense layers (default: none)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--only", default="", help="time only the variants whose name matches this regex")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args()
+    t, h, n = args.tokens, args.hidden, args.ffn
+    if args.quick:
+        t, h, n = 256, 256, 512
+        args.warmup, args.iters, args.trials = 1, 2, 2
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}, jax {jax.__version__}, T={t} H={h} N/F={n}, bias={args.bias}")
+    rows = []
+    for section in [s for s in args.sections.split(",") if s]:
+        if section not in ("mlp", "lndense", "dense"):
+            raise SystemExit(f"unknown section {section!r}; choose from mlp, lndense, dense")
+        print(f"section {section}")
+        rows += bench_section(section, t, h, n, args)
+    checks = targets(rows, args.quick)
+    md = table(rows)
+    if checks:
+        md += "\n\nIssue 5 targets" + (" (informative: --quick shapes)" if args.quick else "") + ":\n"
+        verdict = lambda c: ("PASS" if c["ok"] else "FAIL") if c["binding"] else "info"  # noqa: E731
+        md += "\n".join(f"- {verdict(c)} {c['section']} {c['name']}: {c['ms']:.3f} ms, "
+                        f"{c['vs_flax_fp8']:.2f}x flax fp8 (target {c['target']})" for c in checks)
+    print(md)
+    result = dict(device=dev.device_kind, jax=jax.__version__, quick=args.quick, bias=args.bias, rows=rows,
+                  targets=checks)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(f"# te_jax layer benchmark ({dev.device_kind}, jax {jax.__version__})\n\n{md}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

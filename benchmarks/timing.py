@@ -1,0 +1,47 @@
+"""Timing and command-line helpers shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+
+
+def time_call(fn, arg_sets, warmup: int, iters: int, trials: int) -> float:
+    """Median seconds per call of ``fn(*args)``, cycling through ``arg_sets``.
+
+    Each trial runs ``iters`` calls back to back and waits for the last result,
+    so launch gaps overlap as they do in a training step.
+    """
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    per_call = []
+    for _ in range(trials):
+        start = time.perf_counter()
+        out = None
+        for i in range(iters):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) / iters)
+    return statistics.median(per_call)
+
+
+def time_fn(fn, inputs, iters: int, trials: int, warmup: int = 3) -> float:
+    """Median milliseconds per call of ``fn(x)`` over ``inputs`` (cycled)."""
+    return 1e3 * time_call(fn, [(x,) for x in inputs], warmup, iters, trials)
+
+
+def bandwidth_parser(description: str, out_default: str) -> argparse.ArgumentParser:
+    """The arguments of the memory-bound benchmarks: shape, repetitions, outputs, check."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--m", type=int, default=16384)
+    p.add_argument("--n", type=int, default=8192)
+    p.add_argument("--nbuf", type=int, default=3, help="rotating input buffers")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--trials", type=int, default=15)
+    p.add_argument("--out", default=out_default)
+    p.add_argument("--md", default=None)
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
+    return p

@@ -1,0 +1,63 @@
+"""A decoder-only byte-level language model made of te_jax.flax layers.
+
+    tokens -> Embed -> TransformerLayer_0 .. TransformerLayer_{n-1} -> LayerNorm -> DenseGeneral head -> logits
+
+Each ``te_jax.flax.TransformerLayer`` is a pre-norm block (LayerNormDenseGeneral
+for the query/key/value projection, causal attention with rotary embeddings
+and grouped-query heads, output projection, LayerNormMLP); under
+``te_jax.autocast(recipe=...)`` all of its GEMMs run in FP8/FP4. Blocks are
+unrolled and named ``TransformerLayer_<i>`` so per-layer recipes (recipes/)
+can tell them apart. The output head stays in high precision unless
+``ModelConfig.quantize_head`` (the usual choice: the logits are the most
+sensitive GEMM, and with 256 byte tokens it is a tiny one).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import te_jax
+import te_jax.flax as te_flax
+from te_jax.autocast import current as current_autocast
+from examples.gpt.presets import ModelConfig
+
+INIT_STD = 0.02
+
+
+class GPT(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """int32[batch, seq] byte tokens -> float32[batch, seq, vocab] logits."""
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        init = nn.initializers.normal(INIT_STD)
+        x = nn.Embed(c.vocab, c.hidden, embedding_init=init, dtype=dtype, name="embed")(tokens)
+        for i in range(c.layers):
+            x = te_flax.TransformerLayer(
+                num_attention_heads=c.heads,
+                num_gqa_groups=c.kv_heads,
+                intermediate_dim=c.mlp_hidden,
+                mlp_activation="gelu",
+                enable_rotary_pos_emb=c.rotary,
+                causal=True,
+                dtype=dtype,
+                kernel_init=init,
+                logical_axes=c.logical_axes,
+                name=f"TransformerLayer_{i}",
+            )(x)
+        x = te_flax.LayerNorm(dtype=dtype, name="ln_f")(x)
+        head = te_flax.DenseGeneral(c.vocab, dtype=dtype, kernel_init=init, name="head")
+        if c.quantize_head:
+            logits = head(x)
+        else:
+            with te_jax.autocast(enabled=False, mesh_resource=current_autocast().mesh_resource):
+                logits = head(x)
+        return logits.astype(jnp.float32)
+
+
+def count_params(params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

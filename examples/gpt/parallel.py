@@ -1,0 +1,100 @@
+"""``--mesh dp=..,fsdp=..,tp=..``: the device mesh, te_jax's MeshResource, and where each array lives.
+
+* dp: the batch is split over "dp" (and "fsdp"); parameters are replicated.
+* fsdp: also each weight is split over "fsdp" along its largest divisible axis
+  (XLA gathers it for the GEMM and reduce-scatters its gradient).
+* tp: the transformer layers name their parameters' axes (``logical_axes``)
+  and ``LOGICAL_RULES`` map those names onto the mesh: attention heads and
+  the MLP's hidden axis over "tp", the model axis over "fsdp".
+
+Everything runs under plain ``jax.jit`` with shardings; te_jax's custom calls
+carry sharding rules, and the amaxes they compute are global values. The
+``te_jax.MeshResource`` given to autocast names the same axes (it matters
+inside shard_map, where amaxes are reduced over them).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import te_jax
+
+AXES = ("dp", "fsdp", "tp")
+BATCH = ("dp", "fsdp")
+LOGICAL_RULES = (("embed", "fsdp"), ("heads", "tp"), ("kv", None), ("mlp", "tp"), ("act", None))
+MESH_RESOURCE = te_jax.MeshResource(dp_resource="dp", fsdp_resource="fsdp", tp_resource="tp")
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"dp=2,fsdp=1,tp=1"`` -> {"dp": 2, "fsdp": 1, "tp": 1} (missing axes are 1)."""
+    shape = dict.fromkeys(AXES, 1)
+    for part in filter(None, (s.strip() for s in (spec or "").split(","))):
+        name, _, size = part.partition("=")
+        if name not in shape or not size.isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh: bad entry {part!r}; write e.g. dp=2,fsdp=1,tp=1")
+        shape[name] = int(size)
+    return shape
+
+
+def setup_devices(spec: str, distributed: bool = False) -> None:
+    """Call before anything touches a device: multi-process init, and enough fake CPU devices for the mesh."""
+    if distributed:
+        jax.distributed.initialize()
+    n = math.prod(parse_mesh(spec).values())
+    if n > 1:
+        jax.config.update("jax_num_cpu_devices", n)  # only the CPU backend reads it
+
+
+def make_mesh(shape: dict[str, int]) -> jax.sharding.Mesh:
+    n = math.prod(shape.values())
+    devices = jax.devices()
+    if len(devices) < n:
+        raise ValueError(f"--mesh needs {n} devices, found {len(devices)} ({jax.default_backend()})")
+    return jax.sharding.Mesh(np.asarray(devices[:n]).reshape(tuple(shape[a] for a in AXES)), AXES)
+
+
+def _fsdp_spec(x, size: int) -> P:
+    if size == 1 or x.ndim < 2:
+        return P()
+    for i in sorted(range(x.ndim), key=lambda i: -x.shape[i]):
+        if x.shape[i] % size == 0:
+            return P(*[("fsdp" if j == i else None) for j in range(x.ndim)])
+    return P()
+
+
+def _names(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
+def param_specs(variables, shape: dict[str, int]):
+    """The unboxed variables and a {path: PartitionSpec} map of their leaves (also without the collection)."""
+    logical = nn.get_partition_spec(variables)
+    variables = nn.meta.unbox(variables)
+    with nn.logical_axis_rules(LOGICAL_RULES):
+        mesh_specs = nn.logical_to_mesh(logical)
+    specs = {}
+    for (path, x), (_, spec) in zip(jax.tree_util.tree_flatten_with_path(variables)[0],
+                                    jax.tree_util.tree_flatten_with_path(
+                                        mesh_specs, is_leaf=lambda s: isinstance(s, P))[0]):
+        names = _names(path)
+        specs[names] = specs[names[1:]] = spec if any(a is not None for a in spec) else _fsdp_spec(x, shape["fsdp"])
+    return variables, specs
+
+
+def state_shardings(state, specs: dict, mesh):
+    """A sharding for every leaf of ``state``: a parameter's spec for it and for its optimizer moments."""
+
+    def one(path, x):
+        names = _names(path)
+        for i in range(len(names)):  # the optimizer state's leaves end with their parameter's path
+            if names[i:] in specs and len(specs[names[i:]]) <= np.ndim(x):
+                return NamedSharding(mesh, specs[names[i:]])
+        return NamedSharding(mesh, P())
+
+    return jax.tree_util.tree_map_with_path(one, state)

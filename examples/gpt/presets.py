@@ -1,0 +1,47 @@
+"""Model and run presets: tiny (CPU, seconds per hundred steps), 125m and 1.3b (one GPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer shape. Tokens are bytes, so ``vocab`` is 256."""
+
+    vocab: int = 256
+    layers: int = 2
+    hidden: int = 128
+    heads: int = 4
+    kv_heads: int = 2  # grouped-query attention: heads share kv_heads key/value heads
+    mlp_hidden: int = 512
+    max_len: int = 128
+    rotary: bool = True
+    dtype: str = "bfloat16"  # compute dtype; parameters are float32
+    quantize_head: bool = False  # the output projection stays in high precision unless True
+    logical_axes: bool = False  # name the parameters' axes ("embed", "heads", "mlp", ...) for sharding rules
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    model: ModelConfig
+    batch: int
+    seq_len: int
+    steps: int
+    lr: float
+    warmup: int
+    eval_every: int
+    eval_batches: int
+
+
+PRESETS = {
+    # ~0.4M parameters: trains on 2 CPU cores in a minute or two.
+    "tiny": Preset(ModelConfig(layers=2, hidden=128, heads=4, kv_heads=2, mlp_hidden=512, max_len=128),
+                   batch=16, seq_len=128, steps=200, lr=3e-3, warmup=20, eval_every=50, eval_batches=4),
+    # ~127M parameters (GPT-2 small's width, 18 blocks since byte tokens need almost no embedding).
+    "125m": Preset(ModelConfig(layers=18, hidden=768, heads=12, kv_heads=12, mlp_hidden=3072, max_len=1024),
+                   batch=32, seq_len=1024, steps=500, lr=6e-4, warmup=50, eval_every=100, eval_batches=8),
+    # ~1.29B parameters (GPT-3 XL's width, grouped-query attention with 8 key/value heads).
+    "1.3b": Preset(ModelConfig(layers=28, hidden=2048, heads=16, kv_heads=8, mlp_hidden=8192, max_len=2048),
+                   batch=16, seq_len=2048, steps=500, lr=2e-4, warmup=50, eval_every=100, eval_batches=4),
+}

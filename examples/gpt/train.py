@@ -1,0 +1,415 @@
+"""Train the byte-level GPT with any te_jax recipe.
+
+    python examples/gpt/train.py --preset tiny --recipe current
+    python examples/gpt/train.py --preset tiny --recipe bf16,delayed,current --plot curves.png
+    python examples/gpt/train.py --preset 125m --recipe mxfp8 --ckpt-dir /tmp/ckpt   # ... --resume
+    python examples/gpt/train.py --recipe recipes/mixed_per_layer.py --data my_text.txt
+
+``--recipe`` takes bf16 (no quantization), delayed, current, mxfp8, nvfp4,
+block, a path to a recipes/ module (``te_jax.recipe.load_recipe``), or a
+comma-separated list of those (trained one after the other, then compared in
+a table and, with ``--plot``, a loss-curve PNG).
+
+The FP8 parts of the train step are three lines (see ``make_train_step``):
+the model is initialized and applied inside ``te_jax.autocast``, gradients
+come from ``te_jax.train.value_and_grad`` over the whole variables dict, and
+``te_jax.train.TrainState`` gives the optimizer (AdamW, warmup + cosine
+decay, gradient clipping) the parameters only; the fp8_meta state is
+replaced by its update, never clipped or decayed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import te_jax
+from examples.gpt import data as data_lib
+from examples.gpt import parallel, report
+from examples.gpt.model import GPT, count_params
+from examples.gpt.presets import PRESETS
+from te_jax import recipe as R
+from te_jax.train import TrainState
+
+RECIPES = {
+    "bf16": None,
+    "delayed": R.DelayedScaling,
+    "current": R.Float8CurrentScaling,
+    "mxfp8": R.MXFP8BlockScaling,
+    "nvfp4": R.NVFP4BlockScaling,
+    "block": R.Float8BlockScaling,
+}
+
+
+def make_recipe(name: str) -> R.Recipe | None:
+    """A recipe from its short name (None for bf16) or from a recipes/ path or name."""
+    if name in RECIPES:
+        cls = RECIPES[name]
+        return None if cls is None else cls()
+    return R.load_recipe(name)
+
+
+def recipe_label(name: str) -> str:
+    return Path(name).stem if name.endswith(".py") else name
+
+
+# ---- configuration -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    preset: str = "tiny"
+    recipe: str = "bf16"
+    steps: int | None = None
+    batch: int | None = None
+    seq_len: int | None = None
+    lr: float | None = None
+    warmup: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0
+    eval_every: int | None = None
+    eval_batches: int | None = None
+    log_every: int = 10
+    data: str | None = None
+    data_bytes: int = 16 << 20
+    mesh: str = ""
+    ckpt_dir: str | None = None
+    ckpt_every: int = 0
+    resume: str | None = None  # "latest" or a step number
+    tensorboard: str | None = None
+    progress: bool = True
+    dtype: str | None = None
+
+    def resolved(self) -> RunConfig:
+        """With the preset's values filled in where a field is None."""
+        p = PRESETS[self.preset]
+        fill = dict(steps=p.steps, batch=p.batch, seq_len=p.seq_len, lr=p.lr, warmup=p.warmup,
+                    eval_every=p.eval_every, eval_batches=p.eval_batches, dtype=p.model.dtype)
+        return dataclasses.replace(self, **{k: v for k, v in fill.items() if getattr(self, k) is None})
+
+    def model_config(self):
+        m = PRESETS[self.preset].model
+        return dataclasses.replace(m, max_len=max(m.max_len, self.seq_len), dtype=self.dtype)
+
+
+# ---- the model's train state, shardings and steps ----------------------------------------------
+
+
+def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
+    """AdamW with linear warmup and cosine decay, after clipping the global gradient norm.
+
+    te_jax.train.TrainState hands this optimizer the parameters only, so the
+    clipping and the weight decay never touch the fp8_meta state.
+    """
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, min(cfg.warmup, max(cfg.steps - 1, 1)), max(cfg.steps, 2), end_value=cfg.lr * cfg.min_lr_ratio)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731  (kernels, embeddings)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask),
+    )
+
+
+def autocast_for(recipe: R.Recipe | None, mesh_resource):
+    """The autocast block every trace of the model runs in (disabled for bf16)."""
+    if recipe is None:
+        return te_jax.autocast(enabled=False, mesh_resource=mesh_resource)
+    return te_jax.autocast(recipe=recipe, mesh_resource=mesh_resource)
+
+
+def cross_entropy(logits, targets):
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def make_train_step(model, recipe, mesh_resource, base_key):
+    def train_step(state: TrainState, tokens):
+        key = jax.random.fold_in(base_key, state.step)  # new "quantize" key each step (NVFP4 rounding)
+
+        def loss_fn(variables):
+            logits = state.apply_fn(variables, tokens[:, :-1], rngs={"quantize": key})
+            return cross_entropy(logits, tokens[:, 1:])
+
+        with autocast_for(recipe, mesh_resource):
+            loss, grads = te_jax.train.value_and_grad(loss_fn)(state.params)
+        squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads["params"])]
+        grad_norm = jnp.sqrt(sum(squares))
+        return state.apply_gradients(grads=grads), {"loss": loss, "grad_norm": grad_norm}
+
+    return train_step
+
+
+def make_eval_step(model, recipe, mesh_resource):
+    def eval_step(variables, tokens):
+        with autocast_for(recipe, mesh_resource):
+            logits = model.apply(variables, tokens[:, :-1])
+        return cross_entropy(logits, tokens[:, 1:])
+
+    return eval_step
+
+
+# ---- checkpoints ---------------------------------------------------------------------------------
+
+
+def _ckpt_manager(cfg: RunConfig):
+    import orbax.checkpoint as ocp
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=3, create=True)
+    return ocp.CheckpointManager(Path(cfg.ckpt_dir).absolute(), options=options)
+
+
+def _ckpt_tree(state: TrainState) -> dict:
+    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
+
+
+def save_checkpoint(manager, state: TrainState, meta: dict) -> None:
+    import orbax.checkpoint as ocp
+
+    step = int(state.step)
+    if step in manager.all_steps():
+        return
+    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_ckpt_tree(state)),
+                                               meta=ocp.args.JsonSave(meta)))
+
+
+def restore_checkpoint(manager, state: TrainState, which: str, meta: dict) -> TrainState:
+    """``state`` with step, params (fp8_meta included) and optimizer state from the checkpoint."""
+    import orbax.checkpoint as ocp
+
+    step = manager.latest_step() if which == "latest" else int(which)
+    if step is None or step not in manager.all_steps():
+        raise FileNotFoundError(f"--resume {which}: no such checkpoint in {manager.directory} "
+                                f"(steps there: {list(manager.all_steps())})")
+    saved_meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    for key in ("preset", "recipe"):
+        if saved_meta.get(key) != meta[key]:
+            raise ValueError(f"--resume: the checkpoint was written with --{key} {saved_meta.get(key)!r}, "
+                             f"this run has {meta[key]!r}")
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                          if isinstance(x, jax.Array) else x, _ckpt_tree(state))
+    tree = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+    return state.replace(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
+
+
+# ---- one run -------------------------------------------------------------------------------------
+
+
+def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state: bool = False) -> dict:
+    """Trains one recipe; returns its history and final figures (and the TrainState when asked)."""
+    cfg = cfg.resolved()
+    label = recipe_label(cfg.recipe)
+    recipe = make_recipe(cfg.recipe)
+    shape = parallel.parse_mesh(cfg.mesh)
+    mesh = parallel.make_mesh(shape)
+    mesh_resource = parallel.MESH_RESOURCE
+    batch_sharding = NamedSharding(mesh, P(parallel.BATCH))
+    if cfg.batch % (shape["dp"] * shape["fsdp"]):
+        raise ValueError(f"--batch {cfg.batch} must be divisible by dp*fsdp = {shape['dp'] * shape['fsdp']}")
+    corpus = corpus or data_lib.load(cfg.data, cfg.data_bytes)
+    evals = [jax.device_put(b, batch_sharding)
+             for b in data_lib.eval_batches(corpus, cfg.eval_batches, cfg.batch, cfg.seq_len)]
+
+    model = GPT(dataclasses.replace(cfg.model_config(), logical_axes=shape["tp"] > 1))
+    init_key, quant_key = jax.random.split(jax.random.key(cfg.seed))
+    dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
+    with autocast_for(recipe, mesh_resource):  # creates fp8_meta when the recipe keeps state
+        variables = jax.jit(model.init)({"params": init_key, "quantize": quant_key}, dummy)
+    variables, specs = parallel.param_specs(dict(variables), shape)
+    state = TrainState.create(apply_fn=model.apply, params=variables, tx=make_optimizer(cfg))
+    state = state.replace(step=jnp.asarray(0, jnp.int32))
+    shardings = parallel.state_shardings(state, specs, mesh)
+    state = jax.device_put(state, shardings)
+
+    meta = {"preset": cfg.preset, "recipe": cfg.recipe, "seed": cfg.seed}
+    manager = _ckpt_manager(cfg) if cfg.ckpt_dir else None
+    if cfg.resume:
+        if manager is None:
+            raise ValueError("--resume needs --ckpt-dir")
+        state = restore_checkpoint(manager, state, cfg.resume, meta)
+    start = int(state.step)
+
+    train_step = jax.jit(make_train_step(model, recipe, mesh_resource, quant_key),
+                         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
+                         donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(model, recipe, mesh_resource))
+
+    def evaluate(params):
+        return float(np.mean([float(eval_step(params, b)) for b in evals]))
+
+    n_params = count_params(state.params["params"])
+    tokens_per_step = cfg.batch * cfg.seq_len
+    writer = report.make_writer(cfg.tensorboard, label) if cfg.tensorboard else None
+    bar = report.Progress(range(start, cfg.steps), enabled=cfg.progress, desc=f"{label:>8}", total=cfg.steps,
+                          initial=start)
+    hist = {"step": [], "loss": [], "eval_step": [], "eval_loss": []}
+    pending, train_time, timed_steps, t0, timed_from = [], 0.0, 0, None, start
+    for step in bar:
+        tokens = jax.device_put(data_lib.train_batch(corpus, step, cfg.batch, cfg.seq_len, cfg.seed),
+                                batch_sharding)
+        state, metrics = train_step(state, tokens)
+        done = step + 1
+        pending.append((done, metrics))
+        if t0 is None:  # the first step compiles: time from its end
+            jax.block_until_ready(metrics)
+            t0, timed_from = time.perf_counter(), done
+        last = done == cfg.steps
+        do_eval = last or (cfg.eval_every and done % cfg.eval_every == 0)
+        do_save = manager is not None and (last or (cfg.ckpt_every and done % cfg.ckpt_every == 0))
+        if not (last or do_eval or do_save or done % cfg.log_every == 0):
+            continue
+        # A log point: wait for the steps so far, then evaluate / save outside the timed region.
+        for s, m in jax.device_get(pending):
+            hist["step"].append(s)
+            hist["loss"].append(float(m["loss"]))
+            if writer:
+                writer.scalar("train/loss", float(m["loss"]), s)
+                writer.scalar("train/grad_norm", float(m["grad_norm"]), s)
+        pending = []
+        train_time += time.perf_counter() - t0
+        timed_steps = done - timed_from
+        tps = timed_steps * tokens_per_step / train_time if timed_steps else float("nan")
+        if do_eval:
+            hist["eval_step"].append(done)
+            hist["eval_loss"].append(evaluate(state.params))
+        if writer:
+            writer.scalar("train/tokens_per_s", tps, done)
+            if do_eval:
+                writer.scalar("eval/loss", hist["eval_loss"][-1], done)
+        postfix = {"loss": f"{hist['loss'][-1]:.3f}", "tok/s": f"{tps:,.0f}"}
+        if hist["eval_loss"]:
+            postfix["eval"] = f"{hist['eval_loss'][-1]:.3f}"
+        bar.set_postfix(postfix)
+        if do_save:
+            save_checkpoint(manager, state, meta)
+        t0 = time.perf_counter()
+    bar.close()
+    if manager:
+        manager.wait_until_finished()
+        manager.close()
+    if writer:
+        writer.close()
+    tail = hist["loss"][-max(1, len(hist["loss"]) // 10):]
+    result = {
+        "recipe": label,
+        "preset": cfg.preset,
+        "params": n_params,
+        "steps": cfg.steps,
+        "tokens_per_step": tokens_per_step,
+        "backend": jax.default_backend(),
+        "final_train_loss": float(np.mean(tail)) if tail else float("nan"),
+        "final_eval_loss": hist["eval_loss"][-1] if hist["eval_loss"] else float("nan"),
+        "tokens_per_s": timed_steps * tokens_per_step / train_time if timed_steps else float("nan"),
+        "history": hist,
+    }
+    if return_state:
+        result["state"] = state
+    return result
+
+
+# ---- command line -------------------------------------------------------------------------------
+
+
+def format_table(results: list[dict]) -> str:
+    """A plain-text table: recipe, final train/eval loss, tokens/s (and relative to bf16 when present)."""
+    base = next((r["tokens_per_s"] for r in results if r["recipe"] == "bf16"), None)
+    rows = [("recipe", "train loss", "eval loss", "tokens/s", "vs bf16")]
+    for r in results:
+        rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        rows.append((r["recipe"], f"{r['final_train_loss']:.4f}", f"{r['final_eval_loss']:.4f}",
+                     f"{r['tokens_per_s']:,.0f}", rel))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--recipe", default="bf16",
+                   help="bf16|delayed|current|mxfp8|nvfp4|block, a recipes/*.py path, or a comma-separated list")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch", type=int, help="global batch size (sequences)")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--warmup", type=int, help="warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip (parameters only)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int)
+    p.add_argument("--eval-batches", type=int)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--data", help="train on this text file instead of the Python standard library")
+    p.add_argument("--data-bytes", type=int, default=16 << 20, help="read at most this many bytes")
+    p.add_argument("--mesh", default="", help="dp=N,fsdp=N,tp=N (CPU: fake devices are made to fit)")
+    p.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first")
+    p.add_argument("--ckpt-dir", help="save orbax checkpoints (fp8_meta included) here")
+    p.add_argument("--ckpt-every", type=int, default=0, help="also save every N steps (always at the end)")
+    p.add_argument("--resume", nargs="?", const="latest", help="resume from --ckpt-dir (latest, or a step)")
+    p.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard logs (needs tensorboardX or tensorflow)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16)")
+    p.add_argument("--no-progress", action="store_true", help="log lines instead of a tqdm bar")
+    p.add_argument("--plot", metavar="PNG", help="write a loss-curve plot comparing the recipes")
+    p.add_argument("--json", metavar="FILE", help="write the results (histories included) as JSON")
+    return p
+
+
+def config_from_args(args, recipe: str) -> RunConfig:
+    return RunConfig(
+        preset=args.preset, recipe=recipe, steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+        warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every, data=args.data,
+        data_bytes=args.data_bytes, mesh=args.mesh, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,
+        resume=args.resume, tensorboard=args.tensorboard, progress=not args.no_progress, dtype=args.dtype)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
+    recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
+    if len(recipes) > 1 and args.ckpt_dir:
+        raise SystemExit("--ckpt-dir takes one --recipe at a time")
+    parallel.setup_devices(args.mesh, args.distributed)
+    for r in recipes:
+        make_recipe(r)  # fail on a bad name before loading data
+    corpus = data_lib.load(args.data, args.data_bytes)
+    preset = PRESETS[args.preset]
+    print(f"data: {corpus.describe()}")
+    print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()}); "
+          f"preset {args.preset}: {preset.model}")
+    results = []
+    for r in recipes:
+        result = train(config_from_args(args, r), corpus)
+        print(f"{result['recipe']}: {result['params'] / 1e6:.2f}M params, final train loss "
+              f"{result['final_train_loss']:.4f}, eval loss {result['final_eval_loss']:.4f}, "
+              f"{result['tokens_per_s']:,.0f} tokens/s")
+        results.append(result)
+    print()
+    print(format_table(results))
+    if args.plot:
+        path = report.plot_curves(results, args.plot)
+        if path:
+            print(f"loss curves: {path}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Flax Linen layers whose GEMMs run in FP8/FP4 under ``te_jax.autocast``.
+
+::
+
+    import te_jax
+    from te_jax import flax as te_flax      # or: import te_jax.flax as te_flax
+
+    model = te_flax.LayerNormMLP(intermediate_dim=4096)
+    with te_jax.autocast(recipe=te_jax.recipe.DelayedScaling()):
+        variables = model.init(key, x)            # creates "params" and "fp8_meta"
+        y = model.apply(variables, x)
+
+Each layer takes its flax.linen namesake's arguments (plus logical axis names
+for its parameters) and, with autocast off, computes what that namesake
+computes. The functional cores are ``te_jax.dense``,
+``te_jax.layernorm_dense`` and ``te_jax.layernorm_mlp``.
+
+Rematerialization: ``nn.remat(Layer, policy=te_jax.flax.save_fp8_policy)``
+keeps the FP8 copies (and norm statistics) instead of recomputing the casts
+in backward; ``fp8_checkpoint_policy(PRE_ACTIVATION)`` also keeps the MLP's
+first GEMM output. (``DenseGeneral`` runs ``te_jax.dense``, whose copies are
+not named yet; TransformerLayer's projections all run on the named cores.)
+"""
+
+from te_jax.flax.dense import DenseGeneral
+from te_jax.flax.layernorm import LayerNorm, LayerNormDenseGeneral
+from te_jax.flax.mlp import LayerNormMLP
+from te_jax.flax.transformer import SelfAttention, TransformerLayer, rotary_embedding
+from te_jax.layernorm_dense import NORM_STATS, PRE_ACTIVATION, QUANTIZED, fp8_checkpoint_policy, save_fp8_policy
+
+__all__ = [
+    "DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "NORM_STATS", "PRE_ACTIVATION",
+    "QUANTIZED", "SelfAttention", "TransformerLayer", "fp8_checkpoint_policy", "rotary_embedding",
+    "save_fp8_policy",
+]

@@ -1,0 +1,163 @@
+"""Helpers shared by the te_jax.flax modules: parameters, dtypes, recipes, FP8 state, keys."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.linen import dtypes as flax_dtypes
+from flax.linen import meta
+
+from te_jax import FP8_COLLECTION
+from te_jax.autocast import current_recipe
+from te_jax.state import QUANTIZE_RNG, module_path
+
+HIGH_PRECISION = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+Initializer = Callable[..., Any]
+
+
+def where(module: nn.Module) -> str:
+    """``"LayerNormMLP at TransformerLayer_0/mlp"`` for error messages."""
+    path = "/".join(module_path(module))
+    return f"{type(module).__name__}" + (f" at {path}" if path else "")
+
+
+def check_dtypes(module: nn.Module, x: jax.Array | None = None) -> None:
+    """Input, ``dtype`` and ``param_dtype`` must be float32, bfloat16 or float16 (a clear error otherwise)."""
+    for name in ("dtype", "param_dtype"):
+        value = getattr(module, name, None)
+        if value is not None and jnp.dtype(value) not in HIGH_PRECISION:
+            raise TypeError(f"te_jax: {where(module)}: {name}={jnp.dtype(value)} is not supported; use float32, "
+                            "bfloat16 or float16")
+    if x is not None:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or jnp.dtype(dtype) not in HIGH_PRECISION:
+            raise TypeError(f"te_jax: {where(module)}: the input must be a float32, bfloat16 or float16 array, "
+                            f"got {dtype if dtype is not None else type(x).__name__}")
+
+
+def canonical_axes(axes, ndim: int, module: nn.Module, what: str = "axis") -> tuple[int, ...]:
+    axes = (axes,) if isinstance(axes, (int, np.integer)) else tuple(axes)
+    out = tuple(int(a) % ndim for a in axes if -ndim <= int(a) < ndim)
+    if len(out) != len(axes) or len(set(out)) != len(out):
+        raise ValueError(f"te_jax: {where(module)}: {what}={axes} are not distinct axes of a rank-{ndim} input")
+    return out
+
+
+def flat_init(init: Initializer, n_in: int) -> Initializer:
+    """``init`` applied to the kernel viewed as ``[prod(in axes), prod(out axes)]``, as flax's DenseGeneral does."""
+
+    def wrapped(rng, shape, dtype=jnp.float32):
+        flat = (int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:])))
+        value = init(rng, flat, dtype)
+        if isinstance(value, meta.AxisMetadata):
+            return meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
+        return jnp.reshape(value, shape)
+
+    return wrapped
+
+
+def flat_bias_init(init: Initializer) -> Initializer:
+    """``init`` applied to the bias viewed as a vector, as flax's DenseGeneral does."""
+
+    def wrapped(rng, shape, dtype=jnp.float32):
+        value = init(rng, (int(np.prod(shape)),), dtype)
+        if isinstance(value, meta.AxisMetadata):
+            return meta.replace_boxed(value, jnp.reshape(value.unbox(), shape))
+        return jnp.reshape(value, shape)
+
+    return wrapped
+
+
+def param(module: nn.Module, name: str, init: Initializer, shape: Sequence[int], dtype, axes: Sequence[str] = ()):
+    """``module.param`` with logical axis names (``nn.with_logical_partitioning``) when ``axes`` is given.
+
+    An existing parameter of another shape raises a te_jax error that names
+    the parameter and the shape the input needs.
+    """
+    shape = tuple(int(d) for d in shape)
+    if axes:
+        axes = tuple(axes)
+        if len(axes) != len(shape):
+            raise ValueError(f"te_jax: {where(module)}: {name} has {len(shape)} axes {shape} but its logical axis "
+                             f"names are {axes}")
+        init = nn.with_logical_partitioning(init, axes)
+    if module.has_variable("params", name):
+        have = module.get_variable("params", name)
+        have = have.unbox() if isinstance(have, meta.AxisMetadata) else have
+        if tuple(np.shape(have)) != shape:
+            raise ValueError(f"te_jax: {where(module)}: parameter {name!r} has shape {tuple(np.shape(have))}, but "
+                             f"this input needs {shape}; check the input's feature size")
+    return module.param(name, init, shape, dtype)
+
+
+def compute_dtype(dtype, *arrays):
+    """flax's rule: ``dtype`` if given, else the promoted type of the arrays (None ignored)."""
+    return flax_dtypes.canonicalize_dtype(*arrays, dtype=dtype)
+
+
+def recipe_or_none():
+    """The active autocast's recipe (None outside autocast or when disabled)."""
+    return current_recipe()
+
+
+def gemm_state(module: nn.Module, quantizers, name: str | None = None) -> dict[str, Any]:
+    """A GEMM's state from ``fp8_meta`` (created when initializing).
+
+    With ``name`` None each role is a variable of the module (``fp8_meta/<path>/<role>``);
+    otherwise one variable ``name`` holds ``{role: state}`` (``fp8_meta/<path>/<name>/<role>``).
+    """
+    stateful = quantizers.stateful()
+    if not stateful:
+        return {}
+    names = [name] if name is not None else list(stateful)
+    for n in names:
+        if not module.has_variable(FP8_COLLECTION, n) and not module.is_mutable_collection(FP8_COLLECTION):
+            raise ValueError(
+                f"te_jax: {where(module)} has no {FP8_COLLECTION} state {n!r}: initialize the model under "
+                f"te_jax.autocast with this recipe and pass variables[{FP8_COLLECTION!r}] to apply")
+    if name is None:
+        return {r: module.variable(FP8_COLLECTION, r, q.init_state).value for r, q in stateful.items()}
+    value = dict(module.variable(FP8_COLLECTION, name, quantizers.init_state).value)
+    missing = [r for r in stateful if r not in value]
+    if missing:
+        raise ValueError(f"te_jax: {where(module)}: {FP8_COLLECTION} state {name!r} lacks {missing}; re-initialize "
+                         "the model under this recipe")
+    return value
+
+
+def store_gemm_state(module: nn.Module, new_state: dict | None, name: str | None = None) -> None:
+    """Writes the forward-updated state back when ``fp8_meta`` is mutable (not while initializing)."""
+    if not new_state or module.is_initializing() or not module.is_mutable_collection(FP8_COLLECTION):
+        return
+    if name is None:
+        for role, value in new_state.items():
+            module.put_variable(FP8_COLLECTION, role, value)
+    else:
+        module.put_variable(FP8_COLLECTION, name, dict(new_state))
+
+
+def quantize_key(module: nn.Module, quantized: bool):
+    """A key from the "quantize" RNG stream when quantizing and the stream is given, else None."""
+    if quantized and module.has_rng(QUANTIZE_RNG):
+        return module.make_rng(QUANTIZE_RNG)
+    return None
+
+
+def dropout_mask(module: nn.Module, rate: float, shape, broadcast_dims, rng_name: str, dtype, deterministic: bool):
+    """``bernoulli(1 - rate) / (1 - rate)`` of ``shape`` (size 1 along ``broadcast_dims``), or None."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"te_jax: {where(module)}: a dropout rate must be in [0, 1], got {rate}")
+    if deterministic or rate == 0.0:
+        return None
+    if rate == 1.0:
+        return jnp.zeros(shape, dtype)
+    keep = 1.0 - rate
+    dims = canonical_axes(broadcast_dims, len(shape), module, "dropout broadcast dims") if broadcast_dims else ()
+    draw = tuple(1 if i in dims else d for i, d in enumerate(shape))
+    mask = jax.random.bernoulli(module.make_rng(rng_name), keep, draw)
+    return jnp.broadcast_to(mask.astype(dtype) / jnp.asarray(keep, dtype), shape)

@@ -1,0 +1,173 @@
+"""``TransformerLayer``: a pre-norm decoder block built from the te_jax.flax layers.
+
+::
+
+    x = x + dropout(out(attention(rope(q), rope(k), v)))    q, k, v = qkv(norm(x))   (LayerNormDenseGeneral)
+    x = x + dropout(mlp(x))                                                          (LayerNormMLP, norm inside)
+
+Attention is ``jax.nn.dot_product_attention`` (cuDNN's fused attention on
+GPUs when it supports the shapes and dtype, XLA otherwise; it stays in high
+precision) with a causal mask and grouped-query heads. Module paths:
+``<path>/attention/qkv``, ``<path>/attention/out``, ``<path>/mlp`` (GEMMs
+``<path>/mlp/wi`` and ``<path>/mlp/wo``), so per-layer custom recipes can tell them apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from te_jax.flax import _common as C
+from te_jax.flax.layernorm import LayerNormDenseGeneral
+from te_jax.flax.mlp import LayerNormMLP, activation_name
+from te_jax.layernorm_mlp import GATED
+
+Dtype = Any
+
+
+def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+    """Rotary position embedding of ``x [B, T, N, D]`` (rotate-half convention), computed in float32.
+
+    Args:
+      x: queries or keys; D must be even.
+      positions: ``[B, T]`` or ``[T]`` integer positions.
+      base: the frequency base.
+    """
+    d = x.shape[-1]
+    if d % 2:
+        raise ValueError(f"te_jax: rotary embeddings need an even head dimension, got {d}")
+    inv_freq = 1.0 / (base ** (jnp.arange(0, d // 2, dtype=jnp.float32) * (2.0 / d)))
+    angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [.., T, D/2]
+    angles = jnp.broadcast_to(angles, (*x.shape[:2], d // 2))[:, :, None, :]
+    sin, cos = jnp.sin(angles), jnp.cos(angles)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class SelfAttention(nn.Module):
+    """Pre-norm self-attention: fused QKV projection (with the norm), attention, output projection."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layernorm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    epsilon: float = 1e-6
+    use_bias: bool = False
+    kernel_init: C.Initializer = nn.initializers.lecun_normal()
+    bias_init: C.Initializer = nn.initializers.zeros_init()
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    causal: bool = True
+    rotary: bool = True
+    rotary_base: float = 10000.0
+    implementation: str | None = None
+    logical_axes: bool = False
+
+    @nn.compact
+    def __call__(self, x, mask=None, positions=None):
+        n, kv, d, h = self.num_heads, self.num_kv_heads, self.head_dim, x.shape[-1]
+        ax = self.logical_axes
+        common = dict(use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
+                      dtype=self.dtype, param_dtype=self.param_dtype)
+        qkv = LayerNormDenseGeneral(features=(n + 2 * kv, d), layernorm_type=self.layernorm_type,
+                                    zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon, name="qkv",
+                                    kernel_axes=("embed", "heads", "kv") if ax else (),
+                                    bias_axes=("heads", "kv") if ax else (), scale_axes=("embed",) if ax else (),
+                                    ln_bias_axes=("embed",) if ax else (), **common)(x)
+        q, k, v = qkv[..., :n, :], qkv[..., n:n + kv, :], qkv[..., n + kv:, :]
+        if self.rotary:
+            if positions is None:
+                positions = jnp.arange(x.shape[1])
+            q, k = rotary_embedding(q, positions, self.rotary_base), rotary_embedding(k, positions, self.rotary_base)
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal,
+                                         implementation=self.implementation)
+        return LayerNormDenseGeneral(features=h, axis=(-2, -1), enable_layernorm=False, name="out",
+                                     kernel_axes=("heads", "kv", "embed") if ax else (),
+                                     bias_axes=("embed",) if ax else (), **common)(o)
+
+
+class TransformerLayer(nn.Module):
+    """A pre-norm decoder block; ``[B, T, H] -> [B, T, H]`` (output in the input's dtype).
+
+    Attributes:
+      num_attention_heads: query heads.
+      num_gqa_groups: key/value heads (None: as many as query heads); must divide num_attention_heads.
+      head_dim: per-head width (None: H / num_attention_heads).
+      intermediate_dim: the MLP width (None: 4 H).
+      mlp_activation: the MLP's activation (see ``LayerNormMLP``).
+      layernorm_type, zero_centered_gamma, layernorm_epsilon: both norms.
+      use_bias: biases on every projection.
+      causal: causal self-attention mask.
+      enable_rotary_pos_emb, rotary_base: rotary embeddings of queries and keys.
+      hidden_dropout: dropout on the attention and MLP outputs (before the residual add).
+      intermediate_dropout: dropout on the MLP's activation output.
+      dropout_rng_name: the dropout RNG stream.
+      attention_implementation: ``jax.nn.dot_product_attention``'s implementation (None, "xla", "cudnn").
+      dtype, param_dtype, kernel_init, bias_init: for every sub-layer.
+      logical_axes: give the parameters logical axis names ("embed", "heads", "kv", "mlp", "act").
+    """
+
+    num_attention_heads: int = 8
+    num_gqa_groups: int | None = None
+    head_dim: int | None = None
+    intermediate_dim: int | None = None
+    mlp_activation: Any = "gelu"
+    layernorm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    layernorm_epsilon: float = 1e-6
+    use_bias: bool = False
+    causal: bool = True
+    enable_rotary_pos_emb: bool = True
+    rotary_base: float = 10000.0
+    hidden_dropout: float = 0.0
+    intermediate_dropout: float = 0.0
+    dropout_rng_name: str = "dropout"
+    attention_implementation: str | None = None
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: C.Initializer = nn.initializers.lecun_normal()
+    bias_init: C.Initializer = nn.initializers.zeros_init()
+    logical_axes: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, mask: jax.Array | None = None, positions: jax.Array | None = None,
+                 deterministic: bool = True) -> jax.Array:
+        """Args: x ``[B, T, H]``; mask: boolean, broadcastable to ``[B, N, T, T]`` (True: attend), combined
+        with the causal mask; positions: ``[B, T]`` or ``[T]`` for the rotary embedding (default 0..T-1);
+        deterministic: no dropout."""
+        C.check_dtypes(self, x)
+        if x.ndim != 3:
+            raise ValueError(f"te_jax: {C.where(self)}: the input must be [batch, seq, hidden], got {x.shape}")
+        h, n = x.shape[-1], self.num_attention_heads
+        kv = self.num_gqa_groups or n
+        if n < 1 or kv < 1 or n % kv:
+            raise ValueError(f"te_jax: {C.where(self)}: num_gqa_groups ({kv}) must divide num_attention_heads ({n})")
+        d = self.head_dim or h // n
+        if self.head_dim is None and h % n:
+            raise ValueError(f"te_jax: {C.where(self)}: hidden size {h} is not divisible by {n} heads; set head_dim")
+        norm = dict(layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma)
+        common = dict(use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
+                      dtype=self.dtype, param_dtype=self.param_dtype)
+        attn = SelfAttention(n, kv, d, epsilon=self.layernorm_epsilon, causal=self.causal,
+                             rotary=self.enable_rotary_pos_emb, rotary_base=self.rotary_base,
+                             implementation=self.attention_implementation, logical_axes=self.logical_axes,
+                             name="attention", **norm, **common)(x, mask, positions)
+        drop = nn.Dropout(self.hidden_dropout, rng_collection=self.dropout_rng_name)
+        x = x + drop(attn, deterministic=deterministic).astype(x.dtype)
+        mlp = LayerNormMLP(intermediate_dim=self.intermediate_dim or 4 * h, activation=self.mlp_activation,
+                           epsilon=self.layernorm_epsilon, intermediate_dropout_rate=self.intermediate_dropout,
+                           dropout_rng_name=self.dropout_rng_name, name="mlp", **norm, **common,
+                           **self._mlp_axes())(x, deterministic=deterministic)
+        return x + drop(mlp, deterministic=deterministic).astype(x.dtype)
+
+    def _mlp_axes(self) -> dict:
+        if not self.logical_axes:
+            return {}
+        gated = activation_name(self.mlp_activation, self) in GATED
+        return dict(kernel_axes_1=("embed", "act", "mlp") if gated else ("embed", "mlp"),
+                    bias_axes_1=("act", "mlp") if gated else ("mlp",), kernel_axes_2=("mlp", "embed"),
+                    bias_axes_2=("embed",), scale_axes=("embed",), ln_bias_axes=("embed",))

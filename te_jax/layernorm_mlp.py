@@ -1,0 +1,314 @@
+"""``layernorm_mlp``: ``act(norm(x) @ W1 + b1) @ W2 + b2`` with every cast fused into a kernel.
+
+The functional core of ``te_jax.flax.LayerNormMLP``. Two GEMMs, "wi" (``W1
+[H, N1]``) and "wo" (``W2 [F, H_out]``), each with its own quantizers
+(``MLPQuantizers``) and state (``{"wi": {role: state}, "wo": {role: state}}``)::
+
+    q = MLPQuantizers.from_recipe(recipe)
+    y, state = layernorm_mlp(x, gamma, beta, w1, b1, w2, b2, activation="gelu", quantizers=q,
+                             state=q.init_state())
+
+Kernels and GEMMs (``x`` viewed as ``[M, H]``)::
+
+    forward  ln = te_jax_norm_fwd(x)          written by wi's "linear_input" quantizer (row + col copies)
+             h  = ln @ W1 + b1                (W1 columnwise, wi "linear_weight"; bias in the GEMM epilogue)
+             a  = te_jax_act_fwd(h)           written by wo's "linear_input" quantizer (row + col copies)
+             y  = a @ W2 + b2
+    backward dyq = quantize(dy)               wo "linear_grad_output"
+             da  = dyq @ W2^T ;  dW2 = a^T @ dyq ;  db2 = sum(dy)
+             dh, db1 = te_jax_act_bwd(da, h)  written by wi's "linear_grad_output" quantizer, dbias fused
+             dln = dh @ W1^T  ;  dW1 = ln^T @ dh
+             dx, dgamma, dbeta = te_jax_norm_bwd(dln)
+
+No high-precision copy of ``ln``, ``a`` or ``dh`` is written. Gated
+activations ("swiglu", "geglu") take ``h = [a | g]`` (``N1 = 2F``; a W1 of
+shape ``[H, 2, F]`` flattens to exactly that). With ``dropout_mask`` the
+activation is computed unquantized, multiplied by the mask, then quantized
+(dropout sits between the activation and its cast, so they cannot fuse).
+
+Everything else (roles left in high precision, "linear_output" and
+"linear_grad_input" quantize-dequantize, keys, the state update carried as the
+gradient of ``state``, remat names) is as in ``te_jax.layernorm_dense``; the
+first GEMM's output is also named ``PRE_ACTIVATION``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+
+from te_jax.autocast import current as current_autocast
+from te_jax.dense import DenseQuantizers, as_quantizers
+from te_jax.layernorm_dense import (PRE_ACTIVATION, GemmQuant, NormSpec, as_norm, check_blocks, check_high_precision,
+                                    check_key, check_state, keep, norm_backward, norm_input, normalize_hp,
+                                    raw_key, state_cotangent, state_leaves, vary_of)
+from te_jax.ops import activation as act_ops
+from te_jax.ops.gemm import gemm
+from te_jax.recipe import Recipe
+from te_jax.sharding import MeshResource, match_cotangent, to_varying
+
+ACTIVATIONS = act_ops.ACTIVATIONS
+GATED = act_ops.GATED
+GEMMS = ("wi", "wo")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPQuantizers:
+    """The quantizers of the MLP's two GEMMs.
+
+    Attributes:
+      wi: the first GEMM's (its "linear_input" writes the norm output, its
+        "linear_grad_output" the activation's gradient).
+      wo: the second GEMM's (its "linear_input" writes the activation output).
+    """
+
+    wi: DenseQuantizers = DenseQuantizers()
+    wo: DenseQuantizers = DenseQuantizers()
+
+    @classmethod
+    def from_recipe(cls, recipe: Recipe | None, path: tuple[str, ...] = ()) -> MLPQuantizers:
+        """Asks ``recipe`` per role with the paths ``path + ("wi",)`` and ``path + ("wo",)``."""
+        path = tuple(path)
+        return cls(DenseQuantizers.from_recipe(recipe, path + ("wi",)),
+                   DenseQuantizers.from_recipe(recipe, path + ("wo",)))
+
+    @property
+    def any(self) -> bool:
+        return self.wi.any or self.wo.any
+
+    def init_state(self) -> dict[str, dict]:
+        """``{"wi": {...}, "wo": {...}}``: the initial state of each GEMM's stateful roles."""
+        return {"wi": self.wi.init_state(), "wo": self.wo.init_state()}
+
+
+def _as_mlp_quantizers(q) -> MLPQuantizers:
+    if q is None:
+        return MLPQuantizers()
+    if isinstance(q, MLPQuantizers):
+        return q
+    if isinstance(q, Mapping) and set(q) <= set(GEMMS):
+        return MLPQuantizers(as_quantizers(q.get("wi")), as_quantizers(q.get("wo")))
+    raise TypeError(f"te_jax: layernorm_mlp: quantizers must be an MLPQuantizers, a mapping {{'wi': ..., 'wo': ...}} "
+                    f"or None; got {type(q).__name__}")
+
+
+def act_out_features(activation: str, n1: int, where: str) -> int:
+    """F, the activation output's width, for a first GEMM of width ``n1``."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"te_jax: {where}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation in GATED:
+        if n1 % 2:
+            raise ValueError(f"te_jax: {where}: {activation} needs an even first-GEMM width [a | g], got {n1}")
+        return n1 // 2
+    return n1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    q: MLPQuantizers
+    norm: NormSpec | None
+    activation: str
+    mesh_resource: MeshResource | None
+    leaves: tuple  # {"wi": state_leaves, "wo": state_leaves} as a tuple of pairs
+    vary: tuple  # x, gamma, beta, k1, b1, k2, b2, mask
+    dtype: Any
+    x_dtype: Any
+    b1_dtype: Any
+    b2_dtype: Any
+
+    @property
+    def all_vary(self):
+        return frozenset().union(*self.vary)
+
+
+def layernorm_mlp(
+    x: jax.Array,
+    gamma: jax.Array | None,
+    beta: jax.Array | None,
+    kernel_1: jax.Array,
+    bias_1: jax.Array | None,
+    kernel_2: jax.Array,
+    bias_2: jax.Array | None = None,
+    *,
+    activation: str = "gelu",
+    norm_type: str | None = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    dropout_mask: jax.Array | None = None,
+    quantizers: MLPQuantizers | Mapping | None = None,
+    state: Mapping[str, Any] | None = None,
+    key: jax.Array | None = None,
+    mesh_resource: MeshResource | None = None,
+    precision=None,
+) -> tuple[jax.Array, dict[str, Any] | None]:
+    """``act(norm(x) @ kernel_1 + bias_1) [* dropout_mask] @ kernel_2 + bias_2``.
+
+    Args:
+      x: ``[..., H]``.
+      gamma, beta: the norm's ``[H]`` parameters (see ``layernorm_dense``).
+      kernel_1: ``[H, *]``, flattened to ``[H, N1]`` (``[H, 2, F]`` for gated activations).
+      bias_1: shaped like ``kernel_1.shape[1:]``, or None.
+      kernel_2: ``[F, H_out]`` (F = N1, or N1/2 when gated); bias_2 ``[H_out]`` or None.
+        The kernels' dtype is the compute dtype.
+      activation: one of ``ACTIVATIONS``.
+      norm_type, zero_centered_gamma, epsilon: the norm (None: none).
+      dropout_mask: ``[..., F]``, multiplied into the activation output (e.g.
+        ``bernoulli(keep) / keep``), or None.
+      quantizers: ``MLPQuantizers`` (or ``{"wi": ..., "wo": ...}``), None for high precision.
+      state: ``{"wi": {role: state}, "wo": {role: state}}`` for the stateful quantizers.
+      key: PRNG key for stochastic rounding (wi draws from ``fold_in(key, 0)``, wo from ``fold_in(key, 1)``).
+      mesh_resource, precision: as in ``te_jax.dense``.
+
+    Returns:
+      ``(y [..., H_out], new_state)``.
+    """
+    where = "layernorm_mlp"
+    q = _as_mlp_quantizers(quantizers)
+    norm = as_norm(norm_type, zero_centered_gamma, epsilon, gamma, beta, where)
+    check_high_precision(where, x=x, gamma=gamma, beta=beta, kernel_1=kernel_1, bias_1=bias_1, kernel_2=kernel_2,
+                         bias_2=bias_2, dropout_mask=dropout_mask)
+    h = x.shape[-1]
+    if kernel_1.ndim < 2 or kernel_1.shape[0] != h:
+        raise ValueError(f"te_jax: {where}: kernel_1 must be [H, ...] with x's H={h}, got {kernel_1.shape}")
+    n1 = math.prod(kernel_1.shape[1:])
+    f = act_out_features(activation, n1, where)
+    if kernel_2.ndim != 2 or kernel_2.shape[0] != f:
+        raise ValueError(f"te_jax: {where}: kernel_2 must be [F, H_out] with F={f} ({activation} of a width-{n1} "
+                         f"first GEMM), got {kernel_2.shape}")
+    if kernel_1.dtype != kernel_2.dtype:
+        raise TypeError(f"te_jax: {where}: kernel_1 and kernel_2 must share the compute dtype, got {kernel_1.dtype} "
+                        f"and {kernel_2.dtype}")
+    if bias_1 is not None and bias_1.shape != kernel_1.shape[1:]:
+        raise ValueError(f"te_jax: {where}: bias_1 must have shape {kernel_1.shape[1:]}, got {bias_1.shape}")
+    if bias_2 is not None and bias_2.shape != kernel_2.shape[1:]:
+        raise ValueError(f"te_jax: {where}: bias_2 must have shape {kernel_2.shape[1:]}, got {bias_2.shape}")
+    lead, h_out, dtype = x.shape[:-1], kernel_2.shape[1], kernel_2.dtype
+    if dropout_mask is not None and dropout_mask.shape != (*lead, f):
+        raise ValueError(f"te_jax: {where}: dropout_mask must have shape {(*lead, f)}, got {dropout_mask.shape}")
+    k1 = kernel_1.reshape(h, n1)
+    b1 = None if bias_1 is None else bias_1.reshape(n1)
+    mask = None if dropout_mask is None else dropout_mask.astype(dtype).reshape(-1, f)
+    if not q.any:
+        y = _high_precision(norm, activation, x, gamma, beta, k1, b1, kernel_2, bias_2, mask,
+                            precision)
+        return y.reshape(*lead, h_out), (None if state is None else dict(state))
+    m = math.prod(lead)
+    check_blocks(q.wi, m, h, n1, f"{where} (wi)")
+    check_blocks(q.wo, m, f, h_out, f"{where} (wo)")
+    state = dict(state or {})
+    inner = {g: check_state(getattr(q, g), state.get(g), f"{where} ({g})") for g in GEMMS}
+    if key is None:
+        for g in GEMMS:
+            check_key(getattr(q, g), ("input", "weight", "output"), f"{where} ({g})")
+    if mesh_resource is None:
+        mesh_resource = current_autocast().mesh_resource
+    plan = _Plan(q, norm, activation, mesh_resource, tuple((g, state_leaves(inner[g])) for g in GEMMS),
+                 vary_of(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, dropout_mask), dtype, x.dtype,
+                 None if b1 is None else b1.dtype, None if bias_2 is None else bias_2.dtype)
+    y, new_inner = _vjp(plan, x.reshape(-1, h), gamma, beta, k1, b1, kernel_2, bias_2, mask, inner, raw_key(key))
+    new_state = {**state, **{g: {**dict(state.get(g) or {}), **new_inner[g]} for g in GEMMS}}
+    return y.reshape(*lead, h_out), new_state
+
+
+def _high_precision(norm, activation, x, gamma, beta, k1, b1, k2, b2, mask, precision):
+    """Plain autodiff on the unquantized fused kernels: what flax.linen's LayerNorm-Dense-act-Dense computes."""
+    dtype = k2.dtype
+    ln = normalize_hp(norm, x, gamma, beta, dtype)
+    hid = lax.dot_general(ln, k1, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision)
+    if b1 is not None:
+        hid = hid + b1.astype(hid.dtype)
+    a = act_ops.apply_activation(hid, activation)
+    if mask is not None:
+        a = a * mask.reshape(a.shape)
+    y = lax.dot_general(a, k2, (((a.ndim - 1,), (0,)), ((), ())), precision=precision)
+    return y if b2 is None else y + b2.astype(y.dtype)
+
+
+def _keys(key):
+    return (None, None) if key is None else (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
+
+
+def _activation_output(plan: _Plan, go: GemmQuant, hid, mask, training: bool):
+    """``act(hid)`` written by wo's input quantizer (fused unless dropout sits in between)."""
+    if mask is not None:
+        a = act_ops.activation(hid, plan.activation, out_dtype=plan.dtype) * mask
+        return go.quantize("input", a, rowwise=True, colwise=training)
+    if not go.has("input"):
+        return act_ops.activation(hid, plan.activation, out_dtype=plan.dtype)
+    return go.run("input", lambda qz, st, k: (act_ops.activation(hid, plan.activation, qz, st, rowwise=True,
+                                                                 colwise=training, key=k),))[0]
+
+
+def _forward(plan: _Plan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, training: bool):
+    ki, ko = _keys(key)
+    gi = GemmQuant(plan.q.wi, state["wi"], ki, plan.mesh_resource)
+    go = GemmQuant(plan.q.wo, state["wo"], ko, plan.mesh_resource)
+    ln, stats = norm_input(plan.norm, gi, x, gamma, beta, plan.dtype, training)
+    k1q = gi.quantize("weight", k1, rowwise=training, colwise=True, flatten_axis=1)
+    hid = gemm(ln, k1q, ((1,), (0,)), out_dtype=plan.dtype, bias=b1)
+    hid = checkpoint_name(gi.qdq("output", hid), PRE_ACTIVATION)
+    a = _activation_output(plan, go, hid, mask, training)
+    k2q = go.quantize("weight", k2, rowwise=training, colwise=True, flatten_axis=1)
+    y = gemm(a, k2q, ((1,), (0,)), out_dtype=plan.dtype, bias=b2)
+    y = to_varying(go.qdq("output", y), plan.all_vary)
+    res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(k1q, "rowwise"), hid,
+           keep(a, "colwise"), keep(k2q, "rowwise"), mask, {"wi": gi.st, "wo": go.st},
+           {"wi": gi.grads, "wo": go.grads}, key)
+    return (y, {"wi": gi.new_state(), "wo": go.new_state()}), res
+
+
+def _primal(plan, *args):
+    return _forward(plan, *args, training=False)[0]
+
+
+def _fwd(plan, *args):
+    return _forward(plan, *args, training=True)
+
+
+def _bwd(plan: _Plan, res, cts):
+    x, gamma, beta, stats, ln, k1q, hid, a, k2q, mask, st, grads, key = res
+    dy = cts[0]
+    if key is None:
+        for g in GEMMS:
+            check_key(getattr(plan.q, g), ("grad_output", "grad_input"), f"layernorm_mlp ({g})")
+    ki, ko = _keys(key)
+    gi = GemmQuant(plan.q.wi, st["wi"], ki, plan.mesh_resource)
+    go = GemmQuant(plan.q.wo, st["wo"], ko, plan.mesh_resource)
+    # Second GEMM. Backward GEMMs accumulate without Hopper's fast FP8 accumulation, as te_jax.dense does.
+    dyq = go.quantize("grad_output", dy, rowwise=True, colwise=True)
+    da = go.qdq("grad_input", gemm(dyq, k2q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=False))
+    dk2 = gemm(a, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=False)
+    db2 = None if plan.b2_dtype is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(plan.b2_dtype)
+    if mask is not None:
+        da = da * mask
+    # Activation backward, fused with the cast of dh (wi's grad_output) and with db1.
+    has_b1 = plan.b1_dtype is not None
+
+    def act_grad(qz, s, k):
+        return act_ops.activation_grad(da, hid, plan.activation, qz, s, dbias=has_b1, rowwise=True, colwise=True,
+                                       key=k, out_dtype=None if qz is not None else plan.dtype)
+
+    dh, db1 = gi.run("grad_output", act_grad) if gi.has("grad_output") else act_grad(None, None, None)
+    db1 = None if not has_b1 else db1.astype(plan.b1_dtype)
+    # First GEMM and the norm.
+    dln = gi.qdq("grad_input", gemm(dh, k1q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=False))
+    dk1 = gemm(ln, dh, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=False)
+    dx, dgamma, dbeta = norm_backward(plan.norm, dln, x, gamma, beta, stats, plan.x_dtype)
+    u = plan.all_vary
+    vx, vg, vb, vk1, vb1, vk2, vb2, vm = plan.vary
+    leaves = dict(plan.leaves)
+    dstate = {g: state_cotangent(leaves[g], {**grads[g], **new.grads}, u) for g, new in (("wi", gi), ("wo", go))}
+    opt = lambda ct, v: None if ct is None else match_cotangent(ct, u, v)  # noqa: E731
+    return (match_cotangent(dx, u, vx), opt(dgamma, vg), opt(dbeta, vb), match_cotangent(dk1, u, vk1),
+            opt(db1, vb1), match_cotangent(dk2, u, vk2), opt(db2, vb2), None, dstate, None)
+
+
+_vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))
+_vjp.defvjp(_fwd, _bwd)
