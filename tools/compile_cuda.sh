@@ -11,8 +11,12 @@ inc_dir=.cache/cublas/nvidia/cu13/include
 if [ ! -f "$inc_dir/cublasLt.h" ]; then
   mkdir -p .cache/cublas
   $PY -m pip download -q --disable-pip-version-check --no-deps -d .cache/cublas "nvidia-cublas>=13"
-  (cd .cache/cublas && $PY -m zipfile -e nvidia_cublas-*.whl . >/dev/null 2>&1 || true)
-  find .cache/cublas -name '*.so*' -delete
+  $PY - <<'PYEOF'
+import glob, zipfile
+wheel = sorted(glob.glob(".cache/cublas/nvidia_cublas-*.whl"))[-1]
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(".cache/cublas", [n for n in z.namelist() if "/include/" in n])
+PYEOF
 fi
 [ -f "$inc_dir/cublasLt.h" ] || { echo "compile_cuda: could not get cublasLt.h"; exit 1; }
 
