@@ -44,12 +44,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.autocast import current as current_autocast
 from te_jax.ops.gemm import gemm
 from te_jax.quantize.delayed import as_float32
 from te_jax.recipe import ROLES, Recipe, Role
 from te_jax.sharding import MeshResource, match_cotangent, reduce_amax, to_varying, varying_axes
+
+QUANTIZED = "te_jax_quantized"  # checkpoint name of every forward quantized copy (inputs, weights, activations)
 
 _FIELDS = ("input", "weight", "output", "grad_output", "grad_input")
 _ROLE_OF = dict(zip(_FIELDS, ROLES))
@@ -230,10 +233,28 @@ def _role_key(key, role: str):
     return None if key is None else jax.random.fold_in(key, ROLES.index(role))
 
 
+def name_quantized(t):
+    """``checkpoint_name(t, QUANTIZED)``, with FP8 leaves named as their uint8 bits.
+
+    Remat inserts ``reduce_precision(x, **finfo(x.dtype))`` on saved float
+    residuals, which for float8_e4m3fn follows IEEE rules and turns every value
+    of magnitude >= 256 into NaN (jax 0.10). The bits saved as uint8 are left alone.
+    """
+
+    def one(v):
+        if v is None or not (jnp.issubdtype(v.dtype, jnp.floating) and jnp.dtype(v.dtype).itemsize == 1):
+            return checkpoint_name(v, QUANTIZED)
+        bits = checkpoint_name(lax.bitcast_convert_type(v, jnp.uint8), QUANTIZED)
+        return lax.bitcast_convert_type(bits, v.dtype)
+
+    return jax.tree.map(one, t)
+
+
 def _quantize(plan: _Plan, role: str, x, state, key, *, rowwise=True, colwise=False, flatten_axis):
     """(ScaledTensor, forward-updated state, state gradient); the states are None when stateless."""
     qz = plan.q.by_role()[role]
     t = qz.quantize(x, state, rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis, key=_role_key(key, role))
+    t = name_quantized(t)  # before the state update reads its amax, so remat can save rather than recompute it
     if state is None:
         return t, None, None
     if t.amax is None:

@@ -46,7 +46,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.autocast import current as current_autocast
-from te_jax.dense import DenseQuantizers, as_quantizers
+from te_jax.dense import QUANTIZED, DenseQuantizers, as_quantizers, name_quantized
 from te_jax.ops import norm as norm_ops
 from te_jax.ops.gemm import gemm
 from te_jax.quantize.delayed import as_float32
@@ -56,7 +56,6 @@ from te_jax.recipe import ROLES
 from te_jax.sharding import MeshResource, match_cotangent, reduce_amax, to_varying, varying_axes
 
 NORM_TYPES = ("layernorm", "rmsnorm")
-QUANTIZED = "te_jax_quantized"  # checkpoint name of every forward quantized copy (inputs, weights, activations)
 NORM_STATS = "te_jax_norm_stats"  # checkpoint name of the norm's mean and rsigma
 PRE_ACTIVATION = "te_jax_pre_activation"  # checkpoint name of an MLP's first GEMM output
 _FIELDS = ("input", "weight", "output", "grad_output", "grad_input")
@@ -214,23 +213,6 @@ class GemmQuant:
 
     def new_state(self) -> dict[str, Any]:
         return {r: self.new.get(r, v) for r, v in self.st.items()}
-
-
-def name_quantized(t):
-    """``checkpoint_name(t, QUANTIZED)``, with FP8 leaves named as their uint8 bits.
-
-    Remat inserts ``reduce_precision(x, **finfo(x.dtype))`` on saved float
-    residuals, which for float8_e4m3fn follows IEEE rules and turns every value
-    of magnitude >= 256 into NaN (jax 0.10). The bits saved as uint8 are left alone.
-    """
-
-    def one(v):
-        if v is None or not (jnp.issubdtype(v.dtype, jnp.floating) and jnp.dtype(v.dtype).itemsize == 1):
-            return checkpoint_name(v, QUANTIZED)
-        bits = checkpoint_name(lax.bitcast_convert_type(v, jnp.uint8), QUANTIZED)
-        return lax.bitcast_convert_type(bits, v.dtype)
-
-    return jax.tree.map(one, t)
 
 
 def keep(t, copy: str):

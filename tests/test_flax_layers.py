@@ -411,8 +411,15 @@ class _Block(nn.Module):
         return tf.TransformerLayer(num_attention_heads=4, num_gqa_groups=2, intermediate_dim=256)(x), None
 
 
-def _stack(policy=None, length=3):
-    block = _Block if policy is None else nn.remat(_Block, policy=policy, prevent_cse=False)
+class _DenseBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = tf.DenseGeneral(256, name="up")(x)
+        return x + tf.DenseGeneral(x.shape[-1], name="down")(jax.nn.gelu(h)), None
+
+
+def _stack(policy=None, length=3, block_cls=_Block):
+    block = block_cls if policy is None else nn.remat(block_cls, policy=policy, prevent_cse=False)
     return nn.scan(block, variable_axes={"params": 0, "fp8_meta": 0}, split_rngs={"params": True, "quantize": True},
                    length=length)()
 
@@ -449,6 +456,22 @@ def test_scan_and_remat_keep_fp8_copies(recipe):
     if recipe == "delayed":
         hist = g["fp8_meta"]["TransformerLayer_0"]["mlp"]["wi"]["linear_input"]["amax_history"]
         assert hist.shape == (3, 4) and len(set(np.asarray(hist[:, -1]).tolist())) == 3  # one state per layer
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_remat_keeps_dense_general_fp8_copies(recipe):
+    """DenseGeneral names its quantized copies too: save_fp8_policy recomputes no cast in backward."""
+    x = _x()
+    stack = lambda policy=None: _stack(policy, block_cls=_DenseBlock)  # noqa: E731
+    with te_jax.autocast(recipe=RECIPES[recipe]):
+        v = stack().init(jax.random.key(0), x, None)
+    plain, (loss, g) = _grad_jaxpr(stack(), v, x, RECIPES[recipe])
+    saved, (loss_s, g_s) = _grad_jaxpr(stack(tf.save_fp8_policy), v, x, RECIPES[recipe])
+    nothing, _ = _grad_jaxpr(stack(jax.checkpoint_policies.nothing_saveable), v, x, RECIPES[recipe])
+    assert _casts(saved) == _casts(plain)
+    assert sum(_casts(nothing).values()) > sum(_casts(plain).values())
+    np.testing.assert_allclose(loss_s, loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: _close(a, b, 1e-5), g_s, g)
 
 
 # ---- dtypes, dropout, errors ----------------------------------------------------------------
