@@ -1,0 +1,240 @@
+"""The GEMM custom call as a primitive: lowered per platform, partitioned, batched.
+
+``call(layout, *args)`` runs one ``te_jax_gemm_*`` custom call (contract:
+``docs/gemm_ffi.md``). The primitive's lowering decides the workspace result
+per platform (empty on CPU, sized for the CUDA handlers on GPU) and checks
+cuBLASLt's alignment when lowering for CUDA. It is wrapped in
+``custom_partitioning`` (sharded operands are never gathered; a sharded
+contraction gives float32 partial products and one psum) and in
+``custom_vmap`` (a vmapped axis becomes a leading axis of the custom call;
+per-tensor scales that vary along it become one scale per matrix).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+import te_jax._ffi  # noqa: F401  (registers the FFI targets)
+
+CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
+_SCALARS = {"a_t": "a_tm", "b_t": "b_tm"}  # per-tensor value -> one value per matrix of the leading axes
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static description of one custom call: what each argument is and how it tiles.
+
+    Roles: "a"/"b" the operands, "a_s"/"b_s" block scales ``[..., rows/r, K/k_block]``,
+    "a_t"/"b_t" per-tensor ``[1]`` values, "a_tm"/"b_tm" one value per matrix
+    ``[..., 1]``, "bias" (appended when ``has_bias``).
+    """
+
+    target: str
+    roles: tuple[str, ...]
+    attrs: tuple[tuple[str, bool], ...] = ()
+    out_dtype: jnp.dtype = jnp.dtype(jnp.float32)
+    has_bias: bool = False
+    n_lead: int = 0  # A's leading axes
+    b_batched: bool = False  # B carries A's leading axes
+    pack: int = 1  # K elements per stored column of A and B (2: packed NVFP4)
+    k_block: int = 0  # K elements per block scale (0: no block scales)
+    a_rows: int = 1  # rows of A per block-scale row (128: 2D blocks)
+    b_rows: int = 1
+
+    @property
+    def all_roles(self) -> tuple[str, ...]:
+        return self.roles + (("bias",) if self.has_bias else ())
+
+
+# ---- the custom call, lowered per platform -------------------------------------------
+
+
+def workspace_bytes(target: str, a_shape, b_shape, k: int, out_dtype, bias_dtype=None) -> int:
+    """The CUDA handlers' workspace: cuBLASLt's 32 MiB plus their scratch (docs/gemm_ffi.md, "Workspace")."""
+    rows_a, rows_b = math.prod(a_shape[:-1]), math.prod(b_shape[:-1])
+    mats_a, mats_b = math.prod(a_shape[:-2]), math.prod(b_shape[:-2])  # matrices per operand (1 if 2-D)
+    slots = 256 * (mats_a + mats_b)  # 256-byte aligned per-matrix scale slots / regions
+    scratch = {"te_jax_gemm_fp8": slots, "te_jax_gemm_fp8_block": 4 * (rows_a + rows_b) * (k // 128) + slots,
+               "te_jax_gemm_mxfp8": 2 * (rows_a + rows_b) * k,
+               "te_jax_gemm_nvfp4": 2 * (rows_a + rows_b) * k + 8 * mats_a}[target]
+    narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    staged = (bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.float32 and jnp.dtype(out_dtype) in narrow) or (
+        target in ("te_jax_gemm_mxfp8", "te_jax_gemm_nvfp4") and jnp.dtype(out_dtype) == jnp.float16)
+    return CUBLAS_WORKSPACE_BYTES + scratch + (4 * rows_a * b_shape[-2] if staged else 0) + 4096
+
+
+def _check_cuda_shapes(lay: Layout, a_shape, b_shape) -> None:
+    """What cuBLASLt needs beyond the CPU handler: 16-aligned M, N, K; K % 32 for MXFP8 and NVFP4."""
+    m, n, k = a_shape[-2], b_shape[-2], a_shape[-1] * lay.pack
+    k_multiple = 32 if lay.target in ("te_jax_gemm_mxfp8", "te_jax_gemm_nvfp4") else 16
+    if m % 16 or n % 16 or k % k_multiple:
+        raise ValueError(f"te_jax: {lay.target} on CUDA needs M and N to be multiples of 16 and K of {k_multiple} "
+                         f"(cuBLASLt's aligned rows), got M={m}, N={n}, K={k}; pad the operands")
+
+
+def _lower(platform: str, ctx, *args, lay: Layout):
+    a, b = ctx.avals_in[lay.roles.index("a")], ctx.avals_in[lay.roles.index("b")]
+    size = 0
+    if platform == "cuda":
+        _check_cuda_shapes(lay, a.shape, b.shape)
+        size = workspace_bytes(lay.target, a.shape, b.shape, a.shape[-1] * lay.pack, lay.out_dtype,
+                               ctx.avals_in[-1].dtype if lay.has_bias else None)
+    ctx = ctx.replace(avals_out=[*ctx.avals_out, jax.core.ShapedArray((size,), jnp.uint8)])
+    return jax.ffi.ffi_lowering(lay.target)(ctx, *args, **dict(lay.attrs))[:1]
+
+
+def _abstract_eval(*avals, lay: Layout):
+    a, b = avals[lay.roles.index("a")], avals[lay.roles.index("b")]
+    return jax.core.ShapedArray((*a.shape[:-1], b.shape[-2]), lay.out_dtype)
+
+
+# The custom call as a primitive, so that its workspace result and the CUDA checks
+# are decided when lowering for a platform.
+_gemm_p = Primitive("te_jax_gemm")
+_gemm_p.def_abstract_eval(_abstract_eval)
+_gemm_jit = jax.jit(lambda lay, *args: _gemm_p.bind(*args, lay=lay), static_argnums=0)
+_gemm_p.def_impl(lambda *args, lay: _gemm_jit(lay, *args))  # eager calls compile it
+for _platform in ("cpu", "cuda"):
+    mlir.register_lowering(_gemm_p, functools.partial(_lower, _platform), platform=_platform)
+
+
+def _ffi_call(lay: Layout, *args):
+    if not lay.has_bias:
+        args = (*args, jnp.zeros((0,), lay.out_dtype))
+    return _gemm_p.bind(*args, lay=lay)
+
+
+# ---- sharding ----------------------------------------------------------------------
+
+_partitioned = custom_partitioning(_ffi_call, static_argnums=(0,))
+
+
+def _sharding_rule(lay: Layout, mesh, value_types, result_types):
+    """Shardy rule: leading axes and M pass through from A, N from B, K is reduced.
+
+    Block-scaled K is the compound ``(kb kq)``: only whole blocks (kb) get
+    sharded, and the scales' K/k_block axis is kb. 2D blocks do the same to M or N.
+    """
+    lead = [f"l{i}" for i in range(lay.n_lead)]
+    m, n = ("(mb mq)" if lay.a_rows > 1 else "m"), ("(nb nq)" if lay.b_rows > 1 else "n")
+    k = "(kb kq)" if lay.k_block else "k"
+    b_lead = lead if lay.b_batched else []
+    dims = {
+        "a": [*lead, m, k], "b": [*b_lead, n, k],
+        "a_s": [*lead, "mb" if lay.a_rows > 1 else "m", "kb"],
+        "b_s": [*b_lead, "nb" if lay.b_rows > 1 else "n", "kb"],
+        "a_t": ["ta"], "b_t": ["tb"], "a_tm": [*lead, "ta"], "b_tm": [*b_lead, "tb"], "bias": [n],
+    }
+    rule = ", ".join(" ".join(dims[r]) for r in lay.all_roles) + " -> " + " ".join([*lead, m, n])
+    sizes = {"mq": lay.a_rows} if lay.a_rows > 1 else {}
+    sizes |= {"nq": lay.b_rows} if lay.b_rows > 1 else {}
+    if lay.k_block:
+        sizes["kq"] = lay.k_block // lay.pack
+    return rule, dict(reduction_factors=("kb", "kq") if lay.k_block else ("k",), **sizes)
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _plan(lay: Layout, mesh, arg_shapes):
+    """Shardings that keep every operand where it is: (args, result, contraction mesh axes).
+
+    Scales follow their data. A mesh axis serves one role (leading > M > K > N);
+    a sharding that does not split its dimension into whole blocks is dropped
+    (that operand is gathered).
+    """
+    specs = [tuple(getattr(s.sharding, "spec", ())) + (None,) * len(s.shape) for s in arg_shapes]
+    ia, ib = lay.roles.index("a"), lay.roles.index("b")
+    a_shape, b_shape = arg_shapes[ia].shape, arg_shapes[ib].shape
+    a_spec, b_spec = specs[ia][: len(a_shape)], specs[ib][: len(b_shape)]
+    used: set[str] = set()
+
+    def take(entry, units: int):
+        axes = tuple(x for x in _mesh_axes(entry) if x not in used)
+        if not axes or units % math.prod(mesh.shape[x] for x in axes):
+            return None
+        used.update(axes)
+        return axes
+
+    lead = [take(a_spec[i], a_shape[i]) for i in range(lay.n_lead)]
+    m = take(a_spec[-2], a_shape[-2] // lay.a_rows)
+    k_units = a_shape[-1] * lay.pack // (lay.k_block or 1)
+    k = take(a_spec[-1], k_units) or take(b_spec[-1], k_units)
+    n = take(b_spec[-2], b_shape[-2] // lay.b_rows)
+    b_lead = lead if lay.b_batched else []
+    per_role = {"a": (*lead, m, k), "a_s": (*lead, m, k), "b": (*b_lead, n, k), "b_s": (*b_lead, n, k),
+                "a_t": (None,), "b_t": (None,), "a_tm": (*lead, None), "b_tm": (*b_lead, None), "bias": (n,)}
+    args = tuple(NamedSharding(mesh, PartitionSpec(*per_role[r])) for r in lay.all_roles)
+    return args, NamedSharding(mesh, PartitionSpec(*lead, m, n)), k
+
+
+def _partition(lay: Layout, mesh, arg_shapes, result_shape):
+    arg_shardings, out_sharding, k_axes = _plan(lay, mesh, arg_shapes)
+    if not k_axes:
+        return mesh, functools.partial(_ffi_call, lay), out_sharding, arg_shardings
+    partial_lay = dataclasses.replace(lay, out_dtype=jnp.dtype(jnp.float32), has_bias=False)
+
+    def partial_products(*args):
+        # float32 partial sums over the local K, one all-reduce, then bias and cast.
+        operands = args[:-1] if lay.has_bias else args
+        out = lax.psum(_ffi_call(partial_lay, *operands), k_axes)
+        if lay.has_bias:
+            out = out + args[-1].astype(jnp.float32)
+        return out.astype(lay.out_dtype)
+
+    return mesh, partial_products, out_sharding, arg_shardings
+
+
+_partitioned.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=lambda lay, mesh, arg_shapes, result_shape: _plan(lay, mesh, arg_shapes)[1],
+    sharding_rule=_sharding_rule,
+)
+
+
+# ---- batching ----------------------------------------------------------------------
+
+
+def _vmap_rule(lay: Layout, axis_size: int, in_batched, *args):
+    """The vmapped axis becomes A's first leading axis (and B's, when B or its scales vary along it)."""
+    roles = lay.all_roles
+    b_batched = lay.b_batched or any(b for r, b in zip(roles, in_batched) if r[0] == "b" and r != "bias")
+    ia = roles.index("a")
+    lead = (axis_size, *args[ia].shape[int(in_batched[ia]):-2])
+
+    def expand(x, role, batched):
+        if role == "bias" or (role[0] == "b" and not b_batched) or (role in _SCALARS and not batched):
+            return x
+        x = x if batched else x[None]
+        if role in _SCALARS or (role[0] == "b" and not lay.b_batched):  # shared so far: add A's leading axes
+            x = x.reshape(x.shape[0], *(1,) * lay.n_lead, *x.shape[1:])
+        return jnp.broadcast_to(x, (*lead, *x.shape[-1 if role in _SCALARS or role.endswith("_tm") else -2:]))
+
+    xs = [expand(x, r, b) for x, r, b in zip(args, roles, in_batched)]
+    new_roles = tuple(_SCALARS[r] if r in _SCALARS and b else r for r, b in zip(lay.roles, in_batched))
+    new = dataclasses.replace(lay, roles=new_roles, n_lead=lay.n_lead + 1, b_batched=b_batched)
+    if not (lay.has_bias and in_batched[-1]):
+        return call(new, *xs), True
+    # A bias per batch element: add it in float32 after the call, then cast, as the handler would.
+    out = call(dataclasses.replace(new, out_dtype=jnp.dtype(jnp.float32), has_bias=False), *xs[:-1])
+    bias = xs[-1].astype(jnp.float32).reshape(axis_size, *(1,) * (out.ndim - 2), xs[-1].shape[-1])
+    return (out + bias).astype(lay.out_dtype), True
+
+
+def call(lay: Layout, *args):
+    run = jax.custom_batching.custom_vmap(lambda *xs: _partitioned(lay, *xs))
+    run.def_vmap(functools.partial(_vmap_rule, lay))
+    return run(*args)
