@@ -25,7 +25,6 @@ Usage: python benchmarks/bench_norm_act.py [--m 16384 --n 8192] [--out r.json] [
 
 from __future__ import annotations
 
-import json
 import sys
 import traceback
 
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax  # noqa: F401
-from timing import bandwidth_parser, time_fn
+from timing import bandwidth_main, time_fn
 from te_jax.ops import activation as aops
 from te_jax.ops import norm as nops
 from te_jax.ops.fused_cast import CastSpec
@@ -231,26 +230,7 @@ def check(m: int = 256, n: int = 1024) -> list[str]:
 
 
 def main() -> int:
-    p = bandwidth_parser(__doc__, "bench_norm_act.json")
-    args = p.parse_args()
-    print(f"jax {jax.__version__}, devices {jax.devices()}")
-    failures = []
-    if args.check:
-        failures = check()
-        print(f"check: {len(failures)} problems")
-        for f in failures:
-            print("  CHECK", f)
-    res = run_bench(args)
-    res["check_failures"] = failures
-    md = markdown(res)
-    print()
-    print(md)
-    with open(args.out, "w") as fh:
-        json.dump(res, fh, indent=2)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(md)
-    return 1 if failures else 0
+    return bandwidth_main(__doc__, "bench_norm_act.json", check, run_bench, markdown)
 
 
 if __name__ == "__main__":

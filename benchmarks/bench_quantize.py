@@ -25,9 +25,7 @@ Usage: python benchmarks/bench_quantize.py [--m 16384 --n 8192] [--out r.json] [
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 import traceback
 
 import jax
@@ -35,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax  # noqa: F401
-from timing import bandwidth_parser, time_fn
+from timing import bandwidth_main, time_fn
 from te_jax.ops import quantize as qops
 from te_jax.quantize import reference as ref
 
@@ -306,27 +304,7 @@ def check_all() -> list[str]:
 
 
 def main() -> int:
-    p = bandwidth_parser(__doc__, "bench_quantize.json")
-    args = p.parse_args()
-    print(f"jax {jax.__version__}, devices {jax.devices()}")
-    failures = []
-    if args.check:
-        t0 = time.perf_counter()
-        failures = check_all()
-        print(f"check: {len(failures)} mismatching outputs ({time.perf_counter() - t0:.0f} s)")
-        for f in failures[:50]:
-            print("  MISMATCH", f)
-    res = run_bench(args)
-    res["check_failures"] = failures
-    md = markdown(res)
-    print()
-    print(md)
-    with open(args.out, "w") as fh:
-        json.dump(res, fh, indent=2)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(md)
-    return 1 if failures else 0
+    return bandwidth_main(__doc__, "bench_quantize.json", check_all, run_bench, markdown)
 
 
 if __name__ == "__main__":

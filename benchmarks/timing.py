@@ -45,3 +45,33 @@ def bandwidth_parser(description: str, out_default: str) -> argparse.ArgumentPar
     p.add_argument("--md", default=None)
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
     return p
+
+
+def bandwidth_main(description: str, out_default: str, check, run_bench, markdown) -> int:
+    """The shared main of the memory-bound benchmarks: optional check, timing, JSON and markdown out.
+
+    ``check()`` returns a list of failure strings; ``run_bench(args)`` a result dict;
+    ``markdown(result)`` its table. Exits non-zero when the check found failures.
+    """
+    import json
+
+    args = bandwidth_parser(description, out_default).parse_args()
+    print(f"jax {jax.__version__}, devices {jax.devices()}")
+    failures = []
+    if args.check:
+        start = time.perf_counter()
+        failures = check()
+        print(f"check: {len(failures)} failures ({time.perf_counter() - start:.0f} s)")
+        for f in failures[:50]:
+            print("  CHECK", f)
+    res = run_bench(args)
+    res["check_failures"] = failures
+    md = markdown(res)
+    print()
+    print(md)
+    with open(args.out, "w") as fh:
+        json.dump(res, fh, indent=2)
+    if args.md:
+        with open(args.md, "w") as fh:
+            fh.write(md)
+    return 1 if failures else 0
