@@ -205,6 +205,10 @@ def bench_section(section: str, t: int, h: int, n: int, args) -> list[dict]:
                 with te_jax.autocast(recipe=recipe):
                     variables = model.init(jax.random.key(1), x0)
             step = make_step(model, variables, recipe)
+            start = time.perf_counter()
+            jax.block_until_ready(step(*sets[0]))
+            if args.verbose:
+                print(f"    {name}: first step (compile + run) {time.perf_counter() - start:.1f} s", flush=True)
             sec = time_call(step, sets, args.warmup, args.iters, args.trials)
             row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
             del step, variables

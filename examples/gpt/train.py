@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    # appended, not prepended: an installed te_jax (with its compiled modules) wins over the source tree
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 import jax
 import jax.numpy as jnp
