@@ -31,18 +31,20 @@ class AutocastConfig:
       enabled: quantize te_jax layers.
       recipe: the recipe (None when disabled).
       mesh_resource: the mesh axes amaxes are reduced over, or None.
+      inspect: collect quantization statistics (``te_jax.inspect``); False when disabled.
     """
 
     enabled: bool = False
     recipe: recipe_lib.Recipe | None = None
     mesh_resource: MeshResource | None = None
+    inspect: bool = False
 
 
 _current = jax.make_user_context(default_value=AutocastConfig())
 
 
 def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
-             mesh_resource: MeshResource | None = None):
+             mesh_resource: MeshResource | None = None, inspect: bool = False):
     """Context manager: te_jax layers traced inside it quantize with ``recipe``.
 
     Args:
@@ -50,9 +52,14 @@ def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
       recipe: a ``te_jax.recipe`` recipe; None means ``DelayedScaling()``.
       mesh_resource: ``te_jax.MeshResource`` naming the mesh axes that amaxes
         are reduced over inside shard_map; None reduces over every manual axis.
+      inspect: also compute every quantized tensor's statistics and return
+        them through the "fp8_stats" collection (``te_jax.inspect``). Off, the
+        traced program is exactly the one without inspection.
     """
     if not isinstance(enabled, bool):
         raise ValueError(f"te_jax: autocast(enabled=...) must be True or False, got {enabled!r}")
+    if not isinstance(inspect, bool):
+        raise ValueError(f"te_jax: autocast(inspect=...) must be True or False, got {inspect!r}")
     if recipe is not None and not isinstance(recipe, recipe_lib.Recipe):
         raise ValueError(
             f"te_jax: autocast(recipe=...) must be a te_jax.recipe recipe (DelayedScaling, Float8CurrentScaling, "
@@ -61,7 +68,8 @@ def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
     if mesh_resource is not None and not isinstance(mesh_resource, MeshResource):
         raise ValueError(f"te_jax: autocast(mesh_resource=...) must be a te_jax.MeshResource, got {mesh_resource!r}")
     if enabled:
-        config = AutocastConfig(True, recipe if recipe is not None else recipe_lib.DelayedScaling(), mesh_resource)
+        config = AutocastConfig(True, recipe if recipe is not None else recipe_lib.DelayedScaling(), mesh_resource,
+                                inspect)
     else:
         config = AutocastConfig(False, None, mesh_resource)
     return _current(config)
@@ -70,6 +78,12 @@ def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
 def current() -> AutocastConfig:
     """The innermost autocast's setting (disabled outside any block)."""
     return _current.value
+
+
+def inspecting() -> bool:
+    """Whether the innermost autocast quantizes and collects statistics."""
+    config = current()
+    return config.enabled and config.inspect
 
 
 def current_recipe() -> recipe_lib.Recipe | None:

@@ -29,6 +29,13 @@ applies it; see ``te_jax.quantize.delayed`` for its max-mergeable form.
 Stateful amaxes are reduced across devices (``te_jax.sharding.reduce_amax``)
 before the state is updated.
 
+Statistics. With ``inspect=True`` (static; Flax layers take it from
+``te_jax.autocast(..., inspect=True)``) every quantized tensor's statistics
+(``te_jax.inspect.stats``) are computed from the copies already made: the
+forward ones are a third output, and all of them, forward and backward, are
+the gradient of the ``stats`` input, as the state update is that of ``state``.
+Off, nothing of it is traced.
+
 Randomness. Stochastic rounding (NVFP4 gradients) needs ``key``, a PRNG key
 that must change every step (e.g. ``jax.random.fold_in(key, step)``); each
 role draws from ``jax.random.fold_in(key, ROLES.index(role))``. Flax layers
@@ -47,6 +54,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.autocast import current as current_autocast
+from te_jax.inspect.stats import primary_copy, stats_cotangent, stats_input, stats_leaves, tensor_stats
 from te_jax.ops.gemm import gemm
 from te_jax.quantize.delayed import as_float32
 from te_jax.recipe import ROLES, Recipe, Role
@@ -95,6 +103,10 @@ class DenseQuantizers:
     def any(self) -> bool:
         return any(q is not None for q in self.by_role().values())
 
+    def quantized_roles(self) -> tuple[str, ...]:
+        """The roles that have a quantizer."""
+        return tuple(r for r, q in self.by_role().items() if q is not None)
+
     def stateful(self) -> dict[str, Any]:
         """The roles whose quantizer keeps state, with that quantizer."""
         return {r: q for r, q in self.by_role().items() if q is not None and hasattr(q, "init_state")}
@@ -134,7 +146,9 @@ def dense(
     key: jax.Array | None = None,
     mesh_resource: MeshResource | None = None,
     precision=None,
-) -> tuple[jax.Array, dict[str, Any] | None]:
+    inspect: bool = False,
+    stats: Mapping[str, Any] | None = None,
+) -> tuple:
     """``lax.dot_general(x, kernel, contracting_dims) + bias`` with quantized GEMMs.
 
     Args:
@@ -150,9 +164,17 @@ def dense(
       mesh_resource: mesh axes amaxes are reduced over inside shard_map;
         None takes the active autocast's (and without one, every manual axis).
       precision: ``lax.dot_general`` precision of the high-precision path.
+      inspect: also compute the statistics of every quantized tensor
+        (``te_jax.inspect``); a static choice, off by default (then nothing
+        of it is traced).
+      stats: with ``inspect``, the statistics input ``{role: {stat: f32[]}}``
+        (``te_jax.inspect.zeros(quantizers.quantized_roles())``, the default).
+        Its value is never read: its gradient is the statistics of every role,
+        forward and backward, as the state update is the gradient of ``state``.
 
     Returns:
       ``(y, new_state)``: new_state is the forward-updated ``state`` (float32).
+      With ``inspect``, ``(y, new_state, forward statistics)``.
     """
     q = as_quantizers(quantizers)
     x_c = _axes(contracting_dims[0], x.ndim, "x")
@@ -167,7 +189,7 @@ def dense(
         y = lax.dot_general(x, kernel, ((x_c, k_c), ((), ())), precision=precision)
         if bias is not None:
             y = y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
-        return y, (None if state is None else dict(state))
+        return (y, (None if state is None else dict(state))) + (({},) if inspect else ())
 
     stateful = q.stateful()
     state = dict(state or {})
@@ -193,10 +215,11 @@ def dense(
     inner = {r: dict(state[r]) for r in stateful}
     leaves = tuple((r, n, v.dtype, varying_axes(v)) for r in sorted(inner) for n, v in sorted(inner[r].items()))
     vary = (varying_axes(x), varying_axes(kernel), frozenset() if bias is None else varying_axes(bias))
+    qstats = stats_input(q.quantized_roles(), stats) if inspect else None
     plan = _Plan(q, len(x_free), len(x_c), len(k_free), mesh_resource, x.dtype, kernel.dtype,
-                 None if bias is None else bias.dtype, leaves, vary)
-    y, new_inner = _dense_vjp(plan, x2, k2, bias, inner, key)
-    return y, {**state, **new_inner}
+                 None if bias is None else bias.dtype, leaves, vary, inspect, stats_leaves(qstats))
+    y, new_inner, fwd_stats = _dense_vjp(plan, x2, k2, bias, inner, key, qstats)
+    return (y, {**state, **new_inner}) + ((fwd_stats,) if inspect else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +236,8 @@ class _Plan:
     bias_dtype: Any  # None: no bias
     state_leaves: tuple  # ((role, leaf name, dtype, varying axes), ...) of the incoming state
     vary: tuple  # varying axes (shard_map) of x, kernel, bias
+    inspect: bool = False  # record statistics (te_jax.inspect)
+    stats_leaves: tuple = ()  # as state_leaves, of the statistics input
 
     @property
     def all_vary(self) -> frozenset[str]:
@@ -250,11 +275,16 @@ def name_quantized(t):
     return jax.tree.map(one, t)
 
 
-def _quantize(plan: _Plan, role: str, x, state, key, *, rowwise=True, colwise=False, flatten_axis):
-    """(ScaledTensor, forward-updated state, state gradient); the states are None when stateless."""
+def _quantize(plan: _Plan, role: str, x, state, key, *, rowwise=True, colwise=False, flatten_axis, stats=None):
+    """(ScaledTensor, forward-updated state, state gradient); the states are None when stateless.
+
+    ``stats``: a dict that receives the tensor's statistics under ``role`` (None: not inspecting).
+    """
     qz = plan.q.by_role()[role]
     t = qz.quantize(x, state, rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis, key=_role_key(key, role))
     t = name_quantized(t)  # before the state update reads its amax, so remat can save rather than recompute it
+    if stats is not None:
+        stats[role] = tensor_stats(x, t, primary_copy(role))
     if state is None:
         return t, None, None
     if t.amax is None:
@@ -267,9 +297,9 @@ def _quantize(plan: _Plan, role: str, x, state, key, *, rowwise=True, colwise=Fa
     return t, new, grad
 
 
-def _qdq(plan: _Plan, role: str, y, state, key, flatten_axis):
+def _qdq(plan: _Plan, role: str, y, state, key, flatten_axis, stats=None):
     """Quantize, then dequantize, a GEMM output (linear_output, linear_grad_input)."""
-    t, new, grad = _quantize(plan, role, y, state, key, flatten_axis=flatten_axis)
+    t, new, grad = _quantize(plan, role, y, state, key, flatten_axis=flatten_axis, stats=stats)
     return t.dequantize(y.dtype), new, grad
 
 
@@ -281,51 +311,56 @@ def _forward(plan: _Plan, x, kernel, bias, state, key):
     q, r = plan.q, ROLES
     st = {k: as_float32(v) for k, v in state.items()}
     new, grads = {}, {}
+    stats = {} if plan.inspect else None
     xq = kq = None
     if q.input is not None:
-        xq, new[r[0]], grads[r[0]] = _quantize(plan, r[0], x, st.get(r[0]), key, colwise=True, flatten_axis=plan.nb)
+        xq, new[r[0]], grads[r[0]] = _quantize(plan, r[0], x, st.get(r[0]), key, colwise=True, flatten_axis=plan.nb,
+                                               stats=stats)
     if q.weight is not None:
         kq, new[r[1]], grads[r[1]] = _quantize(plan, r[1], kernel, st.get(r[1]), key, colwise=True,
-                                               flatten_axis=plan.nk)
+                                               flatten_axis=plan.nk, stats=stats)
     dims = (tuple(range(plan.nb, plan.nb + plan.nk)), tuple(range(plan.nk)))
     y = gemm(_either(xq, x), _either(kq, kernel), dims, out_dtype=jnp.result_type(x.dtype, kernel.dtype), bias=bias)
     if q.output is not None:
-        y, new[r[2]], grads[r[2]] = _qdq(plan, r[2], y, st.get(r[2]), key, plan.nb)
+        y, new[r[2]], grads[r[2]] = _qdq(plan, r[2], y, st.get(r[2]), key, plan.nb, stats)
     y = to_varying(y, plan.all_vary)  # custom calls drop shard_map's varying-axes types
     new_state = {k: (new[k] if new.get(k) is not None else v) for k, v in st.items()}
     # Keep only the copies the backward GEMMs read: x columnwise (wgrad), W rowwise (dgrad).
     x_res = x if xq is None else dataclasses.replace(xq, data=None, scale_inv=None)
     k_res = kernel if kq is None else dataclasses.replace(kq, colwise_data=None, colwise_scale_inv=None)
     fwd_grads = {k: v for k, v in grads.items() if v is not None}
-    return y, new_state, (x_res, k_res, st, fwd_grads, key)
+    return y, new_state, stats, (x_res, k_res, st, fwd_grads, key, stats)
 
 
-def _dense_primal(plan, x, kernel, bias, state, key):
-    y, new_state, _ = _forward(plan, x, kernel, bias, state, key)
-    return y, new_state
+# The statistics input ``qstats`` is never read: its cotangent carries the statistics out of backward.
+def _dense_primal(plan, x, kernel, bias, state, key, qstats):
+    y, new_state, stats, _ = _forward(plan, x, kernel, bias, state, key)
+    return y, new_state, stats
 
 
-def _dense_fwd(plan, x, kernel, bias, state, key):
-    y, new_state, res = _forward(plan, x, kernel, bias, state, key)
-    return (y, new_state), res
+def _dense_fwd(plan, x, kernel, bias, state, key, qstats):
+    y, new_state, stats, res = _forward(plan, x, kernel, bias, state, key)
+    return (y, new_state, stats), res
 
 
 def _dense_bwd(plan, res, cotangents):
-    x_res, k_res, st, grads, key = res
+    x_res, k_res, st, grads, key, fwd_stats = res
     dy = cotangents[0]
     q, r = plan.q, ROLES
     if key is None:
         _check_key(q, ("grad_output", "grad_input"))
     grads = dict(grads)
     dyq = None
+    stats = dict(fwd_stats) if plan.inspect else None
     if q.grad_output is not None:
-        dyq, _, grads[r[3]] = _quantize(plan, r[3], dy, st.get(r[3]), key, colwise=True, flatten_axis=plan.nb)
+        dyq, _, grads[r[3]] = _quantize(plan, r[3], dy, st.get(r[3]), key, colwise=True, flatten_axis=plan.nb,
+                                        stats=stats)
     dy_n = tuple(range(plan.nb, plan.nb + plan.nn))
     k_n = tuple(range(plan.nk, plan.nk + plan.nn))
     # Backward GEMMs accumulate without Hopper's fast FP8 accumulation (more exact gradients).
     dx = gemm(_either(dyq, dy), k_res, (dy_n, k_n), out_dtype=plan.x_dtype, fast_accum=False)
     if q.grad_input is not None:
-        dx, _, grads[r[4]] = _qdq(plan, r[4], dx, st.get(r[4]), key, plan.nb)
+        dx, _, grads[r[4]] = _qdq(plan, r[4], dx, st.get(r[4]), key, plan.nb, stats)
     batch = tuple(range(plan.nb))
     dk = gemm(x_res, _either(dyq, dy), (batch, batch), out_dtype=plan.k_dtype, fast_accum=False)
     dbias = None
@@ -339,7 +374,7 @@ def _dense_bwd(plan, res, cotangents):
     for role, name, dtype, vary in plan.state_leaves:
         g = match_cotangent(grads[role][name], u, vary, "max")  # identical where amaxes were reduced
         dstate[role][name] = lax.convert_element_type(g, dtype)
-    return dx, dk, dbias, dstate, None
+    return dx, dk, dbias, dstate, None, stats_cotangent(plan.stats_leaves, stats, u)
 
 
 _dense_vjp = jax.custom_vjp(_dense_primal, nondiff_argnums=(0,))

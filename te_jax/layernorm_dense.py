@@ -47,6 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.autocast import current as current_autocast
 from te_jax.dense import QUANTIZED, DenseQuantizers, as_quantizers, name_quantized
+from te_jax.inspect.stats import primary_copy, stats_cotangent, stats_input, stats_leaves, tensor_stats
 from te_jax.ops import norm as norm_ops
 from te_jax.ops.gemm import gemm
 from te_jax.quantize.delayed import as_float32
@@ -167,27 +168,35 @@ class GemmQuant:
       state: role -> state of the stateful roles (float32 or max-merging leaves).
       key: raw PRNG key or None; role r draws from ``fold_in(key, ROLES.index(r))``.
       mesh_resource: the axes amaxes are reduced over.
+      inspect: also record each quantized tensor's statistics in ``stats``
+        (``te_jax.inspect``); off, ``stats`` is None and nothing is computed.
     """
 
-    def __init__(self, q: DenseQuantizers, state: Mapping, key, mesh_resource: MeshResource | None):
+    def __init__(self, q: DenseQuantizers, state: Mapping, key, mesh_resource: MeshResource | None,
+                 inspect: bool = False):
         self.q, self.key, self.mesh_resource = q, key, mesh_resource
         self.st = {r: as_float32(v) for r, v in state.items()}
         self.new: dict[str, Any] = {}
         self.grads: dict[str, Any] = {}
+        self.stats: dict[str, Any] | None = {} if inspect else None
 
     def has(self, field: str) -> bool:
         return getattr(self.q, field) is not None
 
-    def run(self, field: str, fn):
+    def run(self, field: str, fn, reference=None):
         """``fn(quantizer, state, key) -> (ScaledTensor, *extras)``, recording the amax for stateful roles.
 
         The ScaledTensor is named ``QUANTIZED`` before anything reads it (the
         state update too), so a remat policy that saves it never reruns ``fn``.
+        When inspecting, ``reference()`` gives the high-precision (float32)
+        tensor ``fn`` quantized, which the statistics compare against.
         """
         role, qz = _ROLE_OF[field], getattr(self.q, field)
         key = None if self.key is None else jax.random.fold_in(self.key, ROLES.index(role))
         out = fn(qz, self.st.get(role), key)
         out = (name_quantized(out[0]), *out[1:])
+        if self.stats is not None:
+            self.stats[role] = tensor_stats(reference(), out[0], primary_copy(role))
         if role in self.st:
             amax = out[0].amax
             if amax is None:
@@ -204,7 +213,8 @@ class GemmQuant:
         if not self.has(field):
             return x
         return self.run(field, lambda qz, st, key: (qz.quantize(x, st, rowwise=rowwise, colwise=colwise,
-                                                                flatten_axis=flatten_axis, key=key),))[0]
+                                                                flatten_axis=flatten_axis, key=key),),
+                        lambda: x)[0]
 
     def qdq(self, field: str, y):
         """Quantize-dequantize of a GEMM output (linear_output, linear_grad_input)."""
@@ -238,7 +248,11 @@ def norm_input(norm: NormSpec | None, g: GemmQuant, x, gamma, beta, dtype, train
         return norm_ops.norm(x, gamma, beta, qz, st, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
                              epsilon=norm.epsilon, rowwise=True, colwise=training, key=key, out_dtype=dtype)
 
-    ln, mean, rsigma = g.run("input", fn) if g.has("input") else fn(None, None, None)
+    def reference():
+        return norm_ops.norm(x, gamma, beta, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
+                             epsilon=norm.epsilon, out_dtype=jnp.float32)[0]
+
+    ln, mean, rsigma = g.run("input", fn, reference) if g.has("input") else fn(None, None, None)
     return ln, checkpoint_name((mean, rsigma), NORM_STATS)
 
 
@@ -307,6 +321,8 @@ class _Plan:
     dtype: Any  # the kernel's dtype: the compute and output dtype
     x_dtype: Any
     bias_dtype: Any  # None: no bias
+    inspect: bool = False  # record statistics (te_jax.inspect)
+    stats_leaves: tuple = ()  # state_leaves of the statistics input
 
     @property
     def all_vary(self):
@@ -328,7 +344,9 @@ def layernorm_dense(
     key: jax.Array | None = None,
     mesh_resource: MeshResource | None = None,
     precision=None,
-) -> tuple[jax.Array, dict[str, Any] | None]:
+    inspect: bool = False,
+    stats: Mapping[str, Any] | None = None,
+) -> tuple:
     """``norm(x) @ kernel + bias`` over x's last axis, with the norm fused into the input's cast.
 
     Args:
@@ -342,9 +360,10 @@ def layernorm_dense(
       epsilon: added to the variance.
       quantizers, state, key, mesh_resource: as in ``te_jax.dense``.
       precision: ``lax.dot_general`` precision of the high-precision path.
+      inspect, stats: quantization statistics, as in ``te_jax.dense``.
 
     Returns:
-      ``(y [..., *features], new_state)``.
+      ``(y [..., *features], new_state)``, and the forward statistics third when ``inspect``.
     """
     where = "layernorm_dense"
     q = as_quantizers(quantizers)
@@ -363,7 +382,7 @@ def layernorm_dense(
         y = lax.dot_general(ln, kernel, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision)
         if bias is not None:
             y = y + bias.astype(y.dtype)
-        return y, (None if state is None else dict(state))
+        return (y, (None if state is None else dict(state))) + (({},) if inspect else ())
     check_blocks(q, math.prod(lead), h, n, where)
     inner = check_state(q, state, where)
     if key is None:
@@ -372,37 +391,40 @@ def layernorm_dense(
         mesh_resource = current_autocast().mesh_resource
     x2, k2 = x.reshape(-1, h), kernel.reshape(h, n)
     b2 = None if bias is None else bias.reshape(n)
+    qstats = stats_input(q.quantized_roles(), stats) if inspect else None
     plan = _Plan(q, norm, mesh_resource, state_leaves(inner), vary_of(x, gamma, beta, kernel, bias), dtype,
-                 x.dtype, None if bias is None else bias.dtype)
-    y, new_inner = _vjp(plan, x2, gamma, beta, k2, b2, inner, raw_key(key))
-    return y.reshape(*lead, *features), {**dict(state or {}), **new_inner}
+                 x.dtype, None if bias is None else bias.dtype, inspect, stats_leaves(qstats))
+    y, new_inner, fwd_stats = _vjp(plan, x2, gamma, beta, k2, b2, inner, raw_key(key), qstats)
+    out = (y.reshape(*lead, *features), {**dict(state or {}), **new_inner})
+    return out + ((fwd_stats,) if inspect else ())
 
 
 def _forward(plan: _Plan, x, gamma, beta, kernel, bias, state, key, training: bool):
-    g = GemmQuant(plan.q, state, key, plan.mesh_resource)
+    g = GemmQuant(plan.q, state, key, plan.mesh_resource, plan.inspect)
     ln, stats = norm_input(plan.norm, g, x, gamma, beta, kernel.dtype, training)
     kq = g.quantize("weight", kernel, rowwise=training, colwise=True, flatten_axis=1)
     y = gemm(ln, kq, ((1,), (0,)), out_dtype=kernel.dtype, bias=bias)
     y = to_varying(g.qdq("output", y), plan.all_vary)
     res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(kq, "rowwise"), g.st,
-           g.grads, key)
-    return (y, g.new_state()), res
+           g.grads, key, g.stats)
+    return (y, g.new_state(), g.stats), res
 
 
-def _primal(plan, x, gamma, beta, kernel, bias, state, key):
+# The statistics input ``qstats`` is never read: its cotangent carries the statistics out of backward.
+def _primal(plan, x, gamma, beta, kernel, bias, state, key, qstats):
     return _forward(plan, x, gamma, beta, kernel, bias, state, key, training=False)[0]
 
 
-def _fwd(plan, x, gamma, beta, kernel, bias, state, key):
+def _fwd(plan, x, gamma, beta, kernel, bias, state, key, qstats):
     return _forward(plan, x, gamma, beta, kernel, bias, state, key, training=True)
 
 
 def _bwd(plan: _Plan, res, cts):
-    x, gamma, beta, stats, ln, kq, st, grads, key = res
+    x, gamma, beta, stats, ln, kq, st, grads, key, fwd_stats = res
     dy = cts[0]
     if key is None:
         check_key(plan.q, ("grad_output", "grad_input"), "layernorm_dense")
-    g = GemmQuant(plan.q, st, key, plan.mesh_resource)
+    g = GemmQuant(plan.q, st, key, plan.mesh_resource, plan.inspect)
     dyq = g.quantize("grad_output", dy, rowwise=True, colwise=True)
     # Backward GEMMs accumulate without Hopper's fast FP8 accumulation, as te_jax.dense does.
     dln = g.qdq("grad_input", gemm(dyq, kq, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=False))
@@ -413,7 +435,8 @@ def _bwd(plan: _Plan, res, cts):
     vx, vg, vb, vk, vbias = plan.vary
     return (match_cotangent(dx, u, vx), cotangent(dgamma, u, vg, gamma), cotangent(dbeta, u, vb, beta),
             match_cotangent(dk, u, vk), None if db is None else match_cotangent(db, u, vbias),
-            state_cotangent(plan.leaves, {**grads, **g.grads}, u), None)
+            state_cotangent(plan.leaves, {**grads, **g.grads}, u), None,
+            stats_cotangent(plan.stats_leaves, {**fwd_stats, **g.stats}, u) if plan.inspect else None)
 
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))

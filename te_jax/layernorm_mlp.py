@@ -46,6 +46,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.autocast import current as current_autocast
 from te_jax.dense import DenseQuantizers, as_quantizers
+from te_jax.inspect.stats import stats_cotangent, stats_input, stats_leaves
 from te_jax.layernorm_dense import (PRE_ACTIVATION, GemmQuant, NormSpec, as_norm, check_blocks, check_high_precision,
                                     check_key, check_state, keep, norm_backward, norm_input, normalize_hp,
                                     raw_key, state_cotangent, state_leaves, vary_of)
@@ -87,6 +88,10 @@ class MLPQuantizers:
         """``{"wi": {...}, "wo": {...}}``: the initial state of each GEMM's stateful roles."""
         return {"wi": self.wi.init_state(), "wo": self.wo.init_state()}
 
+    def quantized_roles(self) -> dict[str, tuple[str, ...]]:
+        """``{"wi": roles, "wo": roles}``: each GEMM's roles that have a quantizer."""
+        return {"wi": self.wi.quantized_roles(), "wo": self.wo.quantized_roles()}
+
 
 def _as_mlp_quantizers(q) -> MLPQuantizers:
     if q is None:
@@ -122,6 +127,8 @@ class _Plan:
     x_dtype: Any
     b1_dtype: Any
     b2_dtype: Any
+    inspect: bool = False  # record statistics (te_jax.inspect)
+    stats_leaves: tuple = ()  # per GEMM, as ``leaves``, of the statistics input
 
     @property
     def all_vary(self):
@@ -147,7 +154,9 @@ def layernorm_mlp(
     key: jax.Array | None = None,
     mesh_resource: MeshResource | None = None,
     precision=None,
-) -> tuple[jax.Array, dict[str, Any] | None]:
+    inspect: bool = False,
+    stats: Mapping[str, Any] | None = None,
+) -> tuple:
     """``act(norm(x) @ kernel_1 + bias_1) [* dropout_mask] @ kernel_2 + bias_2``.
 
     Args:
@@ -165,9 +174,11 @@ def layernorm_mlp(
       state: ``{"wi": {role: state}, "wo": {role: state}}`` for the stateful quantizers.
       key: PRNG key for stochastic rounding (wi draws from ``fold_in(key, 0)``, wo from ``fold_in(key, 1)``).
       mesh_resource, precision: as in ``te_jax.dense``.
+      inspect, stats: quantization statistics, as in ``te_jax.dense``, per GEMM:
+        ``stats = {"wi": {role: {stat: f32[]}}, "wo": {...}}`` (None: zeros).
 
     Returns:
-      ``(y [..., H_out], new_state)``.
+      ``(y [..., H_out], new_state)``, and the forward statistics ``{"wi": ..., "wo": ...}`` third when ``inspect``.
     """
     where = "layernorm_mlp"
     q = _as_mlp_quantizers(quantizers)
@@ -198,7 +209,7 @@ def layernorm_mlp(
     if not q.any:
         y = _high_precision(norm, activation, x, gamma, beta, k1, b1, kernel_2, bias_2, mask,
                             precision)
-        return y.reshape(*lead, h_out), (None if state is None else dict(state))
+        return (y.reshape(*lead, h_out), (None if state is None else dict(state))) + (({},) if inspect else ())
     m = math.prod(lead)
     check_blocks(q.wi, m, h, n1, f"{where} (wi)")
     check_blocks(q.wo, m, f, h_out, f"{where} (wo)")
@@ -209,12 +220,18 @@ def layernorm_mlp(
             check_key(getattr(q, g), ("input", "weight", "output"), f"{where} ({g})")
     if mesh_resource is None:
         mesh_resource = current_autocast().mesh_resource
+    qstats = None
+    if inspect:
+        stats = dict(stats or {})
+        qstats = {g: stats_input(getattr(q, g).quantized_roles(), stats.get(g)) for g in GEMMS}
     plan = _Plan(q, norm, activation, mesh_resource, tuple((g, state_leaves(inner[g])) for g in GEMMS),
                  vary_of(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, dropout_mask), dtype, x.dtype,
-                 None if b1 is None else b1.dtype, None if bias_2 is None else bias_2.dtype)
-    y, new_inner = _vjp(plan, x.reshape(-1, h), gamma, beta, k1, b1, kernel_2, bias_2, mask, inner, raw_key(key))
+                 None if b1 is None else b1.dtype, None if bias_2 is None else bias_2.dtype, inspect,
+                 tuple((g, stats_leaves(qstats[g])) for g in GEMMS) if inspect else ())
+    y, new_inner, fwd_stats = _vjp(plan, x.reshape(-1, h), gamma, beta, k1, b1, kernel_2, bias_2, mask, inner,
+                                   raw_key(key), qstats)
     new_state = {**state, **{g: {**dict(state.get(g) or {}), **new_inner[g]} for g in GEMMS}}
-    return y.reshape(*lead, h_out), new_state
+    return (y.reshape(*lead, h_out), new_state) + ((fwd_stats,) if inspect else ())
 
 
 def _high_precision(norm, activation, x, gamma, beta, k1, b1, k2, b2, mask, precision):
@@ -243,13 +260,14 @@ def _activation_output(plan: _Plan, go: GemmQuant, hid, mask, training: bool):
     if not go.has("input"):
         return act_ops.activation(hid, plan.activation, out_dtype=plan.dtype)
     return go.run("input", lambda qz, st, k: (act_ops.activation(hid, plan.activation, qz, st, rowwise=True,
-                                                                 colwise=training, key=k),))[0]
+                                                                 colwise=training, key=k),),
+                  lambda: act_ops.activation(hid, plan.activation, out_dtype=jnp.float32))[0]
 
 
-def _forward(plan: _Plan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, training: bool):
+def _forward(plan: _Plan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, qstats, training: bool):
     ki, ko = _keys(key)
-    gi = GemmQuant(plan.q.wi, state["wi"], ki, plan.mesh_resource)
-    go = GemmQuant(plan.q.wo, state["wo"], ko, plan.mesh_resource)
+    gi = GemmQuant(plan.q.wi, state["wi"], ki, plan.mesh_resource, plan.inspect)
+    go = GemmQuant(plan.q.wo, state["wo"], ko, plan.mesh_resource, plan.inspect)
     ln, stats = norm_input(plan.norm, gi, x, gamma, beta, plan.dtype, training)
     k1q = gi.quantize("weight", k1, rowwise=training, colwise=True, flatten_axis=1)
     hid = gemm(ln, k1q, ((1,), (0,)), out_dtype=plan.dtype, bias=b1)
@@ -260,8 +278,12 @@ def _forward(plan: _Plan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, trai
     y = to_varying(go.qdq("output", y), plan.all_vary)
     res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(k1q, "rowwise"), hid,
            keep(a, "colwise"), keep(k2q, "rowwise"), mask, {"wi": gi.st, "wo": go.st},
-           {"wi": gi.grads, "wo": go.grads}, key)
-    return (y, {"wi": gi.new_state(), "wo": go.new_state()}), res
+           {"wi": gi.grads, "wo": go.grads}, key, _stats(gi, go))
+    return (y, {"wi": gi.new_state(), "wo": go.new_state()}, _stats(gi, go)), res
+
+
+def _stats(gi: GemmQuant, go: GemmQuant) -> dict | None:
+    return None if gi.stats is None else {"wi": gi.stats, "wo": go.stats}
 
 
 def _primal(plan, *args):
@@ -273,14 +295,14 @@ def _fwd(plan, *args):
 
 
 def _bwd(plan: _Plan, res, cts):
-    x, gamma, beta, stats, ln, k1q, hid, a, k2q, mask, st, grads, key = res
+    x, gamma, beta, stats, ln, k1q, hid, a, k2q, mask, st, grads, key, fwd_stats = res
     dy = cts[0]
     if key is None:
         for g in GEMMS:
             check_key(getattr(plan.q, g), ("grad_output", "grad_input"), f"layernorm_mlp ({g})")
     ki, ko = _keys(key)
-    gi = GemmQuant(plan.q.wi, st["wi"], ki, plan.mesh_resource)
-    go = GemmQuant(plan.q.wo, st["wo"], ko, plan.mesh_resource)
+    gi = GemmQuant(plan.q.wi, st["wi"], ki, plan.mesh_resource, plan.inspect)
+    go = GemmQuant(plan.q.wo, st["wo"], ko, plan.mesh_resource, plan.inspect)
     # Second GEMM. Backward GEMMs accumulate without Hopper's fast FP8 accumulation, as te_jax.dense does.
     dyq = go.quantize("grad_output", dy, rowwise=True, colwise=True)
     da = go.qdq("grad_input", gemm(dyq, k2q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=False))
@@ -295,7 +317,10 @@ def _bwd(plan: _Plan, res, cts):
         return act_ops.activation_grad(da, hid, plan.activation, qz, s, dbias=has_b1, rowwise=True, colwise=True,
                                        key=k, out_dtype=None if qz is not None else plan.dtype)
 
-    dh, db1 = gi.run("grad_output", act_grad) if gi.has("grad_output") else act_grad(None, None, None)
+    def reference():
+        return act_ops.activation_grad(da, hid, plan.activation, out_dtype=jnp.float32)[0]
+
+    dh, db1 = gi.run("grad_output", act_grad, reference) if gi.has("grad_output") else act_grad(None, None, None)
     db1 = None if not has_b1 else db1.astype(plan.b1_dtype)
     # First GEMM and the norm.
     dln = gi.qdq("grad_input", gemm(dh, k1q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=False))
@@ -305,9 +330,14 @@ def _bwd(plan: _Plan, res, cts):
     vx, vg, vb, vk1, vb1, vk2, vb2, vm = plan.vary
     leaves = dict(plan.leaves)
     dstate = {g: state_cotangent(leaves[g], {**grads[g], **new.grads}, u) for g, new in (("wi", gi), ("wo", go))}
+    dstats = None
+    if plan.inspect:
+        stats_leaves = dict(plan.stats_leaves)
+        dstats = {g: stats_cotangent(stats_leaves[g], {**fwd_stats[g], **new.stats}, u)
+                  for g, new in (("wi", gi), ("wo", go))}
     opt = lambda ct, v: None if ct is None else match_cotangent(ct, u, v)  # noqa: E731
     return (match_cotangent(dx, u, vx), opt(dgamma, vg), opt(dbeta, vb), match_cotangent(dk1, u, vk1),
-            opt(db1, vb1), match_cotangent(dk2, u, vk2), opt(db2, vb2), None, dstate, None)
+            opt(db1, vb1), match_cotangent(dk2, u, vk2), opt(db2, vb2), None, dstate, None, dstats)
 
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))

@@ -57,6 +57,50 @@ class MeshResource:
         return tuple(out)
 
 
+# The logical axis names te_jax's layers give their parameters (``kernel_axes=...``, TransformerLayer's
+# ``logical_axes=True``) and the names for activations; see ``logical_axis_rules``.
+PARAM_AXES = ("embed", "heads", "kv", "mlp", "act")
+ACTIVATION_AXES = ("batch", "length", "hidden")
+
+
+def _axes_of(value: Resource) -> tuple[str, ...]:
+    return () if value is None else ((value,) if isinstance(value, str) else tuple(value))
+
+
+def _rule_value(axes: tuple[str, ...]) -> Resource:
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def logical_axis_rules(mesh_resource: MeshResource, rules=()) -> tuple[tuple[str, Resource], ...]:
+    """Flax logical axis rules for te_jax's axis names on ``mesh_resource``'s mesh axes, after ``rules``.
+
+    Parameters: "embed" (the model width) is split over the FSDP axes, "heads"
+    and "mlp" over the tensor-parallel axes (column-parallel first GEMMs,
+    row-parallel second ones), "kv" (head width) and "act" (the gated pair)
+    are not split. Activations: "batch" over the data and FSDP axes, "length"
+    over the sequence-parallel axes, "hidden" not split. A name ``rules``
+    already maps keeps the user's mapping (their rules come first, and flax
+    uses the first rule that names an axis).
+
+    Args:
+      mesh_resource: which mesh axes are dp, tp, fsdp and sp.
+      rules: the user's existing rules, e.g. ``(("vocab", "tp"),)``.
+
+    Returns:
+      ``rules`` followed by te_jax's rules for the names it does not map, for
+      ``flax.linen.logical_axis_rules``.
+    """
+    if not isinstance(mesh_resource, MeshResource):
+        raise TypeError(f"te_jax: logical_axis_rules needs a te_jax.MeshResource, got {type(mesh_resource).__name__}")
+    rules = tuple((str(name), value) for name, value in rules)
+    dp, fsdp = _axes_of(mesh_resource.dp_resource), _axes_of(mesh_resource.fsdp_resource)
+    tp, sp = _axes_of(mesh_resource.tp_resource), _axes_of(mesh_resource.sp_resource)
+    ours = (("embed", fsdp), ("heads", tp), ("mlp", tp), ("kv", ()), ("act", ()),
+            ("batch", dp + tuple(a for a in fsdp if a not in dp)), ("length", sp), ("hidden", ()))
+    taken = {name for name, _ in rules}
+    return rules + tuple((name, _rule_value(axes)) for name, axes in ours if name not in taken)
+
+
 def manual_axes() -> tuple[str, ...]:
     """The mesh axes that are manual where this is traced (inside ``shard_map``), else ()."""
     return tuple(jax.sharding.get_abstract_mesh().manual_axes)

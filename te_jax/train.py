@@ -22,6 +22,12 @@ gradient tree keeps it identical; the mean of identical copies equals them
 up to the rounding of XLA's all-reduce (it adds the copies one by one, so an
 ulp or two can move). Do not scale or clip it: ``TrainState`` and
 ``apply_gradients`` give the optimizer the parameters only.
+
+Quantization statistics (``te_jax.autocast(..., inspect=True)``, see
+``te_jax.inspect``) travel the same way: the variables hold the
+"fp8_stats" collection, its gradient is the statistics of the step
+(``grads["fp8_stats"]``, uses of one layer merged by max), and
+``apply_gradients`` leaves ``fp8_stats`` as it is.
 """
 
 from __future__ import annotations
@@ -35,11 +41,20 @@ import optax
 from flax.training import train_state
 from jax import lax
 
+from te_jax.inspect.stats import STATS_COLLECTION
 from te_jax.state import FP8_COLLECTION, apply_fp8_update, merge_fp8_updates, to_max_merging, unused_update
+
+# Collections whose gradient is not a gradient but a max-merged result: the fp8 state update, the statistics.
+MAX_MERGED = (FP8_COLLECTION, STATS_COLLECTION)
 
 
 def _has_fp8(tree: Any) -> bool:
-    return isinstance(tree, Mapping) and FP8_COLLECTION in tree
+    """Whether ``tree`` is a variables dict holding fp8_meta or fp8_stats."""
+    return isinstance(tree, Mapping) and any(c in tree for c in MAX_MERGED)
+
+
+def _merged(tree: Mapping) -> list[str]:
+    return [c for c in MAX_MERGED if c in tree]
 
 
 def _is_tracer(tree: Any) -> bool:
@@ -50,10 +65,11 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
     """``jax.value_and_grad`` whose differentiated argument may be a variables dict with "fp8_meta".
 
     The gradient of ``fp8_meta`` is its update for this step (apply it with
-    ``te_jax.state.apply_fp8_update`` or ``TrainState.apply_gradients``); every
-    other leaf gets its ordinary gradient. Uses of one state merge by max,
-    not sum. Called outside jit, the computation is jitted internally, so
-    ``fun``'s outputs (and aux) must be arrays.
+    ``te_jax.state.apply_fp8_update`` or ``TrainState.apply_gradients``), that
+    of ``fp8_stats`` the step's quantization statistics; every other leaf gets
+    its ordinary gradient. Uses of one state merge by max, not sum. Called
+    outside jit, the computation is jitted internally, so ``fun``'s outputs
+    (and aux) must be arrays.
     """
     if not isinstance(argnums, int):
         raise ValueError(f"te_jax: value_and_grad differentiates one argument; argnums must be an int, got {argnums!r}")
@@ -64,7 +80,7 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
             return jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)
 
         def run(variables):
-            v = {**variables, FP8_COLLECTION: to_max_merging(variables[FP8_COLLECTION])}
+            v = {**variables, **{c: to_max_merging(variables[c]) for c in _merged(variables)}}
 
             def f(v):
                 return fun(*args[:argnums], v, *args[argnums + 1:], **kwargs)
@@ -77,8 +93,8 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
                 raise TypeError(f"te_jax: value_and_grad needs a real scalar output, got {jnp.result_type(out)}"
                                 f"{list(jnp.shape(out))}")
             (grads,) = vjp_fn(jnp.ones_like(out))
-            grads = {**grads, FP8_COLLECTION: jax.tree.map(lambda g: lax.convert_element_type(g, jnp.float32),
-                                                           grads[FP8_COLLECTION])}
+            grads = {**grads, **{c: jax.tree.map(lambda g: lax.convert_element_type(g, jnp.float32), grads[c])
+                                 for c in _merged(grads)}}
             return out, aux, grads
 
         # Max-merging cotangents only work traced; eager calls run jitted.
@@ -100,12 +116,11 @@ def grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Callable:
 
 
 def merge_gradients(a: Any, b: Any) -> Any:
-    """Gradients of two micro-batches: parameters summed, fp8 updates max-merged."""
+    """Gradients of two micro-batches: parameters summed, fp8 updates and statistics max-merged."""
     if not _has_fp8(a):
         return jax.tree.map(jnp.add, a, b)
-    out = {k: jax.tree.map(jnp.add, a[k], b[k]) for k in a if k != FP8_COLLECTION}
-    out[FP8_COLLECTION] = merge_fp8_updates(a[FP8_COLLECTION], b[FP8_COLLECTION])
-    return out
+    return {k: (merge_fp8_updates if k in MAX_MERGED else lambda x, y: jax.tree.map(jnp.add, x, y))(a[k], b[k])
+            for k in a}
 
 
 def accumulate_gradients(fun: Callable, variables: Any, micro_batches: Any, *, has_aux: bool = False,
@@ -130,7 +145,8 @@ def accumulate_gradients(fun: Callable, variables: Any, micro_batches: Any, *, h
 
     zero = _map_trainable(lambda t: jax.tree.map(jnp.zeros_like, t), variables)
     if _has_fp8(variables):
-        zero[FP8_COLLECTION] = unused_update(variables[FP8_COLLECTION])  # the identity of the max-merge
+        for c in _merged(variables):
+            zero[c] = unused_update(variables[c])  # the identity of the max-merge
     (loss, grads), aux = lax.scan(body, (jnp.zeros((), jnp.float32), zero), micro_batches)
     if average:
         loss = loss / n
@@ -139,18 +155,18 @@ def accumulate_gradients(fun: Callable, variables: Any, micro_batches: Any, *, h
 
 
 def _trainable(tree: Any) -> Any:
-    """What the optimizer sees: the variables without fp8_meta (just the params when that is all)."""
+    """What the optimizer sees: the variables without fp8_meta and fp8_stats (just the params when that is all)."""
     if not _has_fp8(tree):
         return tree
-    rest = {k: v for k, v in tree.items() if k != FP8_COLLECTION}
+    rest = {k: v for k, v in tree.items() if k not in MAX_MERGED}
     return rest["params"] if set(rest) == {"params"} else rest
 
 
 def _with_trainable(tree: Any, trainable: Any) -> Any:
     if not _has_fp8(tree):
         return trainable
-    rest = {k for k in tree if k != FP8_COLLECTION}
-    return {**(trainable if rest != {"params"} else {"params": trainable}), FP8_COLLECTION: tree[FP8_COLLECTION]}
+    rest = {k for k in tree if k not in MAX_MERGED}
+    return {**(trainable if rest != {"params"} else {"params": trainable}), **{c: tree[c] for c in _merged(tree)}}
 
 
 def _map_trainable(fn, tree):
@@ -164,11 +180,11 @@ def apply_gradients(variables: Any, grads: Any, opt_state: Any, tx: optax.Gradie
       ``(new_variables, new_opt_state)``.
     """
     if _has_fp8(variables) and not _has_fp8(grads):
-        raise ValueError(f"te_jax: the variables hold {FP8_COLLECTION!r} but the gradients do not; compute them with "
-                         "te_jax.train.value_and_grad over the whole variables dict")
+        raise ValueError(f"te_jax: the variables hold {' and '.join(map(repr, _merged(variables)))} but the gradients "
+                         "do not; compute them with te_jax.train.value_and_grad over the whole variables dict")
     updates, new_opt_state = tx.update(_trainable(grads), opt_state, _trainable(variables))
     new = _with_trainable(variables, optax.apply_updates(_trainable(variables), updates))
-    if _has_fp8(variables):
+    if FP8_COLLECTION in new:
         new[FP8_COLLECTION] = apply_fp8_update(variables[FP8_COLLECTION], grads[FP8_COLLECTION])
     return new, new_opt_state
 
@@ -178,7 +194,8 @@ class TrainState(train_state.TrainState):
 
     With ``params={"params": ..., "fp8_meta": ...}``, the optimizer sees only
     ``params["params"]`` and ``apply_gradients`` replaces fp8_meta by the
-    state its gradient carries. Without fp8_meta it is flax's TrainState.
+    state its gradient carries (an "fp8_stats" collection is kept as it is).
+    Without either it is flax's TrainState.
     """
 
     @classmethod

@@ -42,13 +42,21 @@ def parse_mesh(spec: str) -> dict[str, int]:
     return shape
 
 
-def setup_devices(spec: str, distributed: bool = False) -> None:
-    """Call before anything touches a device: multi-process init, and enough fake CPU devices for the mesh."""
-    if distributed:
-        jax.distributed.initialize()
+def setup_devices(spec: str, distributed: bool = False, coordinator: str | None = None,
+                  num_processes: int | None = None, process_id: int | None = None) -> None:
+    """Call before anything touches a device: enough fake CPU devices for the mesh, and multi-process init.
+
+    With ``distributed``, ``jax.distributed.initialize`` gets the coordinator
+    address, process count and id when given (on a cluster it detects them);
+    each process then holds its share of the mesh's devices.
+    """
     n = math.prod(parse_mesh(spec).values())
-    if n > 1:
-        jax.config.update("jax_num_cpu_devices", n)  # only the CPU backend reads it
+    local = n // num_processes if distributed and num_processes else n
+    if local > 1:
+        jax.config.update("jax_num_cpu_devices", local)  # only the CPU backend reads it
+    if distributed:
+        given = dict(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
+        jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None})
 
 
 def make_mesh(shape: dict[str, int]) -> jax.sharding.Mesh:

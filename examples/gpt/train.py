@@ -4,6 +4,7 @@
     python examples/gpt/train.py --preset tiny --recipe bf16,delayed,current --plot curves.png
     python examples/gpt/train.py --preset 125m --recipe mxfp8 --ckpt-dir /tmp/ckpt   # ... --resume
     python examples/gpt/train.py --recipe recipes/mixed_per_layer.py --data my_text.txt
+    python examples/gpt/train.py --preset tiny --recipe mxfp8,nvfp4 --inspect stats/   # quantization statistics
 
 ``--recipe`` takes bf16 (no quantization), delayed, current, mxfp8, nvfp4,
 block, a path to a recipes/ module (``te_jax.recipe.load_recipe``), or a
@@ -16,6 +17,13 @@ come from ``te_jax.train.value_and_grad`` over the whole variables dict, and
 ``te_jax.train.TrainState`` gives the optimizer (AdamW, warmup + cosine
 decay, gradient clipping) the parameters only; the fp8_meta state is
 replaced by its update, never clipped or decayed.
+
+``--inspect [DIR]`` collects te_jax.inspect's per-layer quantization
+statistics at every evaluation (a second compiled step with
+``autocast(..., inspect=True)``; the other steps run the plain one), writes
+them to ``DIR/<recipe>.jsonl`` (and TensorBoard with ``--tensorboard``), and
+at the end a report ``DIR/<recipe>_report.png`` (``DIR/report.png`` comparing
+the recipes when there are several) and the measured cost of inspection per step.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from examples.gpt import data as data_lib
 from examples.gpt import parallel, report
 from examples.gpt.model import GPT, count_params
 from examples.gpt.presets import PRESETS
+from te_jax import inspect as te_inspect
 from te_jax import recipe as R
 from te_jax.train import TrainState
 
@@ -96,6 +105,7 @@ class RunConfig:
     tensorboard: str | None = None
     progress: bool = True
     dtype: str | None = None
+    inspect: str | None = None  # directory for te_jax.inspect statistics (None: off)
 
     def resolved(self) -> RunConfig:
         """With the preset's values filled in where a field is None."""
@@ -127,11 +137,11 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     )
 
 
-def autocast_for(recipe: R.Recipe | None, mesh_resource):
+def autocast_for(recipe: R.Recipe | None, mesh_resource, inspect: bool = False):
     """The autocast block every trace of the model runs in (disabled for bf16)."""
     if recipe is None:
         return te_jax.autocast(enabled=False, mesh_resource=mesh_resource)
-    return te_jax.autocast(recipe=recipe, mesh_resource=mesh_resource)
+    return te_jax.autocast(recipe=recipe, mesh_resource=mesh_resource, inspect=inspect)
 
 
 def cross_entropy(logits, targets):
@@ -139,7 +149,9 @@ def cross_entropy(logits, targets):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def make_train_step(model, recipe, mesh_resource, base_key):
+def make_train_step(model, recipe, mesh_resource, base_key, inspect: bool = False):
+    """The train step; with ``inspect`` its metrics also hold the quantization statistics ("fp8_stats")."""
+
     def train_step(state: TrainState, tokens):
         key = jax.random.fold_in(base_key, state.step)  # new "quantize" key each step (NVFP4 rounding)
 
@@ -147,11 +159,14 @@ def make_train_step(model, recipe, mesh_resource, base_key):
             logits = state.apply_fn(variables, tokens[:, :-1], rngs={"quantize": key})
             return cross_entropy(logits, tokens[:, 1:])
 
-        with autocast_for(recipe, mesh_resource):
+        with autocast_for(recipe, mesh_resource, inspect):
             loss, grads = te_jax.train.value_and_grad(loss_fn)(state.params)
         squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads["params"])]
         grad_norm = jnp.sqrt(sum(squares))
-        return state.apply_gradients(grads=grads), {"loss": loss, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "grad_norm": grad_norm}
+        if inspect:
+            metrics[te_inspect.STATS_COLLECTION] = grads[te_inspect.STATS_COLLECTION]
+        return state.apply_gradients(grads=grads), metrics
 
     return train_step
 
@@ -229,7 +244,8 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
     model = GPT(dataclasses.replace(cfg.model_config(), logical_axes=shape["tp"] > 1))
     init_key, quant_key = jax.random.split(jax.random.key(cfg.seed))
     dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
-    with autocast_for(recipe, mesh_resource):  # creates fp8_meta when the recipe keeps state
+    inspecting = bool(cfg.inspect) and recipe is not None
+    with autocast_for(recipe, mesh_resource, inspecting):  # creates fp8_meta (stateful recipes), fp8_stats
         variables = jax.jit(model.init)({"params": init_key, "quantize": quant_key}, dummy)
     variables, specs = parallel.param_specs(dict(variables), shape)
     state = TrainState.create(apply_fn=model.apply, params=variables, tx=make_optimizer(cfg))
@@ -248,6 +264,12 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
     train_step = jax.jit(make_train_step(model, recipe, mesh_resource, quant_key),
                          in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
                          donate_argnums=0)
+    inspect_step = None
+    if inspecting:
+        inspect_step = jax.jit(make_train_step(model, recipe, mesh_resource, quant_key, inspect=True),
+                               in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
+                               donate_argnums=0)
+    stats_log = StatsLog(cfg.inspect, label, cfg.tensorboard) if inspecting else None
     eval_step = jax.jit(make_eval_step(model, recipe, mesh_resource))
 
     def evaluate(params):
@@ -263,8 +285,9 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
     for step in bar:
         tokens = jax.device_put(data_lib.train_batch(corpus, step, cfg.batch, cfg.seq_len, cfg.seed),
                                 batch_sharding)
-        state, metrics = train_step(state, tokens)
         done = step + 1
+        eval_due = done == cfg.steps or (cfg.eval_every and done % cfg.eval_every == 0)
+        state, metrics = (inspect_step if inspecting and eval_due else train_step)(state, tokens)
         pending.append((done, metrics))
         if t0 is None:  # the first step compiles: time from its end
             jax.block_until_ready(metrics)
@@ -278,6 +301,8 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
         for s, m in jax.device_get(pending):
             hist["step"].append(s)
             hist["loss"].append(float(m["loss"]))
+            if stats_log and te_inspect.STATS_COLLECTION in m:
+                stats_log.write(m[te_inspect.STATS_COLLECTION], s)
             if writer:
                 writer.scalar("train/loss", float(m["loss"]), s)
                 writer.scalar("train/grad_norm", float(m["grad_norm"]), s)
@@ -305,6 +330,15 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
         manager.close()
     if writer:
         writer.close()
+    inspection = None
+    if stats_log:
+        stats_log.close()
+        step_ms = inspect_overhead(train_step, inspect_step, state, shardings, tokens)
+        inspection = {"rows": stats_log.last, "jsonl": str(stats_log.jsonl.path), **step_ms,
+                      "report": stats_log.report()}
+        print(f"{label}: inspection costs {step_ms['overhead']:+.1%} per step ({step_ms['step_ms']:.1f} ms -> "
+              f"{step_ms['inspect_step_ms']:.1f} ms, {jax.default_backend()}); statistics: {inspection['jsonl']}"
+              + (f", report: {inspection['report']}" if inspection["report"] else ""))
     tail = hist["loss"][-max(1, len(hist["loss"]) // 10):]
     result = {
         "recipe": label,
@@ -318,9 +352,72 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
         "tokens_per_s": timed_steps * tokens_per_step / train_time if timed_steps else float("nan"),
         "history": hist,
     }
+    if inspection:
+        result["inspect"] = inspection
     if return_state:
         result["state"] = state
     return result
+
+
+# ---- quantization statistics (--inspect) --------------------------------------------------------
+
+
+class StatsLog:
+    """Writes each inspected step's statistics to ``DIR/<label>.jsonl`` (and TensorBoard); keeps the last."""
+
+    def __init__(self, directory: str, label: str, tensorboard: str | None):
+        self.dir, self.label, self.last = Path(directory), label, []
+        self.jsonl = te_inspect.JsonlWriter(self.dir / f"{label}.jsonl")
+        self.tb = None
+        if tensorboard:
+            try:
+                self.tb = te_inspect.TensorBoardWriter(Path(tensorboard) / label / "fp8_stats")
+            except ImportError as err:
+                print(f"(no TensorBoard statistics: {err})", file=sys.stderr)
+
+    def write(self, stats, step: int) -> None:
+        self.last = self.jsonl.write(stats, step=step, recipe=self.label)
+        if self.tb:
+            self.tb.write(self.last, step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+
+    def report(self) -> str | None:
+        """The ranking report of the last statistics, or None (with a message) without matplotlib."""
+        return write_report({self.label: self.last}, self.dir / f"{self.label}_report.png")
+
+
+def write_report(by_recipe: dict, path: Path) -> str | None:
+    try:
+        from te_jax.inspect.report import plot_report
+
+        return str(plot_report(by_recipe, path))
+    except ImportError as err:
+        print(f"(no report: {err})", file=sys.stderr)
+        return None
+
+
+def inspect_overhead(train_step, inspect_step, state, shardings, tokens, iters: int = 5) -> dict:
+    """Median ms per step without and with inspection, on a copy of ``state`` (the steps donate it)."""
+    import statistics
+
+    def median_ms(step):
+        s = jax.device_put(jax.device_get(state), shardings)
+        s, m = step(s, tokens)  # warm-up (compiled already)
+        jax.block_until_ready(m)
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            s, m = step(s, tokens)
+            jax.block_until_ready(m)
+            times.append(1e3 * (time.perf_counter() - t))
+        return statistics.median(times)
+
+    plain, inspected = median_ms(train_step), median_ms(inspect_step)
+    return {"step_ms": plain, "inspect_step_ms": inspected, "overhead": inspected / plain - 1}
 
 
 # ---- command line -------------------------------------------------------------------------------
@@ -361,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-bytes", type=int, default=16 << 20, help="read at most this many bytes")
     p.add_argument("--mesh", default="", help="dp=N,fsdp=N,tp=N (CPU: fake devices are made to fit)")
     p.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first")
+    p.add_argument("--coordinator", help="with --distributed: the coordinator's host:port (else auto-detected)")
+    p.add_argument("--num-processes", type=int, help="with --distributed: how many processes")
+    p.add_argument("--process-id", type=int, help="with --distributed: this process's index")
     p.add_argument("--ckpt-dir", help="save orbax checkpoints (fp8_meta included) here")
     p.add_argument("--ckpt-every", type=int, default=0, help="also save every N steps (always at the end)")
     p.add_argument("--resume", nargs="?", const="latest", help="resume from --ckpt-dir (latest, or a step)")
@@ -369,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a tqdm bar")
     p.add_argument("--plot", metavar="PNG", help="write a loss-curve plot comparing the recipes")
     p.add_argument("--json", metavar="FILE", help="write the results (histories included) as JSON")
+    p.add_argument("--inspect", nargs="?", const="inspect_out", metavar="DIR",
+                   help="collect per-layer quantization statistics at each evaluation (te_jax.inspect); write "
+                        "DIR/<recipe>.jsonl and reports (default DIR: inspect_out)")
     return p
 
 
@@ -378,7 +481,8 @@ def config_from_args(args, recipe: str) -> RunConfig:
         warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip, seed=args.seed,
         eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every, data=args.data,
         data_bytes=args.data_bytes, mesh=args.mesh, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,
-        resume=args.resume, tensorboard=args.tensorboard, progress=not args.no_progress, dtype=args.dtype)
+        resume=args.resume, tensorboard=args.tensorboard, progress=not args.no_progress, dtype=args.dtype,
+        inspect=args.inspect)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -386,7 +490,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
     if len(recipes) > 1 and args.ckpt_dir:
         raise SystemExit("--ckpt-dir takes one --recipe at a time")
-    parallel.setup_devices(args.mesh, args.distributed)
+    parallel.setup_devices(args.mesh, args.distributed, args.coordinator, args.num_processes, args.process_id)
     for r in recipes:
         make_recipe(r)  # fail on a bad name before loading data
     corpus = data_lib.load(args.data, args.data_bytes)
@@ -407,6 +511,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         path = report.plot_curves(results, args.plot)
         if path:
             print(f"loss curves: {path}")
+    inspected = {r["recipe"]: r["inspect"]["rows"] for r in results if r.get("inspect")}
+    if len(inspected) > 1:
+        print()
+        print(te_inspect.compare_table(inspected))
+        path = write_report(inspected, Path(args.inspect) / "report.png")
+        if path:
+            print(f"inspection report: {path}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return results

@@ -15,6 +15,10 @@ for its parameters) and, with autocast off, computes what that namesake
 computes. The functional cores are ``te_jax.dense``,
 ``te_jax.layernorm_dense`` and ``te_jax.layernorm_mlp``.
 
+Quantization statistics: under ``te_jax.autocast(..., inspect=True)`` each
+layer also records its tensors' statistics in the "fp8_stats" collection
+(``te_jax.inspect``, docs/inspect.md).
+
 Rematerialization: ``nn.remat(Layer, policy=te_jax.flax.save_fp8_policy)``
 keeps the FP8 copies (and norm statistics) instead of recomputing the casts
 in backward; ``fp8_checkpoint_policy(PRE_ACTIVATION)`` also keeps the MLP's

@@ -13,7 +13,9 @@ from flax.linen import dtypes as flax_dtypes
 from flax.linen import meta
 
 from te_jax import FP8_COLLECTION
-from te_jax.autocast import current_recipe
+from te_jax.autocast import current_recipe, inspecting
+from te_jax.inspect import stats as inspect_stats
+from te_jax.inspect.stats import STATS_COLLECTION
 from te_jax.state import QUANTIZE_RNG, module_path
 
 HIGH_PRECISION = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -139,6 +141,44 @@ def store_gemm_state(module: nn.Module, new_state: dict | None, name: str | None
             module.put_variable(FP8_COLLECTION, role, value)
     else:
         module.put_variable(FP8_COLLECTION, name, dict(new_state))
+
+
+def stats_input(module: nn.Module, quantizers, name: str | None = None) -> dict[str, Any] | None:
+    """The GEMM's statistics input from "fp8_stats" when inspecting, else None (``te_jax.inspect``).
+
+    Laid out like ``gemm_state``: ``fp8_stats/<path>/<role>/<stat>`` (or
+    ``.../<name>/<role>/<stat>``), one entry per quantized role. The value is
+    never read; its gradient carries the statistics.
+    """
+    if not inspecting() or not quantizers.any:
+        return None
+    roles = quantizers.quantized_roles()
+    names = [name] if name is not None else list(roles)
+    for n in names:
+        if not module.has_variable(STATS_COLLECTION, n) and not module.is_mutable_collection(STATS_COLLECTION):
+            raise ValueError(
+                f"te_jax: {where(module)} has no {STATS_COLLECTION} entry {n!r}, which inspect=True needs: initialize "
+                f"the model under te_jax.autocast(..., inspect=True) and pass variables[{STATS_COLLECTION!r}] to "
+                f"apply (or apply with mutable=[{STATS_COLLECTION!r}] for the forward statistics only)")
+    if name is None:
+        return {r: module.variable(STATS_COLLECTION, r, lambda r=r: inspect_stats.zeros([r])[r]).value for r in roles}
+    value = dict(module.variable(STATS_COLLECTION, name, lambda: inspect_stats.zeros(roles)).value)
+    missing = [r for r in roles if r not in value]
+    if missing:
+        raise ValueError(f"te_jax: {where(module)}: {STATS_COLLECTION} entry {name!r} lacks {missing}; re-initialize "
+                         "the model under this recipe with inspect=True")
+    return value
+
+
+def store_stats(module: nn.Module, stats: dict | None = None, name: str | None = None) -> None:
+    """Writes the forward statistics when "fp8_stats" is mutable (not while initializing)."""
+    if not stats or module.is_initializing() or not module.is_mutable_collection(STATS_COLLECTION):
+        return
+    if name is None:
+        for role, value in stats.items():
+            module.put_variable(STATS_COLLECTION, role, value)
+    else:
+        module.put_variable(STATS_COLLECTION, name, {**module.get_variable(STATS_COLLECTION, name), **stats})
 
 
 def quantize_key(module: nn.Module, quantized: bool):

@@ -97,10 +97,12 @@ class DenseGeneral(nn.Module):
             m = int(np.prod([d for i, d in enumerate(inputs.shape) if i not in axis]))
             check_blocks(quantizers, m, int(np.prod(in_shape)), int(np.prod(features)), C.where(self))
         state = C.gemm_state(self, quantizers)
-        y, new_state = dense(inputs, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
-                             quantizers=quantizers, state=state, key=C.quantize_key(self, quantizers.any),
-                             precision=self.precision)
+        stats = C.stats_input(self, quantizers)
+        y, new_state, *fwd_stats = dense(inputs, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
+                                         quantizers=quantizers, state=state, key=C.quantize_key(self, quantizers.any),
+                                         precision=self.precision, inspect=stats is not None, stats=stats)
         C.store_gemm_state(self, new_state)
+        C.store_stats(self, *fwd_stats)
         return y
 
     def _flax_product(self, inputs, kernel, bias, axis, batch, features):

@@ -174,13 +174,16 @@ class LayerNormDenseGeneral(nn.Module):
             x = x.astype(dtype)
         quantizers = DenseQuantizers.from_recipe(C.recipe_or_none(), module_path(self))
         state = C.gemm_state(self, quantizers)
+        stats = C.stats_input(self, quantizers)
         try:
-            y, new_state = layernorm_dense(x, gamma, beta, kernel, bias, norm_type=kind, zero_centered_gamma=zcg,
-                                           epsilon=self.epsilon, quantizers=quantizers, state=state,
-                                           key=C.quantize_key(self, quantizers.any), precision=self.precision)
+            y, new_state, *fwd_stats = layernorm_dense(
+                x, gamma, beta, kernel, bias, norm_type=kind, zero_centered_gamma=zcg, epsilon=self.epsilon,
+                quantizers=quantizers, state=state, key=C.quantize_key(self, quantizers.any),
+                precision=self.precision, inspect=stats is not None, stats=stats)
         except ValueError as err:
             raise _located(err, self) from None
         C.store_gemm_state(self, new_state)
+        C.store_stats(self, *fwd_stats)
         return y
 
 

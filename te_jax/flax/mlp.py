@@ -120,14 +120,19 @@ class LayerNormMLP(nn.Module):
                               self.intermediate_hidden_dropout_dims, self.dropout_rng_name, dtype, deterministic)
         quantizers = MLPQuantizers.from_recipe(C.recipe_or_none(), module_path(self))
         state = {g: C.gemm_state(self, getattr(quantizers, g), g) for g in ("wi", "wo")}
+        stats = {g: C.stats_input(self, getattr(quantizers, g), g) for g in ("wi", "wo")}
+        inspect = any(v is not None for v in stats.values())
         try:
-            y, new_state = layernorm_mlp(x, gamma, beta, k1, b1, k2, b2, activation=act, norm_type=kind,
-                                         zero_centered_gamma=zcg, epsilon=self.epsilon, dropout_mask=mask,
-                                         quantizers=quantizers, state=state,
-                                         key=C.quantize_key(self, quantizers.any), precision=self.precision)
+            y, new_state, *fwd_stats = layernorm_mlp(
+                x, gamma, beta, k1, b1, k2, b2, activation=act, norm_type=kind, zero_centered_gamma=zcg,
+                epsilon=self.epsilon, dropout_mask=mask, quantizers=quantizers, state=state,
+                key=C.quantize_key(self, quantizers.any), precision=self.precision, inspect=inspect,
+                stats={g: v for g, v in stats.items() if v is not None})
         except ValueError as err:
             raise _located(err, self) from None
         if new_state is not None:
             for g in ("wi", "wo"):
                 C.store_gemm_state(self, new_state[g], g)
+        for g, value in (fwd_stats[0] if fwd_stats else {}).items():
+            C.store_stats(self, value, g)
         return y

@@ -50,6 +50,8 @@ class Layout:
     k_block: int = 0  # K elements per block scale (0: no block scales)
     a_rows: int = 1  # rows of A per block-scale row (128: 2D blocks)
     b_rows: int = 1
+    keep_n: tuple[str, ...] = ()  # mesh axes that stay on N when they shard both A's M and B's N
+    scatter_rows: tuple[str, ...] = ()  # mesh axes whose partial products are reduce-scattered over M
 
     @property
     def all_roles(self) -> tuple[str, ...]:
@@ -152,9 +154,13 @@ def _mesh_axes(entry) -> tuple[str, ...]:
 def _plan(lay: Layout, mesh, arg_shapes):
     """Shardings that keep every operand where it is: (args, result, contraction mesh axes).
 
-    Scales follow their data. A mesh axis serves one role (leading > M > K > N);
-    a sharding that does not split its dimension into whole blocks is dropped
-    (that operand is gathered).
+    Scales follow their data. A mesh axis serves one role (leading > M > K > N,
+    except that the ``keep_n`` axes, tensor and sequence parallel, go to N
+    first: the activation is gathered, the weight stays split); a sharding
+    that does not split its dimension into whole blocks is dropped (that
+    operand is gathered). When the contraction is split only over
+    ``scatter_rows`` axes (sequence parallel), the output's rows are split over
+    them too and the partial products are reduce-scattered.
     """
     specs = [tuple(getattr(s.sharding, "spec", ())) + (None,) * len(s.shape) for s in arg_shapes]
     ia, ib = lay.roles.index("a"), lay.roles.index("b")
@@ -170,15 +176,22 @@ def _plan(lay: Layout, mesh, arg_shapes):
         return axes
 
     lead = [take(a_spec[i], a_shape[i]) for i in range(lay.n_lead)]
+    n_units = b_shape[-2] // lay.b_rows
+    n = take(tuple(x for x in _mesh_axes(b_spec[-2]) if x in lay.keep_n) or None, n_units)
     m = take(a_spec[-2], a_shape[-2] // lay.a_rows)
     k_units = a_shape[-1] * lay.pack // (lay.k_block or 1)
     k = take(a_spec[-1], k_units) or take(b_spec[-1], k_units)
-    n = take(b_spec[-2], b_shape[-2] // lay.b_rows)
+    n = n or take(b_spec[-2], n_units)
     b_lead = lead if lay.b_batched else []
     per_role = {"a": (*lead, m, k), "a_s": (*lead, m, k), "b": (*b_lead, n, k), "b_s": (*b_lead, n, k),
                 "a_t": (None,), "b_t": (None,), "a_tm": (*lead, None), "b_tm": (*b_lead, None), "bias": (n,)}
     args = tuple(NamedSharding(mesh, PartitionSpec(*per_role[r])) for r in lay.all_roles)
-    return args, NamedSharding(mesh, PartitionSpec(*lead, m, n)), k
+    out_m = m
+    if k and set(k) <= set(lay.scatter_rows):
+        m_split = math.prod(mesh.shape[x] for x in (*(m or ()), *k))
+        if a_shape[-2] % m_split == 0:
+            out_m = (*(m or ()), *k)
+    return args, NamedSharding(mesh, PartitionSpec(*lead, out_m, n)), k
 
 
 def _partition(lay: Layout, mesh, arg_shapes, result_shape):
@@ -186,11 +199,16 @@ def _partition(lay: Layout, mesh, arg_shapes, result_shape):
     if not k_axes:
         return mesh, functools.partial(_ffi_call, lay), out_sharding, arg_shardings
     partial_lay = dataclasses.replace(lay, out_dtype=jnp.dtype(jnp.float32), has_bias=False)
+    scatter = tuple(out_sharding.spec)[-2] != tuple(arg_shardings[lay.roles.index("a")].spec)[-2]
 
     def partial_products(*args):
-        # float32 partial sums over the local K, one all-reduce, then bias and cast.
+        # float32 partial sums over the local K, one all-reduce (or reduce-scatter of the rows), then bias and cast.
         operands = args[:-1] if lay.has_bias else args
-        out = lax.psum(_ffi_call(partial_lay, *operands), k_axes)
+        out = _ffi_call(partial_lay, *operands)
+        if scatter:
+            out = lax.psum_scatter(out, k_axes, scatter_dimension=out.ndim - 2, tiled=True)
+        else:
+            out = lax.psum(out, k_axes)
         if lay.has_bias:
             out = out + args[-1].astype(jnp.float32)
         return out.astype(lay.out_dtype)
@@ -234,7 +252,22 @@ def _vmap_rule(lay: Layout, axis_size: int, in_batched, *args):
     return (out + bias).astype(lay.out_dtype), True
 
 
+def _parallel_axes() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The active autocast's (tensor + sequence parallel axes, sequence parallel axes)."""
+    from te_jax.autocast import current  # noqa: PLC0415  (te_jax.autocast imports the ops package)
+
+    res = current().mesh_resource
+    if res is None:
+        return (), ()
+    axes = lambda v: () if v is None else ((v,) if isinstance(v, str) else tuple(v))  # noqa: E731
+    return axes(res.tp_resource) + axes(res.sp_resource), axes(res.sp_resource)
+
+
 def call(lay: Layout, *args):
+    """Runs the custom call; under an autocast with a MeshResource its tp/sp axes set ``keep_n``/``scatter_rows``."""
+    if not lay.keep_n and not lay.scatter_rows:
+        keep_n, scatter_rows = _parallel_axes()
+        lay = dataclasses.replace(lay, keep_n=keep_n, scatter_rows=scatter_rows)
     run = jax.custom_batching.custom_vmap(lambda *xs: _partitioned(lay, *xs))
     run.def_vmap(functools.partial(_vmap_rule, lay))
     return run(*args)

@@ -1,0 +1,173 @@
+"""The statistics of one quantized tensor, computed inside the traced step from the copy a GEMM reads.
+
+Every statistic is a float32 scalar, computed from the high-precision tensor
+``x`` and the ScaledTensor its quantizer already made (nothing is quantized
+twice; the represented values come from ``dequantize``). Fractions count the
+nonzero elements of ``x`` (zeros can neither underflow nor saturate); a tensor
+without any gives 0.
+
+* ``amax``: ``max |x|``.
+* ``scale``: the encode scale (``1 / decode scale``: x times it lands on the
+  format's grid). Per-tensor modes: the tensor's scale. Block modes: the
+  geometric mean over the blocks that hold a nonzero value.
+* ``underflow``: fraction of the nonzero elements whose represented value is 0.
+* ``saturation``: fraction of the nonzero elements whose code is the format's
+  largest magnitude (448 E4M3, 57344 E5M2, 6 E2M1) *and* whose ``|x|`` exceeds
+  the represented value by more than a relative ``SATURATION_MARGIN``: values
+  clipped because they lie beyond the largest value their block can hold (the
+  margin absorbs float32 rounding of scale and inverse, so the element that
+  current scaling maps exactly onto the format's max does not count).
+* ``rel_error``: ``||x - dequant(quant(x))||_2 / ||x||_2`` over the tensor (0 when x is 0).
+* ``scale_log2_range``: ``log2(max / min)`` of the decode scales of the
+  blocks holding a nonzero value (0 for per-tensor modes: one scale).
+* ``scale_log2_std``: the standard deviation of those blocks' ``log2`` decode scales.
+
+Blocks whose decode scale is 0 or not finite (an NVFP4 block scale that
+underflowed in E4M3) are left out of the scale statistics; ``underflow`` shows them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax.quantize import numerics as nm
+from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
+from te_jax.sharding import match_cotangent, varying_axes
+
+STATS_COLLECTION = "fp8_stats"
+STAT_NAMES = ("amax", "scale", "underflow", "saturation", "rel_error", "scale_log2_range", "scale_log2_std")
+SATURATION_MARGIN = 2.0**-16
+COPIES = ("rowwise", "colwise")
+_BLOCK = {ScalingMode.MXFP8: 32, ScalingMode.FP8_BLOCK: 128, ScalingMode.NVFP4: 16}
+
+Stats = dict[str, jax.Array]
+
+
+def zeros(roles: Iterable[str]) -> dict[str, Stats]:
+    """``{role: {stat: f32[] zero}}``: the statistics input of a core (its gradient carries the statistics)."""
+    return {str(r): {n: jnp.zeros((), jnp.float32) for n in STAT_NAMES} for r in roles}
+
+
+def stats_input(roles: Iterable[str], stats=None) -> dict[str, Stats]:
+    """A core's statistics input: ``stats`` as given (``{role: {stat: f32[]}}``), or zeros for ``roles``."""
+    if stats is None:
+        return zeros(roles)
+    return {str(r): dict(v) for r, v in stats.items()}
+
+
+def stats_leaves(stats: Mapping[str, Mapping[str, jax.Array]] | None) -> tuple:
+    """Static ``((role, stat, dtype, varying axes), ...)`` of a statistics input (() for None)."""
+    stats = stats or {}
+    return tuple((r, n, v.dtype, varying_axes(v)) for r in sorted(stats) for n, v in sorted(stats[r].items()))
+
+
+def stats_cotangent(leaves: tuple, stats: Mapping | None, all_vary) -> dict[str, Stats] | None:
+    """The statistics as the cotangent of the statistics input with ``leaves`` (None when not inspecting).
+
+    Each leaf takes the input leaf's dtype (a max-merging one under
+    ``te_jax.train.value_and_grad``) and, in shard_map, its varying axes,
+    reduced by max. Leaves no quantization produced (a role in high precision) get 0.
+    """
+    if stats is None:
+        return None
+    out: dict[str, Stats] = {}
+    for role, name, dtype, vary in leaves:
+        g = stats.get(role, {}).get(name, jnp.zeros((), jnp.float32))
+        out.setdefault(role, {})[name] = lax.convert_element_type(match_cotangent(g, all_vary, vary, "max"), dtype)
+    return out
+
+
+def primary_copy(role: str) -> str:
+    """The copy the statistics describe: the forward GEMM's operand ("colwise" for weights), else rowwise."""
+    return "colwise" if str(role) == "linear_weight" else "rowwise"
+
+
+def format_max(t: ScaledTensor) -> float:
+    """The largest magnitude of ``t``'s element format."""
+    return nm.E2M1_MAX if t.mode is ScalingMode.NVFP4 else nm.fp8_max(t.qdtype)
+
+
+def _copy(t: ScaledTensor, copy: str):
+    """``(codes, decode scales)`` of one copy: codes as float32 in format units, one decode scale per block."""
+    if copy == "rowwise":
+        data, scales, amax = t.data, t.scale_inv, t.amax
+    else:
+        data, scales = t.colwise_data, t.colwise_scale_inv
+        amax = t.colwise_amax if t.mode is ScalingMode.NVFP4 else t.amax
+    if data is None:
+        raise ValueError(f"te_jax.inspect: the ScaledTensor has no {copy} copy")
+    if t.mode is ScalingMode.NVFP4:
+        codes = nm.e2m1_to_float(nm.unpack_nibbles(data))
+        decode = scales.astype(jnp.float32) * nm.reciprocal(nm.nvfp4_global_encode_scale(amax))
+        if t.block_2d:  # stored per row, repeated over the block's 16 rows
+            decode = decode[::_BLOCK[t.mode]]
+    elif t.mode is ScalingMode.MXFP8:
+        codes, decode = data.astype(jnp.float32), nm.e8m0_to_float(scales)
+    else:
+        codes, decode = data.astype(jnp.float32), scales.astype(jnp.float32)
+    return codes, decode
+
+
+def _block_amax(ax: jax.Array, t: ScaledTensor) -> jax.Array:
+    """``max |x|`` per block (block modes), shaped like the decode scales of one copy."""
+    b, (m, n) = _BLOCK[t.mode], ax.shape
+    if t.block_2d:
+        return jnp.max(ax.reshape(m // b, b, n // b, b), axis=(1, 3))
+    return jnp.max(ax.reshape(m, n // b, b), axis=-1)
+
+
+def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0).astype(jnp.float32)
+
+
+def _scale_stats(decode: jax.Array, block_amax: jax.Array | None) -> Stats:
+    """``scale``, ``scale_log2_range`` and ``scale_log2_std`` from the decode scales (block_amax None: per tensor)."""
+    if block_amax is None:  # one scale, no spread (not computed: log2's rounding may differ between fusions)
+        zero = jnp.zeros((), jnp.float32)
+        return {"scale": nm.reciprocal(decode.reshape(())), "scale_log2_range": zero, "scale_log2_std": zero}
+    ok = (decode > 0) & nm.is_finite(decode) & (block_amax > 0)
+    log2 = jnp.log2(jnp.where(ok, decode, 1))
+    n = jnp.sum(ok).astype(jnp.float32)
+    mean = _ratio(jnp.sum(jnp.where(ok, log2, 0)), n)
+    var = _ratio(jnp.sum(jnp.where(ok, jnp.square(log2 - mean), 0)), n)
+    spread = jnp.max(jnp.where(ok, log2, -jnp.inf)) - jnp.min(jnp.where(ok, log2, jnp.inf))
+    return {"scale": jnp.where(n > 0, jnp.exp2(-mean), 0).astype(jnp.float32),
+            "scale_log2_range": jnp.where(n > 0, spread, 0).astype(jnp.float32),
+            "scale_log2_std": jnp.sqrt(var)}
+
+
+def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise") -> Stats:
+    """The statistics (``STAT_NAMES``) of ``t``'s ``copy``, the quantization of ``x``.
+
+    Args:
+      x: the high-precision tensor ``t`` quantizes, in ``t.shape``.
+      t: its ScaledTensor.
+      copy: "rowwise" (the ``[M, N]`` matrix) or "colwise" (``[N, M]``,
+        compared in the Hadamard domain when ``t.rht``).
+    """
+    if copy not in COPIES:
+        raise ValueError(f"te_jax.inspect: copy must be one of {COPIES}, got {copy!r}")
+    xm = x.astype(jnp.float32).reshape(t.matrix_shape)
+    if copy == "colwise":
+        xm = xm.T
+        values = t.dequantize_colwise(jnp.float32)
+        if t.rht:
+            xm = nm.rht16(xm)
+    else:
+        values = t.dequantize(jnp.float32).reshape(t.matrix_shape)
+    codes, decode = _copy(t, copy)
+    ax = jnp.abs(xm)
+    nonzero = xm != 0
+    n_nonzero = jnp.sum(nonzero).astype(jnp.float32)
+    underflow = jnp.sum(nonzero & (values == 0)).astype(jnp.float32)
+    beyond = ax > jnp.abs(values) * jnp.float32(1 + SATURATION_MARGIN)
+    saturated = jnp.sum(nonzero & beyond & (jnp.abs(codes) == format_max(t))).astype(jnp.float32)
+    err = jnp.sqrt(jnp.sum(jnp.square(xm - values)))
+    out = {"amax": jnp.max(ax), "underflow": _ratio(underflow, n_nonzero),
+           "saturation": _ratio(saturated, n_nonzero), "rel_error": _ratio(err, jnp.sqrt(jnp.sum(jnp.square(xm))))}
+    out.update(_scale_stats(decode, None if t.mode is ScalingMode.FP8_TENSOR else _block_amax(ax, t)))
+    return {n: out[n].astype(jnp.float32) for n in STAT_NAMES}
