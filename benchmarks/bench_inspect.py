@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: an installed te_jax wins
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -69,13 +69,14 @@ def bench(recipe_name: str, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="125m", choices=sorted(PRESETS))
-    p.add_argument("--recipes", default="delayed,current,mxfp8")
+    p.add_argument("--recipes", default="delayed")
     p.add_argument("--batch", type=int, help="default: the preset's")
     p.add_argument("--seq-len", type=int, help="default: the preset's")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trials", type=int, default=3)
     p.add_argument("--out", help="write the results as JSON")
+    p.add_argument("--md", help="write a markdown table here")
     args = p.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind} ({jax.default_backend()}), preset {args.preset}")
     results = []
@@ -86,6 +87,12 @@ def main() -> None:
               f"({r['overhead']:+.1%})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.md:
+        rows = [f"| {r['recipe']} | {r['plain_ms']:.2f} | {r['inspect_ms']:.2f} | {r['overhead']:+.1%} |" for r in results]
+        Path(args.md).write_text("\n".join([f"## Inspection cost ({args.preset} GPT training step, "
+                                             f"{jax.devices()[0].device_kind})", "",
+                                             "| recipe | plain ms | inspected ms | cost |", "|---|---|---|---|",
+                                             *rows, ""]))
 
 
 if __name__ == "__main__":

@@ -75,6 +75,22 @@ def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
     return _current(config)
 
 
+def mesh_scope(mesh_resource: MeshResource | None):
+    """Context: the current setting with ``mesh_resource``; a custom VJP's backward, traced after the
+    forward's autocast block has exited, uses it to partition its GEMMs as the forward did."""
+    return _current(dataclasses.replace(current(), mesh_resource=mesh_resource))
+
+
+def with_plan_mesh(backward):
+    """``backward(plan, res, cts)`` of a custom VJP run under ``mesh_scope(plan.mesh_resource)``."""
+
+    def run(plan, res, cts):
+        with mesh_scope(plan.mesh_resource):
+            return backward(plan, res, cts)
+
+    return run
+
+
 def current() -> AutocastConfig:
     """The innermost autocast's setting (disabled outside any block)."""
     return _current.value

@@ -54,6 +54,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.autocast import current as current_autocast
+from te_jax.autocast import with_plan_mesh
 from te_jax.inspect.stats import primary_copy, stats_cotangent, stats_input, stats_leaves, tensor_stats
 from te_jax.ops.gemm import gemm
 from te_jax.quantize.delayed import as_float32
@@ -378,4 +379,4 @@ def _dense_bwd(plan, res, cotangents):
 
 
 _dense_vjp = jax.custom_vjp(_dense_primal, nondiff_argnums=(0,))
-_dense_vjp.defvjp(_dense_fwd, _dense_bwd)
+_dense_vjp.defvjp(_dense_fwd, with_plan_mesh(_dense_bwd))

@@ -46,6 +46,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.autocast import current as current_autocast
+from te_jax.autocast import with_plan_mesh
 from te_jax.dense import QUANTIZED, DenseQuantizers, as_quantizers, name_quantized
 from te_jax.inspect.stats import primary_copy, stats_cotangent, stats_input, stats_leaves, tensor_stats
 from te_jax.ops import norm as norm_ops
@@ -440,4 +441,4 @@ def _bwd(plan: _Plan, res, cts):
 
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))
-_vjp.defvjp(_fwd, _bwd)
+_vjp.defvjp(_fwd, with_plan_mesh(_bwd))

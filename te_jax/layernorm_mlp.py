@@ -45,6 +45,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.autocast import current as current_autocast
+from te_jax.autocast import with_plan_mesh
 from te_jax.dense import DenseQuantizers, as_quantizers
 from te_jax.inspect.stats import stats_cotangent, stats_input, stats_leaves
 from te_jax.layernorm_dense import (PRE_ACTIVATION, GemmQuant, NormSpec, as_norm, check_blocks, check_high_precision,
@@ -341,4 +342,4 @@ def _bwd(plan: _Plan, res, cts):
 
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))
-_vjp.defvjp(_fwd, _bwd)
+_vjp.defvjp(_fwd, with_plan_mesh(_bwd))

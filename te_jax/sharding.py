@@ -59,7 +59,7 @@ class MeshResource:
 
 # The logical axis names te_jax's layers give their parameters (``kernel_axes=...``, TransformerLayer's
 # ``logical_axes=True``) and the names for activations; see ``logical_axis_rules``.
-PARAM_AXES = ("embed", "heads", "kv", "mlp", "act")
+PARAM_AXES = ("embed", "heads", "qkv", "kv", "mlp", "act")
 ACTIVATION_AXES = ("batch", "length", "hidden")
 
 
@@ -77,7 +77,7 @@ def logical_axis_rules(mesh_resource: MeshResource, rules=()) -> tuple[tuple[str
     Parameters: "embed" (the model width) is split over the FSDP axes, "heads"
     and "mlp" over the tensor-parallel axes (column-parallel first GEMMs,
     row-parallel second ones), "kv" (head width) and "act" (the gated pair)
-    are not split. Activations: "batch" over the data and FSDP axes, "length"
+    are not split, nor is "qkv" (a key/value group's queries, key and value). Activations: "batch" over the data and FSDP axes, "length"
     over the sequence-parallel axes, "hidden" not split. A name ``rules``
     already maps keeps the user's mapping (their rules come first, and flax
     uses the first rule that names an axis).
@@ -95,7 +95,7 @@ def logical_axis_rules(mesh_resource: MeshResource, rules=()) -> tuple[tuple[str
     rules = tuple((str(name), value) for name, value in rules)
     dp, fsdp = _axes_of(mesh_resource.dp_resource), _axes_of(mesh_resource.fsdp_resource)
     tp, sp = _axes_of(mesh_resource.tp_resource), _axes_of(mesh_resource.sp_resource)
-    ours = (("embed", fsdp), ("heads", tp), ("mlp", tp), ("kv", ()), ("act", ()),
+    ours = (("embed", fsdp), ("heads", tp), ("mlp", tp), ("qkv", ()), ("kv", ()), ("act", ()),
             ("batch", dp + tuple(a for a in fsdp if a not in dp)), ("length", sp), ("hidden", ()))
     taken = {name for name, _ in rules}
     return rules + tuple((name, _rule_value(axes)) for name, axes in ours if name not in taken)

@@ -191,8 +191,10 @@ def _ref_transformer(p, x, n, kv, causal=True):
         mu = x.mean(-1, keepdims=True)
         return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + 1e-6) * s + b
 
-    qkv = jnp.einsum("bth,hnd->btnd", ln(x, a["qkv"]["scale"], a["qkv"]["ln_bias"]), a["qkv"]["kernel"])
-    q, k, v = qkv[:, :, :n], qkv[:, :, n:n + kv], qkv[:, :, n + kv:]
+    qkv = jnp.einsum("bth,hgjd->btgjd", ln(x, a["qkv"]["scale"], a["qkv"]["ln_bias"]), a["qkv"]["kernel"])
+    g = n // kv  # per key/value head: g query heads, then the key, then the value
+    q = qkv[:, :, :, :g].reshape(*x.shape[:2], n, -1)
+    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     t = jnp.arange(x.shape[1])
     q, k = tf.rotary_embedding(q, t), tf.rotary_embedding(k, t)
     k, v = jnp.repeat(k, n // kv, axis=2), jnp.repeat(v, n // kv, axis=2)
@@ -211,7 +213,7 @@ def test_transformer_layer_matches_reference(heads, groups):
     m = tf.TransformerLayer(num_attention_heads=heads, num_gqa_groups=groups, intermediate_dim=96)
     v = _randomize(m.init(jax.random.key(0), x), scale=0.05)
     d = 64 // heads
-    assert v["params"]["attention"]["qkv"]["kernel"].shape == (64, heads + 2 * groups, d)
+    assert v["params"]["attention"]["qkv"]["kernel"].shape == (64, groups, heads // groups + 2, d)
     assert v["params"]["attention"]["out"]["kernel"].shape == (heads, d, 64)
     _close(m.apply(v, x), _ref_transformer(v["params"], x, heads, groups), 2e-5)
 
@@ -553,7 +555,7 @@ def test_logical_axes():
     x = _x()
     v = tf.TransformerLayer(num_attention_heads=4, intermediate_dim=256, logical_axes=True).init(jax.random.key(0), x)
     specs = nn.get_partition_spec(v)["params"]
-    assert specs["attention"]["qkv"]["kernel"] == jax.sharding.PartitionSpec("embed", "heads", "kv")
+    assert specs["attention"]["qkv"]["kernel"] == jax.sharding.PartitionSpec("embed", "heads", "qkv", "kv")
     assert specs["mlp"]["wi_kernel"] == jax.sharding.PartitionSpec("embed", "mlp")
     assert specs["mlp"]["wo_kernel"] == jax.sharding.PartitionSpec("mlp", "embed")
     m = tf.DenseGeneral(8, kernel_axes=("embed", "mlp"), bias_axes=("mlp",))

@@ -2,9 +2,13 @@
 # The GPU check: on a GPU machine without network, build te_jax with its CUDA
 # handlers, run the test suite on the GPU (kernels vs the CPU-evaluated
 # reference, bit for bit), run the benchmarks, and write under $OUT:
-#   build.log, tests.log, summary.json, summary.md
+#   build.log, tests.log, summary.json, summary.md (and multi_gpu.log with --multi-gpu)
 # Usage: OUT=/some/dir bash tools/gpu_check.sh [--skip-build] [--no-tests] [--no-bench]
-#        [--bench=quantize,gemm] [pytest arguments: test files, -k ...]  (default: all of tests/)
+#        [--bench=quantize,gemm,inspect] [--multi-gpu] [pytest arguments: test files, -k ...]
+#        (default: all of tests/)
+# --multi-gpu (2 or more GPUs): the layer mesh checks of tests/mesh_multidevice.py (dp and tp over
+# two GPUs against one, NCCL collectives) and the data-parallel scaling of the 125m GPT (tokens/s on
+# one GPU at batch 32 against all GPUs at 32 per GPU), as JSON lines in multi_gpu.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -12,13 +16,14 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=python3
-skip_build=0; run_tests=1; run_bench=1; benches=""; pytest_args=()
+skip_build=0; run_tests=1; run_bench=1; multi_gpu=0; benches=""; pytest_args=()
 for arg in "$@"; do
   case "$arg" in
     --skip-build) skip_build=1 ;;
     --no-tests) run_tests=0 ;;
     --no-bench) run_bench=0 ;;
     --bench=*) benches=${arg#--bench=} ;;
+    --multi-gpu) multi_gpu=1 ;;
     *) pytest_args+=("$arg") ;;
   esac
 done
@@ -58,6 +63,26 @@ if [ $run_bench -eq 1 ]; then
       || echo "gpu_check: $name failed (see tests.log)"
     echo "gpu_check: $name took $(( $(date +%s) - start )) s"
   done
+fi
+if [ $multi_gpu -eq 1 ]; then
+  n=$(cd /tmp && $PY -c "import jax; print(jax.device_count())")
+  log="$OUT/multi_gpu.log"
+  echo "{\"gpus\": $n}" > "$log"
+  if [ "$n" -ge 2 ]; then
+    start=$(date +%s)
+    (cd "$ROOT/tests" && $PY mesh_multidevice.py --models mlp,stack --meshes dp2,tp2 --recipes delayed,current) \
+      2>/dev/null | grep '^{' >> "$log"
+    echo "gpu_check: mesh checks took $(( $(date +%s) - start )) s"
+    for run in "1 32 dp=1" "$n $((32 * n)) dp=$n"; do
+      set -- $run
+      (cd /tmp && CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1))) $PY "$ROOT/examples/gpt/train.py" --preset 125m \
+        --recipe delayed --steps 40 --batch "$2" --mesh "$3" --eval-every 1000 --eval-batches 1 --no-progress \
+        --log-every 20 --json /tmp/scale.json > /tmp/scale.log 2>&1) || tail -20 /tmp/scale.log
+      $PY -c "import json; r = json.load(open('/tmp/scale.json'))[0]; print(json.dumps({'scaling': '$3', 'gpus': $1, \
+'batch': $2, 'tokens_per_s': r['tokens_per_s'], 'final_train_loss': r['final_train_loss']}))" >> "$log"
+    done
+    grep -h scaling "$log"
+  fi
 fi
 $PY "$ROOT/tools/gpu_summary.py" "$OUT"
 rm -f "$OUT"/bench_*.json "$OUT"/bench_*.md "$OUT/junit.xml"

@@ -27,8 +27,8 @@ import te_jax
 
 AXES = ("dp", "fsdp", "tp")
 BATCH = ("dp", "fsdp")
-LOGICAL_RULES = (("embed", "fsdp"), ("heads", "tp"), ("kv", None), ("mlp", "tp"), ("act", None))
 MESH_RESOURCE = te_jax.MeshResource(dp_resource="dp", fsdp_resource="fsdp", tp_resource="tp")
+LOGICAL_RULES = te_jax.sharding.logical_axis_rules(MESH_RESOURCE)
 
 
 def parse_mesh(spec: str) -> dict[str, int]:

@@ -73,18 +73,26 @@ class SelfAttention(nn.Module):
         ax = self.logical_axes
         common = dict(use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
                       dtype=self.dtype, param_dtype=self.param_dtype)
-        qkv = LayerNormDenseGeneral(features=(n + 2 * kv, d), layernorm_type=self.layernorm_type,
+        # Grouped per key/value head: [kv, n/kv query heads + key + value, d]. Splitting the kv axis over
+        # tensor-parallel devices keeps each device's queries with their keys and values.
+        g = n // kv
+        qkv = LayerNormDenseGeneral(features=(kv, g + 2, d), layernorm_type=self.layernorm_type,
                                     zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon, name="qkv",
-                                    kernel_axes=("embed", "heads", "kv") if ax else (),
-                                    bias_axes=("heads", "kv") if ax else (), scale_axes=("embed",) if ax else (),
+                                    kernel_axes=("embed", "heads", "qkv", "kv") if ax else (),
+                                    bias_axes=("heads", "qkv", "kv") if ax else (), scale_axes=("embed",) if ax else (),
                                     ln_bias_axes=("embed",) if ax else (), **common)(x)
-        q, k, v = qkv[..., :n, :], qkv[..., n:n + kv, :], qkv[..., n + kv:, :]
+        q = qkv[..., :g, :].reshape(*qkv.shape[:2], n, d)  # query head i uses key/value head i // g
+        k, v = qkv[..., g, :], qkv[..., g + 1, :]
         if self.rotary:
             if positions is None:
                 positions = jnp.arange(x.shape[1])
             q, k = rotary_embedding(q, positions, self.rotary_base), rotary_embedding(k, positions, self.rotary_base)
+        if ax:  # attention sees whole sequences, its heads split like the projections' (sequence parallel too)
+            q, k, v = (nn.with_logical_constraint(t, ("batch", None, "heads", "kv")) for t in (q, k, v))
         o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal,
                                          implementation=self.implementation)
+        if ax:
+            o = nn.with_logical_constraint(o, ("batch", None, "heads", "kv"))
         return LayerNormDenseGeneral(features=h, axis=(-2, -1), enable_layernorm=False, name="out",
                                      kernel_axes=("heads", "kv", "embed") if ax else (),
                                      bias_axes=("embed",) if ax else (), **common)(o)

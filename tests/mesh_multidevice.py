@@ -1,0 +1,181 @@
+"""Layers on device meshes: jit with NamedSharding against one device, and the collectives XLA emits.
+
+Run by tests/test_distributed.py in a subprocess with 8 fake CPU devices (or,
+on a GPU machine with at least 2 GPUs, on the GPUs: ``--devices N``). For
+each mesh and recipe it trains nothing; it computes one step (loss,
+gradients of parameters and input, the fp8_meta update) of
+
+* ``mlp``: a LayerNormMLP (gelu) whose kernels carry logical axis names, and
+* ``stack``: two TransformerLayers (logical_axes=True) with the residual
+  stream constrained to ("batch", "length", "hidden"),
+
+sharded by ``te_jax.sharding.logical_axis_rules`` and unsharded, and prints
+one JSON line per case: max relative errors, whether every device holds the
+same fp8 update, the collectives of the compiled step per kind, and the
+element types the all-gathers move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import te_jax
+import te_jax.flax as tf
+from te_jax import recipe as R
+from te_jax.sharding import logical_axis_rules
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+MESHES = {  # name -> (axis sizes, MeshResource)
+    "dp8": ({"dp": 8}, te_jax.MeshResource(dp_resource="dp")),
+    "dp2xtp4": ({"dp": 2, "tp": 4}, te_jax.MeshResource(dp_resource="dp", tp_resource="tp")),
+    "fsdp4xtp2": ({"fsdp": 4, "tp": 2}, te_jax.MeshResource(fsdp_resource="fsdp", tp_resource="tp")),
+    "dp2xfsdp2xtp2_sp": ({"dp": 2, "fsdp": 2, "tp": 2},
+                         te_jax.MeshResource(dp_resource="dp", fsdp_resource="fsdp", tp_resource="tp",
+                                             sp_resource="tp")),
+    "dp2": ({"dp": 2}, te_jax.MeshResource(dp_resource="dp")),
+    "tp2": ({"tp": 2}, te_jax.MeshResource(tp_resource="tp")),
+}
+RECIPES = {"delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling()}
+B, T, H, F, HEADS = 8, 32, 64, 256, 4
+RESIDUAL = ("batch", "length", "hidden")
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.with_logical_constraint(x, RESIDUAL)
+        y = tf.LayerNormMLP(intermediate_dim=F, activation="gelu", dtype=jnp.float32,
+                            kernel_axes_1=("embed", "mlp"), kernel_axes_2=("mlp", "embed"), bias_axes_1=("mlp",),
+                            bias_axes_2=("embed",), scale_axes=("embed",), ln_bias_axes=("embed",))(x)
+        return nn.with_logical_constraint(y, RESIDUAL)
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = nn.with_logical_constraint(x, RESIDUAL)
+            x = tf.TransformerLayer(num_attention_heads=HEADS, num_gqa_groups=HEADS, intermediate_dim=F,
+                                    mlp_activation="gelu", dtype=jnp.float32, logical_axes=True,
+                                    name=f"layer_{i}")(x)
+        return nn.with_logical_constraint(x, RESIDUAL)
+
+
+MODELS = {"mlp": MLP, "stack": Stack}
+
+
+def step_fn(model, recipe, mesh_resource):
+    def step(variables, x, c):
+        def loss(v):
+            inner = {k: val for k, val in v.items() if k != "x"}
+            with te_jax.autocast(recipe=recipe, mesh_resource=mesh_resource):
+                y = model.apply(inner, v["x"])
+            return jnp.sum(y * c)
+
+        return te_jax.train.value_and_grad(loss)({**variables, "x": x})
+
+    return step
+
+
+def collectives(hlo: str) -> dict:
+    ops = [m.group(1) for m in re.finditer(r"^\s*\S+ = [^\n]*? ([a-z\-]+)\(", hlo, re.MULTILINE)]
+    counts = {k: sum(op in (k, k + "-start") for op in ops) for k in KINDS}
+    gathered = re.findall(r"^\s*\S+ = (\w+)\[([\d,]*)\][^\n]*? all-gather(?:-start)?\(", hlo, re.MULTILINE)
+    return dict(counts=counts, all_gathers=sorted(f"{t}[{s}]" for t, s in gathered))
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def same_on_every_device(tree) -> bool:
+    for leaf in jax.tree.leaves(tree):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        if leaf.sharding.is_fully_replicated and not all(np.array_equal(shards[0].view(np.uint8),
+                                                                         s.view(np.uint8)) for s in shards):
+            return False
+    return True
+
+
+def run_case(model_name: str, mesh_name: str, recipe_name: str, devices) -> dict:
+    axes, mesh_resource = MESHES[mesh_name]
+    mesh = jax.sharding.Mesh(np.asarray(devices[:int(np.prod(list(axes.values())))]).reshape(tuple(axes.values())),
+                             tuple(axes))
+    model, recipe = MODELS[model_name](), RECIPES[recipe_name]
+    key = jax.random.key(0)
+    # With sequence parallelism each device holds one sequence's slice: the layers flatten [B, T] into
+    # tokens, and a [B, T] split over (data axes, sp axes) stays a tiled split of the tokens only when
+    # the per-device batch is 1 (otherwise XLA regathers the activation in high precision).
+    batch = int(np.prod([axes[a] for a in ("dp", "fsdp") if a in axes])) if mesh_resource.sp_resource else B
+    x = jax.random.normal(jax.random.fold_in(key, 1), (batch, T, H), jnp.float32)
+    c = jax.random.normal(jax.random.fold_in(key, 2), (batch, T, H), jnp.float32)
+    with te_jax.autocast(recipe=recipe):
+        boxed = model.init(jax.random.key(3), x)
+    variables = nn.meta.unbox(boxed)
+    step = step_fn(model, recipe, mesh_resource)
+
+    one = jax.devices()[0] if devices[0].platform == "cpu" else devices[0]
+    ref_loss, ref_grads = jax.jit(step)(*jax.device_put((variables, x, c), one))
+
+    rules = logical_axis_rules(mesh_resource)
+    with nn.logical_axis_rules(rules):
+        specs = nn.logical_to_mesh(nn.get_partition_spec(boxed))
+        act = nn.logical_to_mesh_axes(RESIDUAL)
+    shard = lambda tree, spec_tree: jax.tree.map(  # noqa: E731
+        lambda v, s: jax.device_put(v, NamedSharding(mesh, s)), tree, spec_tree,
+        is_leaf=lambda s: isinstance(s, P))
+    var_specs = {k: (specs[k] if k == "params" else jax.tree.map(lambda _: P(), variables[k])) for k in variables}
+    var_specs = jax.tree.map(lambda s: s if isinstance(s, P) else P(), var_specs, is_leaf=lambda s: isinstance(s, P))
+    sv = shard(variables, var_specs)
+    sx, sc = (jax.device_put(a, NamedSharding(mesh, act)) for a in (x, c))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        jitted = jax.jit(step)
+        hlo = jitted.lower(sv, sx, sc).compile().as_text()
+        loss, grads = jitted(sv, sx, sc)
+
+    errs = {"loss": rel_err(loss, ref_loss), "x": rel_err(grads["x"], ref_grads["x"]),
+            "params": max(rel_err(a, b) for a, b in zip(jax.tree.leaves(grads["params"]),
+                                                       jax.tree.leaves(ref_grads["params"]))),
+            "fp8_meta": max((rel_err(a, b) for a, b in zip(jax.tree.leaves(grads.get("fp8_meta", {})),
+                                                          jax.tree.leaves(ref_grads.get("fp8_meta", {})))),
+                            default=0.0)}
+    return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs,
+                fp8_same_everywhere=same_on_every_device(grads.get("fp8_meta", {})),
+                x_grad_spec=str(grads["x"].sharding.spec), **collectives(hlo))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--models", default="mlp,stack")
+    p.add_argument("--meshes", default="dp8,dp2xtp4,fsdp4xtp2,dp2xfsdp2xtp2_sp")
+    p.add_argument("--recipes", default="delayed,current")
+    args = p.parse_args()
+    devices = jax.devices()
+    print(json.dumps(dict(platform=devices[0].platform, devices=len(devices))), flush=True)
+    failed = False
+    for model_name in args.models.split(","):
+        for mesh_name in args.meshes.split(","):
+            for recipe_name in args.recipes.split(","):
+                try:
+                    out = run_case(model_name, mesh_name, recipe_name, devices)
+                except Exception as err:  # noqa: BLE001 (report every case)
+                    out = dict(model=model_name, mesh=mesh_name, recipe=recipe_name,
+                               error=f"{type(err).__name__}: {str(err)[:2000]}")
+                    failed = True
+                print(json.dumps(out), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

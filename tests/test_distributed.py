@@ -1,0 +1,100 @@
+"""Layers under jit on 8-device meshes (dp8, dp2xtp4, fsdp4xtp2, dp2xfsdp2xtp2 with sequence parallel).
+
+tests/mesh_multidevice.py runs the cases in a subprocess with 8 fake CPU
+devices and prints one JSON line per case; these tests check them:
+
+* the loss, the gradients and the fp8_meta update equal a one-device run to
+  fp32 rounding (the only difference is the order of a split contraction's
+  sum), for a LayerNormMLP and a two-TransformerLayer stack;
+* the fp8_meta update is bit-identical on every device;
+* the compiled step holds exactly the collectives listed in ``COLLECTIVES``
+  and moves weights and activations as FP8 (XLA's CPU backend carries an FP8
+  all-gather in f16; high precision is gathered only for 1-D norm/bias vectors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+MESHES = ("dp8", "dp2xtp4", "fsdp4xtp2", "dp2xfsdp2xtp2_sp")
+RECIPES = ("delayed", "current")
+
+# The collectives of the compiled fwd+bwd step, per model, mesh and recipe.
+#  all-reduce: the amaxes (max; XLA combines those of one dependency level: delayed scaling reduces
+#   once at the end, current scaling needs each amax before its cast), the row-parallel GEMM's output
+#   and the column-parallel GEMM's dgrad over tp, the data-parallel gradient sum (with the loss).
+#  all-gather (FSDP): each weight in FP8 for the forward and again for the backward, and the f32
+#   norm/bias vectors split over fsdp.
+#  sequence parallel: the FP8 all-gathers of the norm output's two copies and of dy over tp, and a
+#   reduce-scatter (not an all-reduce) of the row-parallel output and of the column-parallel dgrad.
+COLLECTIVES = {
+    ("mlp", "dp8", "delayed"): {"all-reduce": 2},
+    ("mlp", "dp8", "current"): {"all-reduce": 4},
+    ("mlp", "dp2xtp4", "delayed"): {"all-reduce": 5},
+    ("mlp", "dp2xtp4", "current"): {"all-reduce": 5},
+    ("mlp", "fsdp4xtp2", "delayed"): {"all-gather": 7, "all-reduce": 5},
+    ("mlp", "fsdp4xtp2", "current"): {"all-gather": 7, "all-reduce": 6},
+    ("mlp", "dp2xfsdp2xtp2_sp", "delayed"): {"all-gather": 11, "all-reduce": 6, "reduce-scatter": 2},
+    ("mlp", "dp2xfsdp2xtp2_sp", "current"): {"all-gather": 11, "all-reduce": 8, "reduce-scatter": 2},
+    ("stack", "dp8", "delayed"): {"all-reduce": 2},
+    ("stack", "dp8", "current"): {"all-reduce": 16},
+    ("stack", "dp2xtp4", "delayed"): {"all-reduce": 11},
+    ("stack", "dp2xtp4", "current"): {"all-reduce": 23},
+    ("stack", "fsdp4xtp2", "delayed"): {"all-gather": 24, "all-reduce": 11},
+    ("stack", "fsdp4xtp2", "current"): {"all-gather": 24, "all-reduce": 24},
+    ("stack", "dp2xfsdp2xtp2_sp", "delayed"): {"all-gather": 40, "all-reduce": 6, "reduce-scatter": 8},
+    ("stack", "dp2xfsdp2xtp2_sp", "current"): {"all-gather": 40, "all-reduce": 20, "reduce-scatter": 8},
+}
+FP8_CARRIERS = ("f8e4m3fn", "f8e5m2", "u8", "f16")  # f16: XLA CPU's carrier for an FP8 all-gather
+
+
+def _run(args: list[str], devices: int = 8) -> list[dict]:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(HERE / "mesh_multidevice.py"), *args], capture_output=True,
+                          text=True, env=env, timeout=1200, cwd=HERE)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no output; stderr:\n{proc.stderr[-4000:]}"
+    return lines
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict:
+    out = {}
+    for line in _run(["--models", "mlp,stack", "--meshes", ",".join(MESHES), "--recipes", ",".join(RECIPES)]):
+        if "model" in line:
+            out[(line["model"], line["mesh"], line["recipe"])] = line
+    return out
+
+
+def _case(cases, *key) -> dict:
+    case = cases[key]
+    assert "error" not in case, case["error"]
+    return case
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("model", ("mlp", "stack"))
+def test_matches_one_device(cases, model, mesh, recipe):
+    case = _case(cases, model, mesh, recipe)
+    assert max(case["errors"].values()) <= 1e-5, case["errors"]
+    assert case["fp8_same_everywhere"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("model", ("mlp", "stack"))
+def test_collectives(cases, model, mesh, recipe):
+    case = _case(cases, model, mesh, recipe)
+    assert {k: v for k, v in case["counts"].items() if v} == COLLECTIVES[(model, mesh, recipe)]
+    for gathered in case["all_gathers"]:
+        dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", gathered).groups()
+        assert dtype in FP8_CARRIERS or dims.count(",") == 0, f"high-precision all-gather of a matrix: {gathered}"
