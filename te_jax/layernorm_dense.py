@@ -267,6 +267,13 @@ def norm_backward(norm: NormSpec | None, dln, x, gamma, beta, stats, x_dtype):
     return dx, dgamma.astype(gamma.dtype), (None if beta is None else dbeta.astype(beta.dtype))
 
 
+def check_no_dot_general(where: str, dot_general, quantized: bool) -> None:
+    """A custom ``dot_general`` serves the unquantized path only (te_jax's GEMMs replace it under a recipe)."""
+    if dot_general is not None and quantized:
+        raise ValueError(f"te_jax: {where}: a custom dot_general cannot be combined with quantizers (te_jax's "
+                         "quantized GEMMs replace it); drop one of them")
+
+
 def normalize_hp(norm: NormSpec | None, x, gamma, beta, dtype):
     """High-precision (unquantized, autodiff) norm in ``dtype``; x is widened first when dtype is wider."""
     if norm is None:
@@ -347,6 +354,7 @@ def layernorm_dense(
     precision=None,
     inspect: bool = False,
     stats: Mapping[str, Any] | None = None,
+    dot_general=None,
 ) -> tuple:
     """``norm(x) @ kernel + bias`` over x's last axis, with the norm fused into the input's cast.
 
@@ -362,12 +370,15 @@ def layernorm_dense(
       quantizers, state, key, mesh_resource: as in ``te_jax.dense``.
       precision: ``lax.dot_general`` precision of the high-precision path.
       inspect, stats: quantization statistics, as in ``te_jax.dense``.
+      dot_general: the product of the unquantized path instead of
+        ``lax.dot_general`` (e.g. a flax ``Fp8DotGeneral`` instance); only without quantizers.
 
     Returns:
       ``(y [..., *features], new_state)``, and the forward statistics third when ``inspect``.
     """
     where = "layernorm_dense"
     q = as_quantizers(quantizers)
+    check_no_dot_general(where, dot_general, q.any)
     norm = as_norm(norm_type, zero_centered_gamma, epsilon, gamma, beta, where)
     check_high_precision(where, x=x, gamma=gamma, beta=beta, kernel=kernel, bias=bias)
     if x.ndim < 1 or kernel.ndim < 2 or x.shape[-1] != kernel.shape[0]:
@@ -380,7 +391,7 @@ def layernorm_dense(
     dtype = kernel.dtype
     if not q.any:
         ln = normalize_hp(norm, x, gamma, beta, dtype)
-        y = lax.dot_general(ln, kernel, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision)
+        y = (dot_general or lax.dot_general)(ln, kernel, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision)
         if bias is not None:
             y = y + bias.astype(y.dtype)
         return (y, (None if state is None else dict(state))) + (({},) if inspect else ())

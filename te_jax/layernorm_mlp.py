@@ -49,7 +49,7 @@ from te_jax.autocast import with_plan_mesh
 from te_jax.dense import DenseQuantizers, as_quantizers
 from te_jax.inspect.stats import stats_cotangent, stats_input, stats_leaves
 from te_jax.layernorm_dense import (PRE_ACTIVATION, GemmQuant, NormSpec, as_norm, check_blocks, check_high_precision,
-                                    check_key, check_state, keep, norm_backward, norm_input, normalize_hp,
+                                    check_key, check_no_dot_general, check_state, keep, norm_backward, norm_input, normalize_hp,
                                     raw_key, state_cotangent, state_leaves, vary_of)
 from te_jax.ops import activation as act_ops
 from te_jax.ops.gemm import gemm
@@ -157,6 +157,7 @@ def layernorm_mlp(
     precision=None,
     inspect: bool = False,
     stats: Mapping[str, Any] | None = None,
+    dot_generals=None,
 ) -> tuple:
     """``act(norm(x) @ kernel_1 + bias_1) [* dropout_mask] @ kernel_2 + bias_2``.
 
@@ -177,12 +178,15 @@ def layernorm_mlp(
       mesh_resource, precision: as in ``te_jax.dense``.
       inspect, stats: quantization statistics, as in ``te_jax.dense``, per GEMM:
         ``stats = {"wi": {role: {stat: f32[]}}, "wo": {...}}`` (None: zeros).
+      dot_generals: ``(first, second)`` products of the unquantized path instead of
+        ``lax.dot_general`` (e.g. flax ``Fp8DotGeneral`` instances); only without quantizers.
 
     Returns:
       ``(y [..., H_out], new_state)``, and the forward statistics ``{"wi": ..., "wo": ...}`` third when ``inspect``.
     """
     where = "layernorm_mlp"
     q = _as_mlp_quantizers(quantizers)
+    check_no_dot_general(where, dot_generals, q.any)
     norm = as_norm(norm_type, zero_centered_gamma, epsilon, gamma, beta, where)
     check_high_precision(where, x=x, gamma=gamma, beta=beta, kernel_1=kernel_1, bias_1=bias_1, kernel_2=kernel_2,
                          bias_2=bias_2, dropout_mask=dropout_mask)
@@ -209,7 +213,7 @@ def layernorm_mlp(
     mask = None if dropout_mask is None else dropout_mask.astype(dtype).reshape(-1, f)
     if not q.any:
         y = _high_precision(norm, activation, x, gamma, beta, k1, b1, kernel_2, bias_2, mask,
-                            precision)
+                            precision, dot_generals or (lax.dot_general, lax.dot_general))
         return (y.reshape(*lead, h_out), (None if state is None else dict(state))) + (({},) if inspect else ())
     m = math.prod(lead)
     check_blocks(q.wi, m, h, n1, f"{where} (wi)")
@@ -235,17 +239,17 @@ def layernorm_mlp(
     return (y.reshape(*lead, h_out), new_state) + ((fwd_stats,) if inspect else ())
 
 
-def _high_precision(norm, activation, x, gamma, beta, k1, b1, k2, b2, mask, precision):
+def _high_precision(norm, activation, x, gamma, beta, k1, b1, k2, b2, mask, precision, dots):
     """Plain autodiff on the unquantized fused kernels: what flax.linen's LayerNorm-Dense-act-Dense computes."""
     dtype = k2.dtype
     ln = normalize_hp(norm, x, gamma, beta, dtype)
-    hid = lax.dot_general(ln, k1, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision)
+    hid = dots[0](ln, k1, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision)
     if b1 is not None:
         hid = hid + b1.astype(hid.dtype)
     a = act_ops.apply_activation(hid, activation)
     if mask is not None:
         a = a * mask.reshape(a.shape)
-    y = lax.dot_general(a, k2, (((a.ndim - 1,), (0,)), ((), ())), precision=precision)
+    y = dots[1](a, k2, (((a.ndim - 1,), (0,)), ((), ())), precision=precision)
     return y if b2 is None else y + b2.astype(y.dtype)
 
 

@@ -195,13 +195,18 @@ class TrainState(train_state.TrainState):
     With ``params={"params": ..., "fp8_meta": ...}``, the optimizer sees only
     ``params["params"]`` and ``apply_gradients`` replaces fp8_meta by the
     state its gradient carries (an "fp8_stats" collection is kept as it is).
-    Without either it is flax's TrainState.
+    Without either it is flax's TrainState (which overwrites flax's own FP8
+    collection, "_overwrite_with_gradient", with its gradient).
     """
 
     @classmethod
     def create(cls, *, apply_fn, params, tx, **kwargs):
+        if not _has_fp8(params):  # flax's, which also handles flax's own fp8 collection
+            return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
         return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=tx.init(_trainable(params)), **kwargs)
 
     def apply_gradients(self, *, grads, **kwargs):
+        if not _has_fp8(self.params):
+            return super().apply_gradients(grads=grads, **kwargs)
         params, opt_state = apply_gradients(self.params, grads, self.opt_state, self.tx)
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)

@@ -562,3 +562,20 @@ def test_logical_axes():
     vd = m.init(jax.random.key(0), x)
     assert nn.get_partition_spec(vd)["params"]["kernel"] == jax.sharding.PartitionSpec("embed", "mlp")
     _close(m.apply(vd, x), m.apply(nn.meta.unbox(vd), x), 0)
+
+
+def test_flax_fp8_dot_general_passes_through_unquantized_layers():
+    """dot_general_cls (flax's FP8) serves the unquantized path of every layer; under a recipe it is an error."""
+    x = _x((2, 16, 64))
+    m = tf.TransformerLayer(num_attention_heads=4, intermediate_dim=128, dot_general_cls=nn.Fp8DirectDotGeneralOp)
+    v = m.init(jax.random.key(0), x)
+    fp8 = v["_overwrite_with_gradient"]
+    assert set(fp8["attention"]["qkv"]) == {"Fp8DirectDotGeneralOp_0"}
+    assert set(fp8["mlp"]) == {"Fp8DirectDotGeneralOp_0", "Fp8DirectDotGeneralOp_1"}
+    y = m.apply(v, x)
+    y_hp = tf.TransformerLayer(num_attention_heads=4, intermediate_dim=128).apply({"params": v["params"]}, x)
+    rel = float(jnp.linalg.norm(y - y_hp) / jnp.linalg.norm(y_hp))
+    assert 1e-4 < rel < 5e-2  # quantized (not the high-precision product), to FP8 accuracy
+    with te_jax.autocast(recipe=te_jax.recipe.DelayedScaling()):
+        with pytest.raises(ValueError, match="dot_general_cls cannot be combined"):
+            m.init(jax.random.key(0), x)

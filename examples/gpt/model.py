@@ -7,7 +7,9 @@ for the query/key/value projection, causal attention with rotary embeddings
 and grouped-query heads, output projection, LayerNormMLP); under
 ``te_jax.autocast(recipe=...)`` all of its GEMMs run in FP8/FP4. Blocks are
 unrolled and named ``TransformerLayer_<i>`` so per-layer recipes (recipes/)
-can tell them apart. The output head stays in high precision unless
+can tell them apart. With ``ModelConfig.flax_fp8`` (``--recipe flax-fp8``) the
+same blocks multiply through flax's ``Fp8DotGeneral`` instead, outside any
+te_jax recipe: the baseline the benchmarks compare with. The output head stays in high precision unless
 ``ModelConfig.quantize_head`` (the usual choice: the logits are the most
 sensitive GEMM, and with 256 byte tokens it is a tiny one).
 """
@@ -47,6 +49,7 @@ class GPT(nn.Module):
                 dtype=dtype,
                 kernel_init=init,
                 logical_axes=c.logical_axes,
+                dot_general_cls=nn.Fp8DirectDotGeneralOp if c.flax_fp8 else None,
                 name=f"TransformerLayer_{i}",
             )(x)
         x = te_flax.LayerNorm(dtype=dtype, name="ln_f")(x)

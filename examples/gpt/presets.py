@@ -20,6 +20,7 @@ class ModelConfig:
     dtype: str = "bfloat16"  # compute dtype; parameters are float32
     quantize_head: bool = False  # the output projection stays in high precision unless True
     logical_axes: bool = False  # name the parameters' axes ("embed", "heads", "mlp", ...) for sharding rules
+    flax_fp8: bool = False  # the baseline: every block's projections through flax's Fp8DotGeneral, no te_jax recipe
 
 
 @dataclasses.dataclass(frozen=True)

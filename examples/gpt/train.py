@@ -7,7 +7,8 @@
     python examples/gpt/train.py --preset tiny --recipe mxfp8,nvfp4 --inspect stats/   # quantization statistics
 
 ``--recipe`` takes bf16 (no quantization), delayed, current, mxfp8, nvfp4,
-block, a path to a recipes/ module (``te_jax.recipe.load_recipe``), or a
+block, flax-fp8 (the same model through flax.linen's Fp8DotGeneral, the
+baseline), a path to a recipes/ module (``te_jax.recipe.load_recipe``), or a
 comma-separated list of those (trained one after the other, then compared in
 a table and, with ``--plot``, a loss-curve PNG).
 
@@ -62,6 +63,7 @@ RECIPES = {
     "mxfp8": R.MXFP8BlockScaling,
     "nvfp4": R.NVFP4BlockScaling,
     "block": R.Float8BlockScaling,
+    "flax-fp8": None,  # no te_jax recipe: the blocks use flax's Fp8DotGeneral (ModelConfig.flax_fp8)
 }
 
 
@@ -116,7 +118,8 @@ class RunConfig:
 
     def model_config(self):
         m = PRESETS[self.preset].model
-        return dataclasses.replace(m, max_len=max(m.max_len, self.seq_len), dtype=self.dtype)
+        return dataclasses.replace(m, max_len=max(m.max_len, self.seq_len), dtype=self.dtype,
+                                   flax_fp8=self.recipe == "flax-fp8")
 
 
 # ---- the model's train state, shardings and steps ----------------------------------------------
@@ -442,7 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--recipe", default="bf16",
-                   help="bf16|delayed|current|mxfp8|nvfp4|block, a recipes/*.py path, or a comma-separated list")
+                   help="bf16|delayed|current|mxfp8|nvfp4|block|flax-fp8, a recipes/*.py path, "
+                        "or a comma-separated list")
     p.add_argument("--steps", type=int)
     p.add_argument("--batch", type=int, help="global batch size (sequences)")
     p.add_argument("--seq-len", type=int)

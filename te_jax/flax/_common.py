@@ -201,3 +201,16 @@ def dropout_mask(module: nn.Module, rate: float, shape, broadcast_dims, rng_name
     draw = tuple(1 if i in dims else d for i, d in enumerate(shape))
     mask = jax.random.bernoulli(module.make_rng(rng_name), keep, draw)
     return jnp.broadcast_to(mask.astype(dtype) / jnp.asarray(keep, dtype), shape)
+
+
+def dot_general_of(module: nn.Module, dot_general_cls, quantized: bool):
+    """An instance of ``dot_general_cls`` (a submodule, as flax.linen.DenseGeneral makes it), or None.
+
+    Raises a clear error when the layer also quantizes: te_jax's GEMMs replace a custom dot_general.
+    """
+    if dot_general_cls is None:
+        return None
+    if quantized:
+        raise ValueError(f"te_jax: {where(module)}: dot_general_cls cannot be combined with te_jax.autocast "
+                         "(te_jax's quantized GEMMs replace it); drop one of them")
+    return dot_general_cls()

@@ -119,6 +119,8 @@ class LayerNormDenseGeneral(nn.Module):
         ln_bias_init, use_ln_bias: the norm (as ``LayerNorm``).
       use_bias, kernel_init, bias_init, dtype, param_dtype, precision: as ``flax.linen.DenseGeneral``.
       kernel_axes, bias_axes, scale_axes, ln_bias_axes: logical axis names.
+      dot_general_cls: as ``flax.linen.DenseGeneral``'s (e.g. ``nn.Fp8DirectDotGeneralOp``), for the
+        unquantized path only: under a te_jax recipe the quantized GEMMs replace it.
     """
 
     features: int | Sequence[int]
@@ -141,6 +143,7 @@ class LayerNormDenseGeneral(nn.Module):
     bias_axes: tuple[str | None, ...] = ()
     scale_axes: tuple[str | None, ...] = ()
     ln_bias_axes: tuple[str | None, ...] = ()
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -179,7 +182,8 @@ class LayerNormDenseGeneral(nn.Module):
             y, new_state, *fwd_stats = layernorm_dense(
                 x, gamma, beta, kernel, bias, norm_type=kind, zero_centered_gamma=zcg, epsilon=self.epsilon,
                 quantizers=quantizers, state=state, key=C.quantize_key(self, quantizers.any),
-                precision=self.precision, inspect=stats is not None, stats=stats)
+                precision=self.precision, inspect=stats is not None, stats=stats,
+                dot_general=C.dot_general_of(self, self.dot_general_cls, quantizers.any))
         except ValueError as err:
             raise _located(err, self) from None
         C.store_gemm_state(self, new_state)

@@ -56,6 +56,7 @@ class LayerNormMLP(nn.Module):
       dtype, param_dtype, precision: as flax.linen.Dense.
       kernel_axes_1, kernel_axes_2, bias_axes_1, bias_axes_2, scale_axes,
         ln_bias_axes: logical axis names.
+      dot_general_cls: as ``flax.linen.Dense``'s, one instance per GEMM, for the unquantized path only.
     """
 
     intermediate_dim: int = 2048
@@ -83,6 +84,7 @@ class LayerNormMLP(nn.Module):
     bias_axes_2: tuple[str | None, ...] = ()
     scale_axes: tuple[str | None, ...] = ()
     ln_bias_axes: tuple[str | None, ...] = ()
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
@@ -127,7 +129,9 @@ class LayerNormMLP(nn.Module):
                 x, gamma, beta, k1, b1, k2, b2, activation=act, norm_type=kind, zero_centered_gamma=zcg,
                 epsilon=self.epsilon, dropout_mask=mask, quantizers=quantizers, state=state,
                 key=C.quantize_key(self, quantizers.any), precision=self.precision, inspect=inspect,
-                stats={g: v for g, v in stats.items() if v is not None})
+                stats={g: v for g, v in stats.items() if v is not None},
+                dot_generals=None if self.dot_general_cls is None else tuple(
+                    C.dot_general_of(self, self.dot_general_cls, quantizers.any) for _ in range(2)))
         except ValueError as err:
             raise _located(err, self) from None
         if new_state is not None:

@@ -66,13 +66,14 @@ class SelfAttention(nn.Module):
     rotary_base: float = 10000.0
     implementation: str | None = None
     logical_axes: bool = False
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, x, mask=None, positions=None):
         n, kv, d, h = self.num_heads, self.num_kv_heads, self.head_dim, x.shape[-1]
         ax = self.logical_axes
         common = dict(use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
-                      dtype=self.dtype, param_dtype=self.param_dtype)
+                      dtype=self.dtype, param_dtype=self.param_dtype, dot_general_cls=self.dot_general_cls)
         # Grouped per key/value head: [kv, n/kv query heads + key + value, d]. Splitting the kv axis over
         # tensor-parallel devices keeps each device's queries with their keys and values.
         g = n // kv
@@ -116,7 +117,9 @@ class TransformerLayer(nn.Module):
       dropout_rng_name: the dropout RNG stream.
       attention_implementation: ``jax.nn.dot_product_attention``'s implementation (None, "xla", "cudnn").
       dtype, param_dtype, kernel_init, bias_init: for every sub-layer.
-      logical_axes: give the parameters logical axis names ("embed", "heads", "kv", "mlp", "act").
+      logical_axes: give the parameters logical axis names ("embed", "heads", "qkv", "kv", "mlp", "act").
+      dot_general_cls: flax's custom product for every projection (e.g. ``nn.Fp8DirectDotGeneralOp``:
+        the same block with flax's FP8), for the unquantized path only.
     """
 
     num_attention_heads: int = 8
@@ -140,6 +143,7 @@ class TransformerLayer(nn.Module):
     kernel_init: C.Initializer = nn.initializers.lecun_normal()
     bias_init: C.Initializer = nn.initializers.zeros_init()
     logical_axes: bool = False
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None, positions: jax.Array | None = None,
@@ -159,7 +163,7 @@ class TransformerLayer(nn.Module):
             raise ValueError(f"te_jax: {C.where(self)}: hidden size {h} is not divisible by {n} heads; set head_dim")
         norm = dict(layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma)
         common = dict(use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
-                      dtype=self.dtype, param_dtype=self.param_dtype)
+                      dtype=self.dtype, param_dtype=self.param_dtype, dot_general_cls=self.dot_general_cls)
         attn = SelfAttention(n, kv, d, epsilon=self.layernorm_epsilon, causal=self.causal,
                              rotary=self.enable_rotary_pos_emb, rotary_base=self.rotary_base,
                              implementation=self.attention_implementation, logical_axes=self.logical_axes,

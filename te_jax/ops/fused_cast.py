@@ -12,6 +12,12 @@ FFI target has the same seven cast results (see ``cast_outputs`` there):
 the quantizer's spec and returns a ScaledTensor, or, for a quantizer it cannot
 fuse (a custom one, 2D blocks), runs the kernel unquantized in float32 and
 calls the quantizer on the result.
+
+Sharding (``te_jax.ops.partition``): ``cast_tokens`` gives the seven results'
+axis tokens. A fused op whose rows are split and whose cast needs the whole
+tensor's amax (``SPLIT_CASTS``: fp8_current, nvfp4) runs its kernel with a
+float32 output and then ``split_cast``, the sharded quantize: one extra pass
+over the output (written and read once in float32), taken only when split.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax.ops import partition
 from te_jax.ops import quantize as qops
 from te_jax.quantize.delayed import DelayedScalingQuantizer, as_float32
 from te_jax.quantize.quantizers import (
@@ -34,6 +41,7 @@ from te_jax.quantize.ref_norm_act import CAST_MODES, CastSpec
 from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
 
 BLOCKS = {"mxfp8": qops.MXFP8_BLOCK, "fp8_block": qops.FP8_BLOCK, "nvfp4": qops.NVFP4_BLOCK}
+SPLIT_CASTS = ("fp8_current", "nvfp4")  # scale from the whole tensor's amax
 _MODE_NAMES = {"mxfp8": "MXFP8", "fp8_block": "Float8 block scaling", "nvfp4": "NVFP4"}
 
 
@@ -125,6 +133,61 @@ def cast_operands(spec: CastSpec, scale, key):
     return scale, words
 
 
+# ---- sharding --------------------------------------------------------------------------
+
+
+def cast_tokens(spec: CastSpec, cols: tuple[str, ...] = ("n",)) -> tuple[str, ...]:
+    """The seven results' axis tokens (``te_jax.ops.partition``) for an output ``[m, *cols]``.
+
+    ``cols`` are the tokens of the output's column axes (``("~", "n")``: a
+    gated pair axis before N); block scales count blocks along the last one,
+    a columnwise copy is ``[*cols, m]``.
+    """
+    row, col, mode = spec.rowwise, spec.colwise, spec.mode
+
+    def along(tokens: tuple[str, ...], unit: int) -> str:
+        last = tokens[-1] if unit == 1 or tokens[-1] == "~" else f"{tokens[-1]}/{unit}"
+        return " ".join((*tokens[:-1], last))
+
+    def copies(unit: int, scale_unit: int) -> tuple[str, str, str, str]:
+        return (along(("m", *cols), unit) if row else "~", along(("m", *cols), scale_unit) if row else "~",
+                along((*cols, "m"), unit) if col else "~", along((*cols, "m"), scale_unit) if col else "~")
+
+    if mode == "none":
+        return (along(("m", *cols), 1), *("~",) * 6)
+    if mode in ("fp8_tensor", "fp8_current"):
+        q, _, q_t, _ = copies(1, 1)
+        return q, "~", q_t, "~", "~", "~", "~"
+    if mode in ("mxfp8", "fp8_block"):
+        return (*copies(1, BLOCKS[mode]), "~", "~", "~")
+    return (*copies(2, BLOCKS[mode]), "~", "~", "~")
+
+
+def cast_reduce(spec: CastSpec) -> tuple[str | None, ...]:
+    """Per cast result, the all-reduce a split output needs: the given-scale amax is a max."""
+    return (None,) * 4 + (("max" if spec.mode == "fp8_tensor" else None), None, None)
+
+
+def split_cast(y, spec: CastSpec, words, shards: partition.Shards) -> tuple:
+    """The seven cast results of float32 ``y [..., m, n]``, one device's block of a split output.
+
+    For the ``SPLIT_CASTS`` modes: scaled from the whole tensor's amax (one
+    pmax), so the bits equal the unsplit kernel's cast (NVFP4 stochastic
+    rounding excepted: its key gets the block's index).
+    """
+    lead = y.shape[:-2]
+    empty = jnp.zeros((*lead, 0), jnp.float32)
+    if spec.mode == "fp8_current":
+        q, q_t, amax, scale, scale_inv = qops.fp8_current_local(
+            y, shards, qdtype=spec.qdtype, rowwise=spec.rowwise, colwise=spec.colwise, power_2=spec.power_2,
+            epsilon=spec.epsilon)
+        return q, scale_inv, q_t, empty, amax, empty, scale
+    q, s, q_t, s_t, amax, amax_t = qops.nvfp4_local(
+        y, words, shards, rowwise=spec.rowwise, colwise=spec.colwise, block_2d=False, rht=bool(spec.rht),
+        stochastic_rounding=spec.stochastic_rounding)
+    return q, s, q_t, s_t, amax, amax_t, empty
+
+
 # ---- quantizers ------------------------------------------------------------------------
 
 
@@ -146,8 +209,8 @@ def spec_for_quantizer(quantizer, state=None, *, rowwise=True, colwise=False):
     return None
 
 
-def scaled_tensor(outs: CastOutputs, spec: CastSpec, quantizer, shape) -> ScaledTensor:
-    """The ScaledTensor of logical ``shape`` (flatten_axis -1) that ``quantizer.quantize`` would return."""
+def scaled_tensor(outs: CastOutputs, spec: CastSpec, quantizer, shape, flatten_axis: int = -1) -> ScaledTensor:
+    """The ScaledTensor of logical ``shape`` that ``quantizer.quantize`` would return."""
     row, col, mode = spec.rowwise, spec.colwise, spec.mode
     if mode in ("fp8_tensor", "fp8_current"):
         smode, s, s_t, amax, amax_t, layout = ScalingMode.FP8_TENSOR, outs.s, outs.s, outs.amax, None, {}
@@ -168,15 +231,17 @@ def scaled_tensor(outs: CastOutputs, spec: CastSpec, quantizer, shape) -> Scaled
         mode=smode,
         qdtype=jnp.dtype(quantizer.dtype),
         shape=tuple(shape),
-        flatten_axis=-1,
+        flatten_axis=flatten_axis,
         **layout,
     )
 
 
-def run_cast(call: Callable, shape, in_dtype, quantizer, state, *, rowwise, colwise, key, out_dtype):
+def run_cast(call: Callable, shape, in_dtype, quantizer, state, *, rowwise, colwise, key, out_dtype,
+             flatten_axis: int = -1):
     """Runs ``call(spec, scale, key)`` (which returns ``(CastOutputs, *extras)``) for ``quantizer``.
 
-    ``shape`` is the logical output shape. Returns ``(y, *extras)`` with ``y``
+    ``shape`` is the logical output shape, viewed as a matrix around
+    ``flatten_axis`` (the kernel's ``[M, N]``). Returns ``(y, *extras)`` with ``y``
     a ScaledTensor, or an array of ``shape`` in ``out_dtype`` (default
     ``in_dtype``) when ``quantizer`` is None.
     """
@@ -187,12 +252,13 @@ def run_cast(call: Callable, shape, in_dtype, quantizer, state, *, rowwise, colw
     if fused is None:
         # Not fusable: the float32 output, then the quantizer itself.
         outs, *extras = call(CastSpec("none", jnp.float32), None, None)
-        y = quantizer.quantize(outs.q.reshape(shape), state, rowwise=rowwise, colwise=colwise, key=key)
+        layout = {} if flatten_axis == -1 else {"flatten_axis": flatten_axis}
+        y = quantizer.quantize(outs.q.reshape(shape), state, rowwise=rowwise, colwise=colwise, key=key, **layout)
         return (y, *extras)
     spec, scale = fused
     outs, *extras = call(spec, scale, key)
-    return (scaled_tensor(outs, spec, quantizer, shape), *extras)
+    return (scaled_tensor(outs, spec, quantizer, shape, flatten_axis), *extras)
 
 
-__all__ = ["BLOCKS", "CastOutputs", "CastSpec", "cast_operands", "check_spec", "result_shapes", "run_cast",
-           "scaled_tensor", "spec_for_quantizer"]
+__all__ = ["BLOCKS", "SPLIT_CASTS", "CastOutputs", "CastSpec", "cast_operands", "cast_reduce", "cast_tokens",
+           "check_spec", "result_shapes", "run_cast", "scaled_tensor", "spec_for_quantizer", "split_cast"]

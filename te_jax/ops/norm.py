@@ -37,6 +37,12 @@ How the CUDA kernels fuse (passes over HBM; docs/norm_act.md):
   mean/rsigma (and the output's amax), then a tile pass recomputes y from x
   and writes every requested copy (NVFP4 with the Hadamard transform adds a
   tile pass for the transformed amax). y is never written in high precision.
+
+Sharding (``te_jax.ops.partition``): rows stay split, an H split is gathered
+(a norm needs whole rows). The fp8_tensor amax takes one pmax; fp8_current and
+nvfp4 casts of split rows write y in float32 and quantize it with the whole
+tensor's amax (``fused_cast.split_cast``, one extra pass); the backward's
+dgamma and dbeta are float32 partial sums and one psum.
 """
 
 from __future__ import annotations
@@ -52,8 +58,12 @@ from jax import lax
 
 import te_jax._ffi  # noqa: F401  (registers the FFI targets)
 from te_jax import backend as backend_lib
+from te_jax.ops import partition
 from te_jax.ops import quantize as qops
-from te_jax.ops.fused_cast import CastOutputs, CastSpec, cast_operands, check_spec, result_shapes, run_cast
+from te_jax.ops.fused_cast import (
+    SPLIT_CASTS, CastOutputs, CastSpec, cast_operands, cast_reduce, cast_tokens, check_spec, result_shapes, run_cast,
+    split_cast,
+)
 from te_jax.quantize import ref_norm_act as rna
 
 NORM_KINDS = rna.NORM_KINDS
@@ -96,8 +106,24 @@ def check_norm_args(x, gamma, beta, kind: str, epsilon: float) -> None:
         raise ValueError(f"te_jax: epsilon must be a finite number >= 0, got {epsilon}")
 
 
-def _ffi(target, results, *args, **attrs):
-    return jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")(*args, **attrs)
+
+def _fwd_body(op, shards, x, gamma, beta, scale, words):
+    norm_attrs, spec = op.config
+    split = shards.count > 1 and spec.mode in SPLIT_CASTS
+    kspec = CastSpec("none", jnp.float32) if split else spec
+
+    def kernel(x, gamma, beta, scale, words):
+        m, h = x.shape
+        f32 = jnp.float32
+        mean = jax.ShapeDtypeStruct((m if op.results[7] == "m" else 0,), f32)
+        results = (*result_shapes(kspec, m, h), mean, jax.ShapeDtypeStruct((m,), f32))
+        return tuple(partition.ffi("te_jax_norm_fwd", results, x, gamma, beta, scale, words, **dict(norm_attrs),
+                                   **kspec.attrs))
+
+    outs = partition.per_matrix(kernel, x.ndim - 2)(x, gamma, beta, scale, words)
+    if not split:
+        return outs
+    return (*split_cast(outs[0], spec, words, shards), *outs[7:])
 
 
 # ---- forward ------------------------------------------------------------------------------
@@ -123,14 +149,36 @@ def norm_fwd(x, gamma, beta=None, *, kind="layernorm", zero_centered_gamma=False
     if backend_lib.resolve(backend) == "reference":
         outs = rna.norm_fwd(x2, g32, b32, scale_op, words, spec=spec, **norm_attrs)
     else:
-        f32 = jnp.float32
-        results = (*result_shapes(spec, m, h), jax.ShapeDtypeStruct((m if kind == "layernorm" else 0,), f32),
-                   jax.ShapeDtypeStruct((m,), f32))
-        b_op = b32 if b32 is not None else jnp.zeros((0,), f32)
-        outs = _ffi("te_jax_norm_fwd", results, x2, g32, b_op, scale_op, words, **norm_attrs, **spec.attrs)
+        b_op = b32 if b32 is not None else jnp.zeros((0,), jnp.float32)
+        layernorm = kind == "layernorm"
+        op = partition.MatrixOp(
+            "te_jax_norm_fwd", _fwd_body, (tuple(norm_attrs.items()), spec),
+            ("m n", "n", "n" if b32 is not None else "~", "~", "~"),
+            (*cast_tokens(spec), "m" if layernorm else "~", "m"), (m, h), reduce=cast_reduce(spec) + (None, None),
+            shard_n=False)
+        outs = partition.call(op, x2, g32, b_op, scale_op, words)
     lead = x.shape[:-1]
     mean = outs[7].reshape(lead) if kind == "layernorm" else None
     return NormOutputs(CastOutputs(*outs[:7]), mean, outs[8].reshape(lead))
+
+
+def _bwd_body(op, shards, dy, x, mean, rsigma, gamma):
+    attrs = dict(op.config)
+
+    def kernel(dy, x, mean, rsigma, gamma):
+        m, h = x.shape
+        f32 = jnp.float32
+        nb = h if attrs["kind"] == "layernorm" else 0
+
+        def call(ws: int):
+            results = (jax.ShapeDtypeStruct((m, h), x.dtype), jax.ShapeDtypeStruct((h,), f32),
+                       jax.ShapeDtypeStruct((nb,), f32), jax.ShapeDtypeStruct((ws,), f32))
+            return lambda *a: tuple(partition.ffi("te_jax_norm_bwd", results, *a, **attrs)[:3])
+
+        ws_gpu = 2 * norm_bwd_groups(m) * h
+        return lax.platform_dependent(dy, x, mean, rsigma, gamma, cpu=call(0), cuda=call(ws_gpu))
+
+    return partition.per_matrix(kernel, x.ndim - 2)(dy, x, mean, rsigma, gamma)
 
 
 # ---- backward -----------------------------------------------------------------------------
@@ -162,15 +210,12 @@ def norm_bwd(dy, x, mean, rsigma, gamma, *, kind="layernorm", zero_centered_gamm
     if backend_lib.resolve(backend) == "reference":
         dx, dgamma, dbeta = rna.norm_bwd(dy2, x2, mean2, r2, g32, **attrs)
     else:
-        nb = h if kind == "layernorm" else 0
-
-        def call(ws: int):
-            results = (jax.ShapeDtypeStruct((m, h), ct), jax.ShapeDtypeStruct((h,), f32),
-                       jax.ShapeDtypeStruct((nb,), f32), jax.ShapeDtypeStruct((ws,), f32))
-            return lambda *a: tuple(_ffi("te_jax_norm_bwd", results, *a, **attrs)[:3])
-
-        ws_gpu = 2 * norm_bwd_groups(m) * h
-        dx, dgamma, dbeta = lax.platform_dependent(dy2, x2, mean2, r2, g32, cpu=call(0), cuda=call(ws_gpu))
+        layernorm = kind == "layernorm"
+        op = partition.MatrixOp(
+            "te_jax_norm_bwd", _bwd_body, tuple(attrs.items()),
+            ("m n", "m n", "m" if layernorm else "~", "m", "n"),
+            ("m n", "n", "n" if layernorm else "~"), (m, h), reduce=(None, "sum", "sum"), shard_n=False)
+        dx, dgamma, dbeta = partition.call(op, dy2, x2, mean2, r2, g32)
     return dx.astype(x.dtype).reshape(x.shape), dgamma, (dbeta if kind == "layernorm" else None)
 
 

@@ -7,6 +7,12 @@ trace time, then runs the ``te_jax_*`` custom call or, when the backend is
 The columnwise copy of every mode is the quantization of the transposed
 matrix ``[..., N, M]``; an output that was not asked for is an empty
 ``[..., 0]`` array.
+
+Each custom call runs through ``te_jax.ops.partition``: under ``jit`` with
+sharded operands it runs on every device's blocks (rows and columns may both
+stay sharded; a columnwise copy takes the transposed sharding), per-tensor
+amaxes take one pmax, and current scaling and NVFP4 cast with the whole
+tensor's amax (``fp8_current_local``, ``nvfp4_local``).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import numpy as np
 
 import te_jax._ffi  # noqa: F401  (registers the FFI targets)
 from te_jax import backend as backend_lib
+from te_jax.ops import partition
 from te_jax.quantize import numerics as nm
 from te_jax.quantize import reference as ref
 
@@ -80,9 +87,6 @@ def _scalar_sds(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((*x.shape[:-2], 1), jnp.float32)
 
 
-def _ffi(target: str, results, *args, **attrs):
-    return jax.ffi.ffi_call(target, results, vmap_method="broadcast_all")(*args, **attrs)
-
 
 def key_words(key) -> jax.Array:
     """The two uint32 words of a JAX PRNG key (typed or raw) that seed stochastic rounding."""
@@ -91,6 +95,140 @@ def key_words(key) -> jax.Array:
     if key.dtype != jnp.uint32 or key.ndim < 1 or key.shape[-1] < 2:
         raise TypeError(f"te_jax: expected a JAX PRNG key, got {key.dtype}{list(key.shape)}")
     return key[..., :2]
+
+
+# ---- kernels (one device's blocks) ------------------------------------------------
+
+
+def _on(enabled: bool, tokens: str) -> str:
+    return tokens if enabled else "~"
+
+
+def _fp8_tensor_kernel(x, scale, qdtype, rowwise, colwise):
+    m, n = x.shape[-2:]
+    results = (_sds(x, m, n, qdtype, rowwise), _sds(x, n, m, qdtype, colwise), _scalar_sds(x), _scalar_sds(x))
+    return tuple(partition.ffi("te_jax_quantize_fp8", results, x, scale, rowwise=rowwise, colwise=colwise))
+
+
+def _fp8_tensor_body(op, shards, x, scale):
+    return _fp8_tensor_kernel(x, scale, *op.config)
+
+
+def fp8_current_local(x, shards: partition.Shards, *, qdtype, rowwise, colwise, power_2, epsilon):
+    """Current scaling of one device's block with the whole tensor's scale: ``(q, q_t, amax, scale, scale_inv)``.
+
+    Split: the local amax, one pmax, the scale as the kernel derives it, then
+    ``te_jax_quantize_fp8`` with that scale (the same bits as unsplit).
+    """
+    if shards.count == 1:
+        m, n = x.shape[-2:]
+        s = _scalar_sds(x)
+        results = (_sds(x, m, n, qdtype, rowwise), _sds(x, n, m, qdtype, colwise), s, s, s)
+        return tuple(partition.ffi("te_jax_quantize_fp8_current", results, x, rowwise=rowwise, colwise=colwise,
+                          power_2=bool(power_2), epsilon=np.float32(epsilon)))
+    amax = shards.pmax(nm.abs_max(x, axis=(-2, -1))[..., None])
+    scale = nm.scale_from_amax(amax, nm.fp8_max(qdtype), epsilon, power_2)
+    q, q_t, _, scale_inv = _fp8_tensor_kernel(x, scale, qdtype, rowwise, colwise)
+    return q, q_t, amax, scale, scale_inv
+
+
+def _fp8_current_body(op, shards, x):
+    return fp8_current_local(x, shards, **dict(op.config))
+
+
+def _mxfp8_body(op, shards, x):
+    qdtype, rowwise, colwise = op.config
+    m, n = x.shape[-2:]
+    b = MXFP8_BLOCK
+    results = (
+        _sds(x, m, n, qdtype, rowwise), _sds(x, m, n // b, jnp.uint8, rowwise),
+        _sds(x, n, m, qdtype, colwise), _sds(x, n, m // b, jnp.uint8, colwise),
+    )
+    return tuple(partition.ffi("te_jax_quantize_mxfp8", results, x, rowwise=rowwise, colwise=colwise))
+
+
+def _fp8_block_body(op, shards, x):
+    qdtype, rowwise, colwise, block_2d, power_2 = op.config
+    m, n = x.shape[-2:]
+    b = FP8_BLOCK
+    br = b if block_2d else 1
+    results = (
+        _sds(x, m, n, qdtype, rowwise), _sds(x, m // br, n // b, jnp.float32, rowwise),
+        _sds(x, n, m, qdtype, colwise), _sds(x, n // br, m // b, jnp.float32, colwise),
+    )
+    return tuple(partition.ffi("te_jax_quantize_fp8_block", results, x, rowwise=rowwise, colwise=colwise,
+                      block_2d=bool(block_2d), power_2=bool(power_2)))
+
+
+def _nvfp4_kernel(x, words, flags: dict):
+    m, n = x.shape[-2:]
+    b = NVFP4_BLOCK
+    e4 = jnp.float8_e4m3fn
+    row, col = flags["rowwise"], flags["colwise"]
+    results = (
+        _sds(x, m, n // 2, jnp.uint8, row), _sds(x, m, n // b, e4, row),
+        _sds(x, n, m // 2, jnp.uint8, col), _sds(x, n, m // b, e4, col),
+        _scalar_sds(x), _scalar_sds(x),
+    )
+    return tuple(partition.ffi("te_jax_quantize_nvfp4", results, x, words, **flags))
+
+
+def _amax_rows(amax, amax_t, n: int, dtype, *, rowwise: bool, rht: bool):
+    """16 rows ``[..., 16, n]`` whose amax is ``amax`` and whose Hadamard-domain amax is ``amax_t``.
+
+    Appended to a block of x, they make the kernel's own amaxes the global
+    ones without touching the other rows' blocks. Column 0 carries ``amax``;
+    the Hadamard column (1, or 0 without a rowwise copy) is the inverse
+    transform of ``amax_t * e0``: entries ``+-amax_t/4 <= amax``, transformed
+    exactly back to ``amax_t`` (or, when ``amax_t`` overflowed, ``amax`` times
+    the sign pattern, which overflows the same way).
+    """
+    lead = amax.shape[:-1]
+    rows = jnp.zeros((*lead, 16, n), dtype)
+    if rowwise or not rht:
+        rows = rows.at[..., 0, 0].set(amax[..., 0].astype(dtype))
+    if rht:
+        e0 = jnp.zeros((*lead, 16), jnp.float32).at[..., 0].set(amax_t[..., 0])
+        signs = jnp.asarray(nm._rht_signs())
+        col = jnp.where(nm.is_finite(amax_t), nm.inverse_rht16(e0), amax * signs)
+        rows = rows.at[..., :, 1 if rowwise else 0].set(col.astype(dtype))
+    return rows
+
+
+def nvfp4_local(x, words, shards: partition.Shards, *, rowwise, colwise, block_2d, rht, stochastic_rounding):
+    """NVFP4 of one device's block with the whole tensor's global amaxes: the six results.
+
+    Split: the local amaxes (the columnwise one after the Hadamard transform),
+    one pmax, then the kernel on the block with 16 rows appended that carry
+    the global amaxes (``_amax_rows``: the kernel takes no amax operand), and
+    the appended rows dropped. Stochastic rounding folds the block's index
+    into the key, so its bits differ from the unsplit op's.
+    """
+    flags = dict(rowwise=rowwise, colwise=colwise, block_2d=block_2d, rht=rht,
+                 stochastic_rounding=stochastic_rounding)
+    if shards.count == 1:
+        return _nvfp4_kernel(x, words, flags)
+    if stochastic_rounding:
+        words = partition.fold_shard_index(words, shards)
+    m, n = x.shape[-2:]
+    xf = x.astype(jnp.float32)
+    amax = nm.abs_max(xf, axis=(-2, -1))[..., None]
+    amax_t = nm.abs_max(nm.rht16(jnp.swapaxes(xf, -1, -2)), axis=(-2, -1))[..., None] if rht else amax
+    both = shards.pmax(jnp.concatenate([amax, amax_t], axis=-1))
+    amax, amax_t = both[..., :1], both[..., 1:]
+    # Without the transform the appended values are amaxes of x itself, exact in x's dtype.
+    dtype = jnp.float32 if rht else x.dtype
+    rows = _amax_rows(amax, amax_t, n, dtype, rowwise=rowwise, rht=rht)
+    q, s, q_t, s_t, _, _ = _nvfp4_kernel(jnp.concatenate([x.astype(dtype), rows], axis=-2), words, flags)
+    if rowwise:
+        q, s = q[..., :m, :], s[..., :m, :]
+    if colwise:
+        q_t, s_t = q_t[..., : m // 2], s_t[..., : m // NVFP4_BLOCK]
+    return q, s, q_t, s_t, amax, amax_t
+
+
+def _nvfp4_body(op, shards, x, words):
+    return nvfp4_local(x, words, shards, **dict(op.config))
 
 
 # ---- quantize ----------------------------------------------------------------------
@@ -107,9 +245,10 @@ def quantize_fp8_tensor(x, scale, *, qdtype=jnp.float8_e4m3fn, rowwise=True, col
     scale = jnp.asarray(scale, jnp.float32).reshape(*x.shape[:-2], 1)
     if backend_lib.resolve(backend) == "reference":
         return ref.quantize_fp8_tensor(x, scale, qdtype=qdtype, rowwise=rowwise, colwise=colwise)
-    m, n = x.shape[-2:]
-    results = (_sds(x, m, n, qdtype, rowwise), _sds(x, n, m, qdtype, colwise), _scalar_sds(x), _scalar_sds(x))
-    return tuple(_ffi("te_jax_quantize_fp8", results, x, scale, rowwise=rowwise, colwise=colwise))
+    op = partition.MatrixOp(
+        "te_jax_quantize_fp8", _fp8_tensor_body, (qdtype, bool(rowwise), bool(colwise)), ("m n", "~"),
+        (_on(rowwise, "m n"), _on(colwise, "n m"), "~", "~"), x.shape[-2:], reduce=(None, None, "max", None))
+    return partition.call(op, x, scale)
 
 
 def quantize_fp8_current(
@@ -128,14 +267,11 @@ def quantize_fp8_current(
         return ref.quantize_fp8_current(
             x, qdtype=qdtype, rowwise=rowwise, colwise=colwise, power_2=power_2, epsilon=epsilon
         )
-    m, n = x.shape[-2:]
-    s = _scalar_sds(x)
-    results = (_sds(x, m, n, qdtype, rowwise), _sds(x, n, m, qdtype, colwise), s, s, s)
-    out = _ffi(
-        "te_jax_quantize_fp8_current", results, x,
-        rowwise=rowwise, colwise=colwise, power_2=bool(power_2), epsilon=np.float32(epsilon),
-    )
-    return tuple(out)
+    config = (("qdtype", qdtype), ("rowwise", bool(rowwise)), ("colwise", bool(colwise)),
+              ("power_2", bool(power_2)), ("epsilon", float(epsilon)))
+    op = partition.MatrixOp("te_jax_quantize_fp8_current", _fp8_current_body, config, ("m n",),
+                            (_on(rowwise, "m n"), _on(colwise, "n m"), "~", "~", "~"), x.shape[-2:])
+    return partition.call(op, x)
 
 
 def quantize_mxfp8(x, *, qdtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, backend=None):
@@ -149,13 +285,10 @@ def quantize_mxfp8(x, *, qdtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, 
     check_blocks(x.shape, MXFP8_BLOCK, rowwise=rowwise, colwise=colwise, mode="MXFP8")
     if backend_lib.resolve(backend) == "reference":
         return ref.quantize_mxfp8(x, qdtype=qdtype, rowwise=rowwise, colwise=colwise)
-    m, n = x.shape[-2:]
-    b = MXFP8_BLOCK
-    results = (
-        _sds(x, m, n, qdtype, rowwise), _sds(x, m, n // b, jnp.uint8, rowwise),
-        _sds(x, n, m, qdtype, colwise), _sds(x, n, m // b, jnp.uint8, colwise),
-    )
-    return tuple(_ffi("te_jax_quantize_mxfp8", results, x, rowwise=rowwise, colwise=colwise))
+    results = (_on(rowwise, "m n"), _on(rowwise, "m n/32"), _on(colwise, "n m"), _on(colwise, "n m/32"))
+    op = partition.MatrixOp("te_jax_quantize_mxfp8", _mxfp8_body, (qdtype, bool(rowwise), bool(colwise)), ("m n",),
+                            results, x.shape[-2:])
+    return partition.call(op, x)
 
 
 def quantize_fp8_block(
@@ -173,18 +306,12 @@ def quantize_fp8_block(
         return ref.quantize_fp8_block(
             x, qdtype=qdtype, rowwise=rowwise, colwise=colwise, block_2d=block_2d, power_2=power_2
         )
-    m, n = x.shape[-2:]
-    b = FP8_BLOCK
-    br = b if block_2d else 1
-    results = (
-        _sds(x, m, n, qdtype, rowwise), _sds(x, m // br, n // b, jnp.float32, rowwise),
-        _sds(x, n, m, qdtype, colwise), _sds(x, n // br, m // b, jnp.float32, colwise),
-    )
-    out = _ffi(
-        "te_jax_quantize_fp8_block", results, x,
-        rowwise=rowwise, colwise=colwise, block_2d=bool(block_2d), power_2=bool(power_2),
-    )
-    return tuple(out)
+    rows = "m/128" if block_2d else "m"
+    cols = "n/128" if block_2d else "n"
+    results = (_on(rowwise, "m n"), _on(rowwise, f"{rows} n/128"), _on(colwise, "n m"), _on(colwise, f"{cols} m/128"))
+    config = (qdtype, bool(rowwise), bool(colwise), bool(block_2d), bool(power_2))
+    op = partition.MatrixOp("te_jax_quantize_fp8_block", _fp8_block_body, config, ("m n",), results, x.shape[-2:])
+    return partition.call(op, x)
 
 
 def quantize_nvfp4(
@@ -212,19 +339,16 @@ def quantize_nvfp4(
     words = jnp.broadcast_to(words, (*x.shape[:-2], 2))
     if x.shape[-2] * x.shape[-1] >= 2**32:
         raise ValueError("te_jax: NVFP4 supports matrices of fewer than 2^32 elements")
-    flags = dict(rowwise=rowwise, colwise=colwise, block_2d=bool(block_2d), rht=bool(rht),
+    flags = dict(rowwise=bool(rowwise), colwise=bool(colwise), block_2d=bool(block_2d), rht=bool(rht),
                  stochastic_rounding=bool(stochastic_rounding))
     if backend_lib.resolve(backend) == "reference":
         return ref.quantize_nvfp4(x, words, **flags)
-    m, n = x.shape[-2:]
-    b = NVFP4_BLOCK
-    e4 = jnp.float8_e4m3fn
-    results = (
-        _sds(x, m, n // 2, jnp.uint8, rowwise), _sds(x, m, n // b, e4, rowwise),
-        _sds(x, n, m // 2, jnp.uint8, colwise), _sds(x, n, m // b, e4, colwise),
-        _scalar_sds(x), _scalar_sds(x),
-    )
-    return tuple(_ffi("te_jax_quantize_nvfp4", results, x, words, **flags))
+    results = (_on(rowwise, "m n/2"), _on(rowwise, "m n/16"), _on(colwise, "n m/2"), _on(colwise, "n m/16"),
+               "~", "~")
+    align = (NVFP4_BLOCK if block_2d or rht else 1, NVFP4_BLOCK if block_2d else 1)
+    op = partition.MatrixOp("te_jax_quantize_nvfp4", _nvfp4_body, tuple(flags.items()), ("m n", "~"), results,
+                            x.shape[-2:], align=align)
+    return partition.call(op, x, words)
 
 
 # ---- dequantize --------------------------------------------------------------------
@@ -244,6 +368,21 @@ def _check_quantized(q, dtypes, what: str) -> None:
         raise TypeError(f"te_jax: {what} data must be {', '.join(str(jnp.dtype(d)) for d in dtypes)}, got {q.dtype}")
 
 
+def _dequantize_body(op, shards, q, *scales):
+    out_dtype, attrs = op.config
+    pack = 2 if op.target == "te_jax_dequantize_nvfp4" else 1
+    shape = (*q.shape[:-1], q.shape[-1] * pack)
+    return tuple(partition.ffi(op.target, jax.ShapeDtypeStruct(shape, out_dtype), q, *scales, **dict(attrs)))
+
+
+def _dequantize(target: str, out_dtype, attrs: tuple, operands: tuple[str, ...], q, *scales):
+    """The dequantize custom call, partitioned like its data (block scales follow it)."""
+    pack = 2 if target == "te_jax_dequantize_nvfp4" else 1
+    op = partition.MatrixOp(target, _dequantize_body, (out_dtype, attrs), operands, ("m n",),
+                            (q.shape[-2], q.shape[-1] * pack))
+    return partition.call(op, q, *scales)[0]
+
+
 def dequantize_fp8_tensor(q, scale_inv, *, out_dtype=jnp.float32, backend=None):
     """``q * scale_inv`` for per-tensor FP8 (``scale_inv [..., 1]``)."""
     _check_quantized(q, nm.FP8_DTYPES, "per-tensor FP8")
@@ -251,7 +390,7 @@ def dequantize_fp8_tensor(q, scale_inv, *, out_dtype=jnp.float32, backend=None):
     scale_inv = jnp.asarray(scale_inv, jnp.float32).reshape(*q.shape[:-2], 1)
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_fp8_tensor(q, scale_inv, out_dtype=out_dtype)
-    return _ffi("te_jax_dequantize_fp8", jax.ShapeDtypeStruct(q.shape, out_dtype), q, scale_inv)
+    return _dequantize("te_jax_dequantize_fp8", out_dtype, (), ("m n", "~"), q, scale_inv)
 
 
 def dequantize_mxfp8(q, s, *, out_dtype=jnp.float32, backend=None):
@@ -260,7 +399,7 @@ def dequantize_mxfp8(q, s, *, out_dtype=jnp.float32, backend=None):
     check_blocks(q.shape, MXFP8_BLOCK, rowwise=True, colwise=False, mode="MXFP8")
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_mxfp8(q, s, out_dtype=out_dtype)
-    return _ffi("te_jax_dequantize_mxfp8", jax.ShapeDtypeStruct(q.shape, out_dtype), q, s.astype(jnp.uint8))
+    return _dequantize("te_jax_dequantize_mxfp8", out_dtype, (), ("m n", "m n/32"), q, s.astype(jnp.uint8))
 
 
 def dequantize_fp8_block(q, s, *, block_2d=False, out_dtype=jnp.float32, backend=None):
@@ -269,10 +408,9 @@ def dequantize_fp8_block(q, s, *, block_2d=False, out_dtype=jnp.float32, backend
     check_blocks(q.shape, FP8_BLOCK, rowwise=True, colwise=False, block_2d=block_2d, mode="Float8 block scaling")
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_fp8_block(q, s, block_2d=block_2d, out_dtype=out_dtype)
-    return _ffi(
-        "te_jax_dequantize_fp8_block", jax.ShapeDtypeStruct(q.shape, out_dtype), q, s.astype(jnp.float32),
-        block_2d=bool(block_2d),
-    )
+    scales = "m/128 n/128" if block_2d else "m n/128"
+    return _dequantize("te_jax_dequantize_fp8_block", out_dtype, (("block_2d", bool(block_2d)),),
+                       ("m n", scales), q, s.astype(jnp.float32))
 
 
 def dequantize_nvfp4(q, s, amax, *, out_dtype=jnp.float32, backend=None):
@@ -282,5 +420,4 @@ def dequantize_nvfp4(q, s, amax, *, out_dtype=jnp.float32, backend=None):
     amax = jnp.asarray(amax, jnp.float32).reshape(*q.shape[:-2], 1)
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_nvfp4(q, s, amax, out_dtype=out_dtype)
-    shape = (*q.shape[:-1], q.shape[-1] * 2)
-    return _ffi("te_jax_dequantize_nvfp4", jax.ShapeDtypeStruct(shape, out_dtype), q, s, amax)
+    return _dequantize("te_jax_dequantize_nvfp4", out_dtype, (), ("m n/2", "m n/16", "~"), q, s, amax)
