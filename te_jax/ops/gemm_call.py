@@ -25,6 +25,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 import te_jax._ffi  # noqa: F401  (registers the FFI targets)
+from te_jax.ops.partition import AxisClaims, mesh_axes
 
 CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
 _SCALARS = {"a_t": "a_tm", "b_t": "b_tm"}  # per-tensor value -> one value per matrix of the leading axes
@@ -145,12 +146,6 @@ def _sharding_rule(lay: Layout, mesh, value_types, result_types):
     return rule, dict(reduction_factors=("kb", "kq") if lay.k_block else ("k",), **sizes)
 
 
-def _mesh_axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _plan(lay: Layout, mesh, arg_shapes):
     """Shardings that keep every operand where it is: (args, result, contraction mesh axes).
 
@@ -166,18 +161,10 @@ def _plan(lay: Layout, mesh, arg_shapes):
     ia, ib = lay.roles.index("a"), lay.roles.index("b")
     a_shape, b_shape = arg_shapes[ia].shape, arg_shapes[ib].shape
     a_spec, b_spec = specs[ia][: len(a_shape)], specs[ib][: len(b_shape)]
-    used: set[str] = set()
-
-    def take(entry, units: int):
-        axes = tuple(x for x in _mesh_axes(entry) if x not in used)
-        if not axes or units % math.prod(mesh.shape[x] for x in axes):
-            return None
-        used.update(axes)
-        return axes
-
+    take = AxisClaims(mesh).take
     lead = [take(a_spec[i], a_shape[i]) for i in range(lay.n_lead)]
     n_units = b_shape[-2] // lay.b_rows
-    n = take(tuple(x for x in _mesh_axes(b_spec[-2]) if x in lay.keep_n) or None, n_units)
+    n = take(tuple(x for x in mesh_axes(b_spec[-2]) if x in lay.keep_n) or None, n_units)
     m = take(a_spec[-2], a_shape[-2] // lay.a_rows)
     k_units = a_shape[-1] * lay.pack // (lay.k_block or 1)
     k = take(a_spec[-1], k_units) or take(b_spec[-1], k_units)

@@ -210,10 +210,26 @@ def _granularity(op: MatrixOp, factor: str) -> int:
 # ---- sharding ----------------------------------------------------------------------
 
 
-def _mesh_axes(entry) -> tuple[str, ...]:
+def mesh_axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, a name, or a tuple of names) as a tuple of mesh axis names."""
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+class AxisClaims:
+    """Hands mesh axes to dimensions, each axis to one dimension at most (the GEMM's rule too)."""
+
+    def __init__(self, mesh):
+        self.mesh, self.used = mesh, set()
+
+    def take(self, entry, units: int) -> tuple[str, ...] | None:
+        """The axes of ``entry`` not yet taken, if they split ``units`` evenly (then they are taken), else None."""
+        axes = tuple(a for a in mesh_axes(entry) if a not in self.used)
+        if not axes or units % math.prod(self.mesh.shape[a] for a in axes):
+            return None
+        self.used.update(axes)
+        return axes
 
 
 @functools.cache
@@ -245,15 +261,7 @@ def _plan(op: MatrixOp, mesh, arg_shapes):
     """``(shards, arg shardings, result shardings)`` that keep whole blocks where they are."""
     specs = [_spec_of(s.sharding, mesh) + (None,) * len(s.shape) for s in arg_shapes]
     n_lead = len(arg_shapes[0].shape) - len(_dims(op.operands[0]))
-    used: set[str] = set()
-
-    def take(entry, units: int):
-        axes = tuple(a for a in _mesh_axes(entry) if a not in used)
-        if not axes or units % math.prod(mesh.shape[a] for a in axes):
-            return None
-        used.update(axes)
-        return axes
-
+    take = AxisClaims(mesh).take
     lead = [take(specs[0][i], arg_shapes[0].shape[i]) for i in range(n_lead)]
     chosen: dict[str, tuple[str, ...] | None] = {"m": None, "n": None}
     for f, size in zip("mn", op.sizes):
