@@ -152,13 +152,15 @@ def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise") -> Stats:
     if copy not in COPIES:
         raise ValueError(f"te_jax.inspect: copy must be one of {COPIES}, got {copy!r}")
     xm = x.astype(jnp.float32).reshape(t.matrix_shape)
+    # The pure-JAX dequantize (bit-identical to the custom call): XLA fuses it into the reductions
+    # below, where the custom call would write and re-read a float32 copy of the tensor.
     if copy == "colwise":
         xm = xm.T
-        values = t.dequantize_colwise(jnp.float32)
+        values = t.dequantize_colwise(jnp.float32, backend="reference")
         if t.rht:
             xm = nm.rht16(xm)
     else:
-        values = t.dequantize(jnp.float32).reshape(t.matrix_shape)
+        values = t.dequantize(jnp.float32, backend="reference").reshape(t.matrix_shape)
     codes, decode = _copy(t, copy)
     ax = jnp.abs(xm)
     nonzero = xm != 0
