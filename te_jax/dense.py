@@ -75,6 +75,8 @@ class DenseQuantizers:
       input, weight, output, grad_output, grad_input: the quantizers for the
         roles "linear_input", "linear_weight", "linear_output",
         "linear_grad_output", "linear_grad_input".
+      fast_accum: the forward GEMM's FP8 fast accumulation (the recipe's
+        ``fast_accumulation``); the backward GEMMs always split it.
     """
 
     input: Any = None
@@ -82,13 +84,15 @@ class DenseQuantizers:
     output: Any = None
     grad_output: Any = None
     grad_input: Any = None
+    fast_accum: bool = True
 
     @classmethod
     def from_recipe(cls, recipe: Recipe | None, path: tuple[str, ...] | str = ()) -> DenseQuantizers:
         """Asks ``recipe`` for each role, passing the layer's module ``path`` in the Role."""
         if recipe is None:
             return cls()
-        return cls(**{f: recipe.quantizer(Role(r, path)) for f, r in _ROLE_OF.items()})
+        return cls(**{f: recipe.quantizer(Role(r, path)) for f, r in _ROLE_OF.items()},
+                   fast_accum=recipe.fast_accumulation)
 
     @classmethod
     def from_mapping(cls, quantizers: Mapping[str, Any]) -> DenseQuantizers:
@@ -321,7 +325,8 @@ def _forward(plan: _Plan, x, kernel, bias, state, key):
         kq, new[r[1]], grads[r[1]] = _quantize(plan, r[1], kernel, st.get(r[1]), key, colwise=True,
                                                flatten_axis=plan.nk, stats=stats)
     dims = (tuple(range(plan.nb, plan.nb + plan.nk)), tuple(range(plan.nk)))
-    y = gemm(_either(xq, x), _either(kq, kernel), dims, out_dtype=jnp.result_type(x.dtype, kernel.dtype), bias=bias)
+    y = gemm(_either(xq, x), _either(kq, kernel), dims, out_dtype=jnp.result_type(x.dtype, kernel.dtype), bias=bias,
+             fast_accum=q.fast_accum)
     if q.output is not None:
         y, new[r[2]], grads[r[2]] = _qdq(plan, r[2], y, st.get(r[2]), key, plan.nb, stats)
     y = to_varying(y, plan.all_vary)  # custom calls drop shard_map's varying-axes types

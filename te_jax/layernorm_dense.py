@@ -415,7 +415,7 @@ def _forward(plan: _Plan, x, gamma, beta, kernel, bias, state, key, training: bo
     g = GemmQuant(plan.q, state, key, plan.mesh_resource, plan.inspect)
     ln, stats = norm_input(plan.norm, g, x, gamma, beta, kernel.dtype, training)
     kq = g.quantize("weight", kernel, rowwise=training, colwise=True, flatten_axis=1)
-    y = gemm(ln, kq, ((1,), (0,)), out_dtype=kernel.dtype, bias=bias)
+    y = gemm(ln, kq, ((1,), (0,)), out_dtype=kernel.dtype, bias=bias, fast_accum=plan.q.fast_accum)
     y = to_varying(g.qdq("output", y), plan.all_vary)
     res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(kq, "rowwise"), g.st,
            g.grads, key, g.stats)

@@ -275,11 +275,11 @@ def _forward(plan: _Plan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, qsta
     go = GemmQuant(plan.q.wo, state["wo"], ko, plan.mesh_resource, plan.inspect)
     ln, stats = norm_input(plan.norm, gi, x, gamma, beta, plan.dtype, training)
     k1q = gi.quantize("weight", k1, rowwise=training, colwise=True, flatten_axis=1)
-    hid = gemm(ln, k1q, ((1,), (0,)), out_dtype=plan.dtype, bias=b1)
+    hid = gemm(ln, k1q, ((1,), (0,)), out_dtype=plan.dtype, bias=b1, fast_accum=plan.q.wi.fast_accum)
     hid = checkpoint_name(gi.qdq("output", hid), PRE_ACTIVATION)
     a = _activation_output(plan, go, hid, mask, training)
     k2q = go.quantize("weight", k2, rowwise=training, colwise=True, flatten_axis=1)
-    y = gemm(a, k2q, ((1,), (0,)), out_dtype=plan.dtype, bias=b2)
+    y = gemm(a, k2q, ((1,), (0,)), out_dtype=plan.dtype, bias=b2, fast_accum=plan.q.wo.fast_accum)
     y = to_varying(go.qdq("output", y), plan.all_vary)
     res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(k1q, "rowwise"), hid,
            keep(a, "colwise"), keep(k2q, "rowwise"), mask, {"wi": gi.st, "wo": go.st},

@@ -137,8 +137,21 @@ def _bool(cls: str, name: str, value) -> None:
         raise ValueError(f"te_jax: {cls}.{name} must be True or False, got {value!r}")
 
 
+@dataclasses.dataclass(frozen=True)
 class Recipe:
-    """Base class: a recipe maps a role to a quantizer (or None for high precision)."""
+    """Base class: a recipe maps a role to a quantizer (or None for high precision).
+
+    Attributes:
+      fast_accumulation: (keyword only, every recipe) the forward GEMMs use
+        Hopper's FP8 fast accumulation; False gives them split accumulation
+        too (slower, closer to float32 sums). The two backward GEMMs always
+        split their accumulation.
+    """
+
+    fast_accumulation: bool = dataclasses.field(default=True, kw_only=True)
+
+    def __post_init__(self):
+        _bool(type(self).__name__, "fast_accumulation", self.fast_accumulation)
 
     def quantizer(self, role: str) -> Any:
         raise NotImplementedError
@@ -177,6 +190,7 @@ class DelayedScaling(Recipe):
     amax_reduction: str = "max"
 
     def __post_init__(self):
+        super().__post_init__()
         _set(self, "fp8_format", _format("DelayedScaling", self.fp8_format))
         if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
             raise ValueError(f"te_jax: DelayedScaling.margin must be an int >= 0, got {self.margin!r}")
@@ -222,6 +236,7 @@ class Float8CurrentScaling(Recipe):
     amax_epsilon: float = 0.0
 
     def __post_init__(self):
+        super().__post_init__()
         _set(self, "fp8_format", _format("Float8CurrentScaling", self.fp8_format))
         _bool("Float8CurrentScaling", "use_power_2_scales", self.use_power_2_scales)
         eps = self.amax_epsilon
@@ -250,6 +265,7 @@ class MXFP8BlockScaling(Recipe):
     fp8_format: Format = Format.E4M3
 
     def __post_init__(self):
+        super().__post_init__()
         _set(self, "fp8_format", _format("MXFP8BlockScaling", self.fp8_format))
 
     def quantizer(self, role: str) -> MXFP8Quantizer | None:
@@ -278,6 +294,7 @@ class NVFP4BlockScaling(Recipe):
     disable_2d_quantization: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization"):
             _bool("NVFP4BlockScaling", name, getattr(self, name))
 
@@ -315,6 +332,7 @@ class Float8BlockScaling(Recipe):
     use_f32_scales: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         _set(self, "fp8_format", _format("Float8BlockScaling", self.fp8_format))
         dims = {"x": self.x_block_scaling_dim, "w": self.w_block_scaling_dim, "grad": self.grad_block_scaling_dim}
         for name, dim in dims.items():
@@ -353,6 +371,7 @@ class CustomRecipe(Recipe):
     qfactory: Callable[[Role], Any]
 
     def __post_init__(self):
+        super().__post_init__()
         if not callable(self.qfactory):
             raise ValueError(f"te_jax: CustomRecipe.qfactory must be a callable f(role) -> quantizer | None, "
                              f"got {self.qfactory!r}")

@@ -45,7 +45,10 @@ MESHES = {  # name -> (axis sizes, MeshResource)
     "dp2": ({"dp": 2}, te_jax.MeshResource(dp_resource="dp")),
     "tp2": ({"tp": 2}, te_jax.MeshResource(tp_resource="tp")),
 }
-RECIPES = {"delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling()}
+RECIPES = {"delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling(),
+           # on GPUs: forward GEMMs without Hopper's fast accumulation, whose rounding depends on how K is split
+           "delayed_split": R.DelayedScaling(amax_history_len=4, fast_accumulation=False),
+           "current_split": R.Float8CurrentScaling(fast_accumulation=False)}
 B, T, H, F, HEADS = 8, 32, 64, 256, 4
 RESIDUAL = ("batch", "length", "hidden")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
 from pathlib import Path
 
 import jax
@@ -28,10 +29,14 @@ FORWARD = ("linear_input", "linear_weight")
 
 
 def _defaults(cls):
-    return {f.name: f.default for f in dataclasses.fields(cls)}
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.name != "fast_accumulation"}
 
 
 def test_fields_and_defaults_are_the_issues():
+    for rec in (R.DelayedScaling, R.Float8CurrentScaling, R.MXFP8BlockScaling, R.NVFP4BlockScaling,
+                R.Float8BlockScaling, R.CustomRecipe):  # every recipe's keyword-only field, from the base
+        field = {f.name: f for f in dataclasses.fields(rec)}.pop("fast_accumulation")
+        assert field.kw_only and field.default is True
     assert _defaults(R.DelayedScaling) == dict(
         margin=0, fp8_format=R.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max",
         scaling_factor_compute_algo=None, reduce_amax=True, amax_reduction="max")
@@ -43,7 +48,7 @@ def test_fields_and_defaults_are_the_issues():
     assert _defaults(R.Float8BlockScaling) == dict(fp8_format=R.Format.E4M3, x_block_scaling_dim=1,
                                                    w_block_scaling_dim=2, grad_block_scaling_dim=1,
                                                    use_f32_scales=False)
-    assert [f.name for f in dataclasses.fields(R.CustomRecipe)] == ["qfactory"]
+    assert [f.name for f in dataclasses.fields(R.CustomRecipe)] == ["fast_accumulation", "qfactory"]
     assert {f.name for f in R.Format} == {"E4M3", "E5M2", "HYBRID"}
 
 
@@ -340,3 +345,24 @@ def test_init_state_of_delayed_quantizer():
     assert jax.tree.map(lambda a: (a.shape, a.dtype), st) == jax.tree.map(lambda a: (a.shape, a.dtype),
                                                                           init_state(5))
     assert np.all(np.asarray(st["amax_history"]) == 0) and float(st["scale"][0]) == 1.0
+
+
+@pytest.mark.parametrize("rec", [R.DelayedScaling, R.Float8CurrentScaling, R.MXFP8BlockScaling, R.NVFP4BlockScaling,
+                                 R.Float8BlockScaling])
+def test_fast_accumulation_reaches_the_forward_gemm(rec):
+    """Every recipe takes fast_accumulation (keyword only); it sets the forward GEMM's, never the backward's."""
+    import te_jax.flax as tf
+
+    with pytest.raises(ValueError, match="fast_accumulation must be True or False"):
+        rec(fast_accumulation="no")
+    x = jnp.ones((128, 128), jnp.bfloat16)
+    m = tf.DenseGeneral(128, dtype=jnp.bfloat16)
+    for fast in (True, False):
+        recipe = rec(fast_accumulation=fast)
+        assert te_jax.DenseQuantizers.from_recipe(recipe).fast_accum is fast
+        with te_jax.autocast(recipe=recipe):
+            v = m.init(jax.random.key(0), x)
+            text = jax.jit(jax.value_and_grad(lambda v, x: m.apply(v, x, rngs={"quantize": jax.random.key(1)}).astype(
+                jnp.float32).sum(), argnums=(0, 1))).lower(v, x).as_text()
+        flags = re.findall(r"fast_accum = (\w+)", text)
+        assert sorted(flags) == sorted([str(fast).lower(), "false", "false"]), flags

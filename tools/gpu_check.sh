@@ -70,7 +70,8 @@ if [ $multi_gpu -eq 1 ]; then
   echo "{\"gpus\": $n}" > "$log"
   if [ "$n" -ge 2 ]; then
     start=$(date +%s)
-    (cd "$ROOT/tests" && $PY mesh_multidevice.py --models mlp,stack --meshes dp2,tp2 --recipes delayed,current) \
+    (cd "$ROOT/tests" && $PY mesh_multidevice.py --models mlp,stack --meshes dp2,tp2 \
+      --recipes delayed,current,delayed_split,current_split) \
       2>/dev/null | grep '^{' >> "$log"
     echo "gpu_check: mesh checks took $(( $(date +%s) - start )) s"
     for run in "1 32 dp=1" "$n $((32 * n)) dp=$n"; do
