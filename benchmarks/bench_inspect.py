@@ -88,7 +88,8 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.md:
-        rows = [f"| {r['recipe']} | {r['plain_ms']:.2f} | {r['inspect_ms']:.2f} | {r['overhead']:+.1%} |" for r in results]
+        rows = [f"| {r['recipe']} | {r['plain_ms']:.2f} | {r['inspect_ms']:.2f} | {r['overhead']:+.1%} |"
+                for r in results]
         Path(args.md).write_text("\n".join([f"## Inspection cost ({args.preset} GPT training step, "
                                              f"{jax.devices()[0].device_kind})", "",
                                              "| recipe | plain ms | inspected ms | cost |", "|---|---|---|---|",

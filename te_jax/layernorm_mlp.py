@@ -49,7 +49,8 @@ from te_jax.autocast import with_plan_mesh
 from te_jax.dense import DenseQuantizers, as_quantizers
 from te_jax.inspect.stats import stats_cotangent, stats_input, stats_leaves
 from te_jax.layernorm_dense import (PRE_ACTIVATION, GemmQuant, NormSpec, as_norm, check_blocks, check_high_precision,
-                                    check_key, check_no_dot_general, check_state, keep, norm_backward, norm_input, normalize_hp,
+                                    check_key, check_no_dot_general, check_state, keep, norm_backward, norm_input,
+                                    normalize_hp,
                                     raw_key, state_cotangent, state_leaves, vary_of)
 from te_jax.ops import activation as act_ops
 from te_jax.ops.gemm import gemm

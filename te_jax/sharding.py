@@ -76,11 +76,12 @@ def logical_axis_rules(mesh_resource: MeshResource, rules=()) -> tuple[tuple[str
 
     Parameters: "embed" (the model width) is split over the FSDP axes, "heads"
     and "mlp" over the tensor-parallel axes (column-parallel first GEMMs,
-    row-parallel second ones), "kv" (head width) and "act" (the gated pair)
-    are not split, nor is "qkv" (a key/value group's queries, key and value). Activations: "batch" over the data and FSDP axes, "length"
-    over the sequence-parallel axes, "hidden" not split. A name ``rules``
-    already maps keeps the user's mapping (their rules come first, and flax
-    uses the first rule that names an axis).
+    row-parallel second ones); "kv" (head width), "act" (the gated pair) and
+    "qkv" (a key/value group's queries, key and value) are not split.
+    Activations: "batch" over the data and FSDP axes, "length" over the
+    sequence-parallel axes, "hidden" not split. A name ``rules`` already maps
+    keeps the user's mapping (their rules come first, and flax uses the first
+    rule that names an axis).
 
     Args:
       mesh_resource: which mesh axes are dp, tp, fsdp and sp.

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -93,8 +95,31 @@ def step_fn(model, recipe, mesh_resource):
 def collectives(hlo: str) -> dict:
     ops = [m.group(1) for m in re.finditer(r"^\s*\S+ = [^\n]*? ([a-z\-]+)\(", hlo, re.MULTILINE)]
     counts = {k: sum(op in (k, k + "-start") for op in ops) for k in KINDS}
+    return dict(counts=counts, all_gathers=all_gathers(hlo))
+
+
+def all_gathers(hlo: str) -> list[str]:
+    """``dtype[dims]`` of every all-gather in an HLO text."""
     gathered = re.findall(r"^\s*\S+ = (\w+)\[([\d,]*)\][^\n]*? all-gather(?:-start)?\(", hlo, re.MULTILINE)
-    return dict(counts=counts, all_gathers=sorted(f"{t}[{s}]" for t, s in gathered))
+    return sorted(f"{t}[{s}]" for t, s in gathered)
+
+
+def dump_dir() -> Path | None:
+    """Where XLA dumps HLO (``--xla_dump_to``), if the process was started with it."""
+    match = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return Path(match.group(1)) if match else None
+
+
+def partitioned_all_gathers(before: set[str]) -> list[str] | None:
+    """The all-gathers right after SPMD partitioning of the step compiled since ``before`` (a dump listing).
+
+    XLA's CPU backend later carries FP8 all-gathers in f16; what the partitioner emitted shows what a GPU moves.
+    """
+    folder = dump_dir()
+    if folder is None:
+        return None
+    new = [p for p in folder.glob("*jit_step*after_spmd-partitioning*.txt") if p.name not in before]
+    return all_gathers(max(new, key=lambda p: p.stat().st_mtime).read_text()) if new else None
 
 
 def rel_err(a, b) -> float:
@@ -142,6 +167,8 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices) -> dict
     var_specs = jax.tree.map(lambda s: s if isinstance(s, P) else P(), var_specs, is_leaf=lambda s: isinstance(s, P))
     sv = shard(variables, var_specs)
     sx, sc = (jax.device_put(a, NamedSharding(mesh, act)) for a in (x, c))
+    folder = dump_dir()
+    before = {p.name for p in folder.glob("*")} if folder and folder.exists() else set()
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         jitted = jax.jit(step)
         hlo = jitted.lower(sv, sx, sc).compile().as_text()
@@ -155,7 +182,8 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices) -> dict
                             default=0.0)}
     return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs,
                 fp8_same_everywhere=same_on_every_device(grads.get("fp8_meta", {})),
-                x_grad_spec=str(grads["x"].sharding.spec), **collectives(hlo))
+                x_grad_spec=str(grads["x"].sharding.spec), partitioned_all_gathers=partitioned_all_gathers(before),
+                **collectives(hlo))
 
 
 def main() -> int:

@@ -8,8 +8,10 @@ devices and prints one JSON line per case; these tests check them:
   sum), for a LayerNormMLP and a two-TransformerLayer stack;
 * the fp8_meta update is bit-identical on every device;
 * the compiled step holds exactly the collectives listed in ``COLLECTIVES``
-  and moves weights and activations as FP8 (XLA's CPU backend carries an FP8
-  all-gather in f16; high precision is gathered only for 1-D norm/bias vectors).
+  and moves weights and activations as FP8, one byte per element: every
+  all-gather of a matrix the SPMD partitioner emits is FP8 (checked in XLA's
+  dump after partitioning, since the CPU backend later carries FP8 collectives
+  in f16); high precision is gathered only for 1-D norm/bias vectors.
 """
 
 from __future__ import annotations
@@ -54,10 +56,13 @@ COLLECTIVES = {
     ("stack", "dp2xfsdp2xtp2_sp", "current"): {"all-gather": 40, "all-reduce": 20, "reduce-scatter": 8},
 }
 FP8_CARRIERS = ("f8e4m3fn", "f8e5m2", "u8", "f16")  # f16: XLA CPU's carrier for an FP8 all-gather
+FP8 = ("f8e4m3fn", "f8e5m2")
 
 
-def _run(args: list[str], devices: int = 8) -> list[dict]:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+def _run(args: list[str], dump: Path, devices: int = 8) -> list[dict]:
+    flags = (f"--xla_force_host_platform_device_count={devices} --xla_dump_to={dump} "
+             "--xla_dump_hlo_pass_re=spmd-partitioning")
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(HERE / "mesh_multidevice.py"), *args], capture_output=True,
                           text=True, env=env, timeout=1200, cwd=HERE)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -66,9 +71,10 @@ def _run(args: list[str], devices: int = 8) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def cases() -> dict:
+def cases(tmp_path_factory) -> dict:
     out = {}
-    for line in _run(["--models", "mlp,stack", "--meshes", ",".join(MESHES), "--recipes", ",".join(RECIPES)]):
+    dump = tmp_path_factory.mktemp("hlo")
+    for line in _run(["--models", "mlp,stack", "--meshes", ",".join(MESHES), "--recipes", ",".join(RECIPES)], dump):
         if "model" in line:
             out[(line["model"], line["mesh"], line["recipe"])] = line
     return out
@@ -98,3 +104,23 @@ def test_collectives(cases, model, mesh, recipe):
     for gathered in case["all_gathers"]:
         dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", gathered).groups()
         assert dtype in FP8_CARRIERS or dims.count(",") == 0, f"high-precision all-gather of a matrix: {gathered}"
+    # What the SPMD partitioner emitted (before the CPU backend widens FP8 collectives): matrices move as FP8.
+    partitioned = case["partitioned_all_gathers"]
+    assert partitioned is not None and len(partitioned) == len(case["all_gathers"])
+    for gathered in partitioned:
+        dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", gathered).groups()
+        assert dtype in FP8 or dims.count(",") == 0, f"a matrix gathered in {dtype}, not FP8: {gathered}"
+
+
+def test_logical_axis_rules_extend_the_users():
+    import te_jax
+    from te_jax.sharding import logical_axis_rules
+
+    res = te_jax.MeshResource(dp_resource="dp", fsdp_resource="fsdp", tp_resource="tp", sp_resource="tp")
+    rules = dict(logical_axis_rules(res, (("vocab", "tp"), ("mlp", None))))
+    assert rules["vocab"] == "tp" and rules["mlp"] is None  # the user's mappings win
+    assert rules["embed"] == "fsdp" and rules["heads"] == "tp" and rules["length"] == "tp"
+    assert rules["batch"] == ("dp", "fsdp") and rules["kv"] is None and rules["qkv"] is None
+    assert dict(logical_axis_rules(te_jax.MeshResource(dp_resource="dp")))["embed"] is None
+    with pytest.raises(TypeError, match="MeshResource"):
+        logical_axis_rules({"dp_resource": "dp"})
