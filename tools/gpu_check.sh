@@ -9,6 +9,9 @@
 # --multi-gpu (2 or more GPUs): the layer mesh checks of tests/mesh_multidevice.py (dp and tp over
 # two GPUs against one, NCCL collectives) and the data-parallel scaling of the 125m GPT (tokens/s on
 # one GPU at batch 32 against all GPUs at 32 per GPU), as JSON lines in multi_gpu.log.
+# --train=bf16,delayed,...: examples/gpt with each recipe (TRAIN_PRESET, default 125m; TRAIN_STEPS,
+# default the preset's), one run per GPU at a time; a JSON line per run in train.log (final train and
+# eval loss, tokens/s). "flax-fp8" is the same model through flax.linen's Fp8DotGeneral.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -16,7 +19,7 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 PY=python3
-skip_build=0; run_tests=1; run_bench=1; multi_gpu=0; benches=""; pytest_args=()
+skip_build=0; run_tests=1; run_bench=1; multi_gpu=0; benches=""; train=""; pytest_args=()
 for arg in "$@"; do
   case "$arg" in
     --skip-build) skip_build=1 ;;
@@ -24,6 +27,7 @@ for arg in "$@"; do
     --no-bench) run_bench=0 ;;
     --bench=*) benches=${arg#--bench=} ;;
     --multi-gpu) multi_gpu=1 ;;
+    --train=*) train=${arg#--train=} ;;
     *) pytest_args+=("$arg") ;;
   esac
 done
@@ -84,6 +88,24 @@ if [ $multi_gpu -eq 1 ]; then
     done
     grep -h scaling "$log"
   fi
+fi
+if [ -n "$train" ]; then
+  n=$(cd /tmp && $PY -c "import jax; print(jax.device_count())")
+  IFS=, read -ra recipes <<< "$train"
+  steps=()
+  [ -n "${TRAIN_STEPS:-}" ] && steps=(--steps "$TRAIN_STEPS")
+  i=0
+  for r in "${recipes[@]}"; do
+    (cd /tmp && CUDA_VISIBLE_DEVICES=$((i % n)) $PY "$ROOT/examples/gpt/train.py" --preset "${TRAIN_PRESET:-125m}" \
+       --recipe "$r" "${steps[@]}" --no-progress --log-every 100 --json "/tmp/train_$i.json" > "/tmp/train_$i.log" 2>&1 \
+     && $PY -c "import json; r = json.load(open('/tmp/train_$i.json'))[0]; print(json.dumps({k: r[k] for k in \
+('recipe', 'preset', 'steps', 'final_train_loss', 'final_eval_loss', 'tokens_per_s')}))" >> "$OUT/train.log" \
+     || { echo "gpu_check: training $r failed"; tail -5 "/tmp/train_$i.log"; }) &
+    i=$((i + 1))
+    [ $((i % n)) -eq 0 ] && wait
+  done
+  wait
+  cat "$OUT/train.log"
 fi
 $PY "$ROOT/tools/gpu_summary.py" "$OUT"
 rm -f "$OUT"/bench_*.json "$OUT"/bench_*.md "$OUT/junit.xml"
