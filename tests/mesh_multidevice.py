@@ -76,7 +76,7 @@ class Stack(nn.Module):
         return nn.with_logical_constraint(x, RESIDUAL)
 
 
-MODELS = {"mlp": MLP, "stack": Stack}
+MODELS = {"mlp": MLP, "stack": Stack, "mlp_sgd": MLP}  # *_sgd: the step ends in an SGD update of the sharded params
 
 
 def step_fn(model, recipe, mesh_resource):
@@ -118,7 +118,7 @@ def partitioned_all_gathers(before: set[str]) -> list[str] | None:
     folder = dump_dir()
     if folder is None:
         return None
-    new = [p for p in folder.glob("*jit_step*after_spmd-partitioning*.txt") if p.name not in before]
+    new = [p for p in folder.glob("*jit_*after_spmd-partitioning*.txt") if p.name not in before]
     return all_gathers(max(new, key=lambda p: p.stat().st_mtime).read_text()) if new else None
 
 
@@ -169,6 +169,20 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices) -> dict
     sx, sc = (jax.device_put(a, NamedSharding(mesh, act)) for a in (x, c))
     folder = dump_dir()
     before = {p.name for p in folder.glob("*")} if folder and folder.exists() else set()
+    if model_name.endswith("_sgd"):  # the gradients meet the parameters' shardings (FSDP: reduce-scatter)
+        def sgd(v, x, c):
+            return jax.tree.map(lambda p, g: p - 0.1 * g, v["params"], step(v, x, c)[1]["params"])
+
+        want = jax.tree.map(lambda s: NamedSharding(mesh, s), var_specs["params"], is_leaf=lambda s: isinstance(s, P))
+        ref = jax.jit(sgd)(*jax.device_put((variables, x, c), one))
+        before = {p.name for p in folder.glob("*")} if folder and folder.exists() else set()
+        with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+            jitted = jax.jit(sgd, out_shardings=want)
+            hlo = jitted.lower(sv, sx, sc).compile().as_text()
+            new = jitted(sv, sx, sc)
+        errs = {"params": max(rel_err(a, b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)))}
+        return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs, fp8_same_everywhere=True,
+                    partitioned_all_gathers=partitioned_all_gathers(before), **collectives(hlo))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         jitted = jax.jit(step)
         hlo = jitted.lower(sv, sx, sc).compile().as_text()

@@ -55,6 +55,19 @@ COLLECTIVES = {
     ("stack", "dp2xfsdp2xtp2_sp", "delayed"): {"all-gather": 40, "all-reduce": 6, "reduce-scatter": 8},
     ("stack", "dp2xfsdp2xtp2_sp", "current"): {"all-gather": 40, "all-reduce": 20, "reduce-scatter": 8},
 }
+# The same LayerNormMLP step ending in an SGD update whose result keeps the parameters' shardings: the
+# FSDP weight gradients are reduce-scattered (W1, W2), not all-reduced; with sequence parallelism one
+# more reduce-scatter is the row-parallel output's.
+SGD_COLLECTIVES = {
+    ("dp8", "delayed"): {"all-reduce": 1},
+    ("dp8", "current"): {"all-reduce": 3},
+    ("dp2xtp4", "delayed"): {"all-reduce": 2},
+    ("dp2xtp4", "current"): {"all-reduce": 5},
+    ("fsdp4xtp2", "delayed"): {"all-gather": 5, "all-reduce": 2, "reduce-scatter": 2},
+    ("fsdp4xtp2", "current"): {"all-gather": 5, "all-reduce": 6, "reduce-scatter": 2},
+    ("dp2xfsdp2xtp2_sp", "delayed"): {"all-gather": 9, "all-reduce": 3, "reduce-scatter": 3},
+    ("dp2xfsdp2xtp2_sp", "current"): {"all-gather": 9, "all-reduce": 7, "reduce-scatter": 3},
+}
 FP8_CARRIERS = ("f8e4m3fn", "f8e5m2", "u8", "f16")  # f16: XLA CPU's carrier for an FP8 all-gather
 FP8 = ("f8e4m3fn", "f8e5m2")
 
@@ -74,7 +87,7 @@ def _run(args: list[str], dump: Path, devices: int = 8) -> list[dict]:
 def cases(tmp_path_factory) -> dict:
     out = {}
     dump = tmp_path_factory.mktemp("hlo")
-    for line in _run(["--models", "mlp,stack", "--meshes", ",".join(MESHES), "--recipes", ",".join(RECIPES)], dump):
+    for line in _run(["--models", "mlp,stack,mlp_sgd", "--meshes", ",".join(MESHES), "--recipes", ",".join(RECIPES)], dump):
         if "model" in line:
             out[(line["model"], line["mesh"], line["recipe"])] = line
     return out
@@ -124,3 +137,14 @@ def test_logical_axis_rules_extend_the_users():
     assert dict(logical_axis_rules(te_jax.MeshResource(dp_resource="dp")))["embed"] is None
     with pytest.raises(TypeError, match="MeshResource"):
         logical_axis_rules({"dp_resource": "dp"})
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_sgd_step_reduce_scatters_fsdp_gradients(cases, mesh, recipe):
+    case = _case(cases, "mlp_sgd", mesh, recipe)
+    assert case["errors"]["params"] <= 1e-5, case["errors"]
+    assert {k: v for k, v in case["counts"].items() if v} == SGD_COLLECTIVES[(mesh, recipe)]
+    for gathered in case["partitioned_all_gathers"]:
+        dtype, dims = re.match(r"(\w+)\[([\d,]*)\]", gathered).groups()
+        assert dtype in FP8 or dims.count(",") == 0, f"a matrix gathered in {dtype}, not FP8: {gathered}"

@@ -146,16 +146,18 @@ def _sharding_rule(lay: Layout, mesh, value_types, result_types):
     return rule, dict(reduction_factors=("kb", "kq") if lay.k_block else ("k",), **sizes)
 
 
-def _plan(lay: Layout, mesh, arg_shapes):
-    """Shardings that keep every operand where it is: (args, result, contraction mesh axes).
+def _plan(lay: Layout, mesh, arg_shapes, wanted=None):
+    """Shardings that keep every operand where it is: (args, result, K axes, M scatter axes, N scatter axes).
 
     Scales follow their data. A mesh axis serves one role (leading > M > K > N,
     except that the ``keep_n`` axes, tensor and sequence parallel, go to N
     first: the activation is gathered, the weight stays split); a sharding
     that does not split its dimension into whole blocks is dropped (that
-    operand is gathered). When the contraction is split only over
-    ``scatter_rows`` axes (sequence parallel), the output's rows are split over
-    them too and the partial products are reduce-scattered.
+    operand is gathered). A contraction split over mesh axes gives partial
+    products that are summed over them; they are reduce-scattered instead over
+    the axes the output is wanted split by (``wanted``, the result's sharding
+    XLA asks for: an FSDP weight gradient) and, along the rows, over the
+    ``scatter_rows`` axes (sequence parallel).
     """
     specs = [tuple(getattr(s.sharding, "spec", ())) + (None,) * len(s.shape) for s in arg_shapes]
     ia, ib = lay.roles.index("a"), lay.roles.index("b")
@@ -173,29 +175,38 @@ def _plan(lay: Layout, mesh, arg_shapes):
     per_role = {"a": (*lead, m, k), "a_s": (*lead, m, k), "b": (*b_lead, n, k), "b_s": (*b_lead, n, k),
                 "a_t": (None,), "b_t": (None,), "a_tm": (*lead, None), "b_tm": (*b_lead, None), "bias": (n,)}
     args = tuple(NamedSharding(mesh, PartitionSpec(*per_role[r])) for r in lay.all_roles)
-    out_m = m
-    if k and set(k) <= set(lay.scatter_rows):
-        m_split = math.prod(mesh.shape[x] for x in (*(m or ()), *k))
-        if a_shape[-2] % m_split == 0:
-            out_m = (*(m or ()), *k)
-    return args, NamedSharding(mesh, PartitionSpec(*lead, out_m, n)), k
+    want = tuple(getattr(wanted, "spec", ())) + (None,) * (lay.n_lead + 2)
+    size = lambda axes: math.prod(mesh.shape[x] for x in axes)  # noqa: E731
+
+    def scatter(dim_axes, units, extra) -> tuple[str, ...]:
+        axes = tuple(x for x in (k or ()) if x in extra)
+        return axes if axes and units % (size(dim_axes or ()) * size(axes)) == 0 else ()
+
+    scatter_m = scatter(m, a_shape[-2], set(lay.scatter_rows) | set(mesh_axes(want[lay.n_lead])))
+    scatter_n = () if lay.has_bias else scatter(
+        n, b_shape[-2], set(mesh_axes(want[lay.n_lead + 1])) - set(scatter_m))
+    out_m, out_n = (*(m or ()), *scatter_m) or None, (*(n or ()), *scatter_n) or None
+    return args, NamedSharding(mesh, PartitionSpec(*lead, out_m, out_n)), k, scatter_m, scatter_n
 
 
 def _partition(lay: Layout, mesh, arg_shapes, result_shape):
-    arg_shardings, out_sharding, k_axes = _plan(lay, mesh, arg_shapes)
+    arg_shardings, out_sharding, k_axes, scatter_m, scatter_n = _plan(lay, mesh, arg_shapes, result_shape.sharding)
     if not k_axes:
         return mesh, functools.partial(_ffi_call, lay), out_sharding, arg_shardings
     partial_lay = dataclasses.replace(lay, out_dtype=jnp.dtype(jnp.float32), has_bias=False)
-    scatter = tuple(out_sharding.spec)[-2] != tuple(arg_shardings[lay.roles.index("a")].spec)[-2]
+    summed = tuple(x for x in k_axes if x not in scatter_m + scatter_n)
 
     def partial_products(*args):
-        # float32 partial sums over the local K, one all-reduce (or reduce-scatter of the rows), then bias and cast.
+        # float32 partial sums over the local K; reduce-scattered over the axes the output is split by, summed
+        # over the rest (one collective each), then bias and cast.
         operands = args[:-1] if lay.has_bias else args
         out = _ffi_call(partial_lay, *operands)
-        if scatter:
-            out = lax.psum_scatter(out, k_axes, scatter_dimension=out.ndim - 2, tiled=True)
-        else:
-            out = lax.psum(out, k_axes)
+        if scatter_m:
+            out = lax.psum_scatter(out, scatter_m, scatter_dimension=out.ndim - 2, tiled=True)
+        if scatter_n:
+            out = lax.psum_scatter(out, scatter_n, scatter_dimension=out.ndim - 1, tiled=True)
+        if summed:
+            out = lax.psum(out, summed)
         if lay.has_bias:
             out = out + args[-1].astype(jnp.float32)
         return out.astype(lay.out_dtype)
