@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../common/bindings.h"
 #include "norm_act_cpu.h"
 
 namespace te_jax {
@@ -104,35 +105,8 @@ ffi::Error ActBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> sca
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCpu, ActFwd,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCpu, ActFwd, BindActFwd(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCpu, ActBwd,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attrs());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCpu, ActBwd, BindActBwd(ffi::Ffi::Bind()));
 
 }  // namespace te_jax

@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../common/bindings.h"
 #include "../common/ffi_common.h"
 #include "cpu_common.h"
 
@@ -101,23 +102,13 @@ ffi::Error DequantizeNvfp4(ffi::Buffer<ffi::U8> q, ffi::AnyBuffer s, ffi::Buffer
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeFp8TensorCpu, DequantizeFp8Tensor,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::AnyBuffer>());
+                              BindDequantizeFp8Tensor(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMxfp8Cpu, DequantizeMxfp8,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::U8>>().Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMxfp8Cpu, DequantizeMxfp8, BindDequantizeMxfp8(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeFp8BlockCpu, DequantizeFp8Block,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("block_2d"));
+                              BindDequantizeFp8Block(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeNvfp4Cpu, DequantizeNvfp4,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeNvfp4Cpu, DequantizeNvfp4, BindDequantizeNvfp4(ffi::Ffi::Bind()));
 
 }  // namespace te_jax

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/bindings.h"
 #include "../common/ffi_common.h"
 #include "cpu_common.h"
 
@@ -314,52 +315,12 @@ ffi::Error GemmNvfp4(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer a_amax
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8Cpu, GemmFp8,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // A
-                                  .Arg<ffi::AnyBuffer>()  // B
-                                  .Arg<ffi::AnyBuffer>()  // a_scale_inv
-                                  .Arg<ffi::AnyBuffer>()  // b_scale_inv
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<bool>("fast_accum"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8Cpu, GemmFp8, BindGemmFp8(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8BlockCpu, GemmFp8Block,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // A
-                                  .Arg<ffi::AnyBuffer>()  // a_s
-                                  .Arg<ffi::AnyBuffer>()  // B
-                                  .Arg<ffi::AnyBuffer>()  // b_s
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<bool>("a_block_2d")
-                                  .Attr<bool>("b_block_2d")
-                                  .Attr<bool>("fast_accum"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8BlockCpu, GemmFp8Block, BindGemmFp8Block(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmMxfp8Cpu, GemmMxfp8,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // A
-                                  .Arg<ffi::AnyBuffer>()  // a_s
-                                  .Arg<ffi::AnyBuffer>()  // B
-                                  .Arg<ffi::AnyBuffer>()  // b_s
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<bool>("fast_accum"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmMxfp8Cpu, GemmMxfp8, BindGemmMxfp8(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmNvfp4Cpu, GemmNvfp4,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // A
-                                  .Arg<ffi::AnyBuffer>()  // a_s
-                                  .Arg<ffi::AnyBuffer>()  // a_amax
-                                  .Arg<ffi::AnyBuffer>()  // B
-                                  .Arg<ffi::AnyBuffer>()  // b_s
-                                  .Arg<ffi::AnyBuffer>()  // b_amax
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<bool>("fast_accum"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmNvfp4Cpu, GemmNvfp4, BindGemmNvfp4(ffi::Ffi::Bind()));
 
 }  // namespace te_jax

@@ -5,6 +5,7 @@
 #include <string_view>
 #include <vector>
 
+#include "../common/bindings.h"
 #include "norm_act_cpu.h"
 
 namespace te_jax {
@@ -137,35 +138,8 @@ ffi::Error NormBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> me
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NormFwdCpu, NormFwd,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attrs());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NormFwdCpu, NormFwd, BindNormFwd(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NormBwdCpu, NormBwd,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attrs());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NormBwdCpu, NormBwd, BindNormBwd(ffi::Ffi::Bind()));
 
 }  // namespace te_jax

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../common/bindings.h"
 #include "../common/ffi_common.h"
 #include "cpu_common.h"
 
@@ -281,65 +282,15 @@ ffi::Error QuantizeNvfp4(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> key, ffi::Resul
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8TensorCpu, QuantizeFp8Tensor,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("colwise"));
+                              BindQuantizeFp8Tensor(ffi::Ffi::Bind()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8CurrentCpu, QuantizeFp8Current,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("colwise")
-                                  .Attr<bool>("power_2")
-                                  .Attr<float>("epsilon"));
+                              BindQuantizeFp8Current(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeMxfp8Cpu, QuantizeMxfp8,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("colwise"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeMxfp8Cpu, QuantizeMxfp8, BindQuantizeMxfp8(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8BlockCpu, QuantizeFp8Block,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("colwise")
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("power_2"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8BlockCpu, QuantizeFp8Block, BindQuantizeFp8Block(ffi::Ffi::Bind()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeNvfp4Cpu, QuantizeNvfp4,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("colwise")
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("rht")
-                                  .Attr<bool>("stochastic_rounding"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeNvfp4Cpu, QuantizeNvfp4, BindQuantizeNvfp4(ffi::Ffi::Bind()));
 
 }  // namespace te_jax

@@ -4,6 +4,7 @@
 // writes the column sums of its 64-row groups to the workspace, and a small
 // kernel adds them up in order (deterministic, no atomics).
 #include "norm_act_cast.cuh"
+#include "../common/bindings.h"
 
 namespace te_jax {
 namespace cuda {
@@ -112,21 +113,6 @@ ffi::Error ActBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi:
 }  // namespace cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCuda, cuda::ActBwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attrs());
+                              BindActBwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 }  // namespace te_jax

@@ -4,6 +4,7 @@
 // over x for modes none / fp8_tensor / mxfp8 / fp8_block; fp8_current and
 // nvfp4 first run an amax pass (reads x, writes only the amax).
 #include "norm_act_cast.cuh"
+#include "../common/bindings.h"
 
 namespace te_jax {
 namespace cuda {
@@ -84,18 +85,6 @@ ffi::Error ActFwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> s
 }  // namespace cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCuda, cuda::ActFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attrs());
+                              BindActFwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 }  // namespace te_jax

@@ -5,6 +5,7 @@
 #include <cuda_bf16.h>
 
 #include "cuda_common.cuh"
+#include "../common/bindings.h"
 
 namespace te_jax {
 namespace cuda {
@@ -209,33 +210,15 @@ ffi::Error DequantizeNvfp4(cudaStream_t stream, ffi::Buffer<ffi::U8> q, ffi::Any
 }  // namespace cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeFp8TensorCuda, cuda::DequantizeFp8Tensor,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                              BindDequantizeFp8Tensor(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMxfp8Cuda, cuda::DequantizeMxfp8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>());
+                              BindDequantizeMxfp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeFp8BlockCuda, cuda::DequantizeFp8Block,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<bool>("block_2d"));
+                              BindDequantizeFp8Block(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeNvfp4Cuda, cuda::DequantizeNvfp4,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>());
+                              BindDequantizeNvfp4(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 }  // namespace te_jax

@@ -15,6 +15,7 @@
 #include "gemm_cublaslt.cuh"
 #include "gemm_kernels.cuh"
 #include "gemm_problem.cuh"
+#include "../common/bindings.h"
 
 namespace te_jax {
 namespace gemm {
@@ -384,55 +385,15 @@ ffi::Error GemmNvfp4(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s, 
 }  // namespace gemm
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8Cuda, gemm::GemmFp8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // A
-                                  .Arg<ffi::AnyBuffer>()  // B
-                                  .Arg<ffi::AnyBuffer>()  // a_scale_inv
-                                  .Arg<ffi::AnyBuffer>()  // b_scale_inv
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<bool>("fast_accum"));
+                              BindGemmFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8BlockCuda, gemm::GemmFp8Block,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // A
-                                  .Arg<ffi::AnyBuffer>()  // a_s
-                                  .Arg<ffi::AnyBuffer>()  // B
-                                  .Arg<ffi::AnyBuffer>()  // b_s
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<bool>("a_block_2d")
-                                  .Attr<bool>("b_block_2d")
-                                  .Attr<bool>("fast_accum"));
+                              BindGemmFp8Block(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmMxfp8Cuda, gemm::GemmMxfp8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // A
-                                  .Arg<ffi::AnyBuffer>()  // a_s
-                                  .Arg<ffi::AnyBuffer>()  // B
-                                  .Arg<ffi::AnyBuffer>()  // b_s
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<bool>("fast_accum"));
+                              BindGemmMxfp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmNvfp4Cuda, gemm::GemmNvfp4,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // A (packed)
-                                  .Arg<ffi::AnyBuffer>()  // a_s
-                                  .Arg<ffi::AnyBuffer>()  // a_amax
-                                  .Arg<ffi::AnyBuffer>()  // B (packed)
-                                  .Arg<ffi::AnyBuffer>()  // b_s
-                                  .Arg<ffi::AnyBuffer>()  // b_amax
-                                  .Arg<ffi::AnyBuffer>()  // bias
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // workspace
-                                  .Attr<bool>("fast_accum"));
+                              BindGemmNvfp4(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 }  // namespace te_jax

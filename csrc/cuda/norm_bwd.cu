@@ -14,6 +14,7 @@
 #include <cuda_bf16.h>
 
 #include "norm_act_cast.cuh"
+#include "../common/bindings.h"
 
 namespace te_jax {
 namespace cuda {
@@ -357,17 +358,6 @@ ffi::Error NormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi
 }  // namespace cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NormBwdCuda, cuda::NormBwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attrs());
+                              BindNormBwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 }  // namespace te_jax

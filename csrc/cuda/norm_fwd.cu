@@ -11,6 +11,7 @@
 // in high precision. NVFP4 with the Hadamard transform takes one more pass for
 // the transformed copy's amax. Other widths: a generic statistics kernel.
 #include "norm_act_cast.cuh"
+#include "../common/bindings.h"
 
 namespace te_jax {
 namespace cuda {
@@ -335,22 +336,6 @@ ffi::Error NormFwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
 }  // namespace cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(NormFwdCuda, cuda::NormFwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attrs());
+                              BindNormFwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 }  // namespace te_jax

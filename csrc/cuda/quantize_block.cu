@@ -10,6 +10,7 @@
 // use the FP8 cast-transpose kernel. Odd shapes take a simple kernel with one
 // thread per block.
 #include "fp8_cast_transpose.cuh"
+#include "../common/bindings.h"
 
 namespace te_jax {
 namespace cuda {
@@ -287,27 +288,9 @@ ffi::Error QuantizeFp8Block(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
 }  // namespace cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeMxfp8Cuda, cuda::QuantizeMxfp8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("colwise"));
+                              BindQuantizeMxfp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8BlockCuda, cuda::QuantizeFp8Block,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("colwise")
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("power_2"));
+                              BindQuantizeFp8Block(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 }  // namespace te_jax

@@ -7,6 +7,7 @@
 
 #include "amax.cuh"
 #include "fp8_cast_transpose.cuh"
+#include "../common/bindings.h"
 
 namespace te_jax {
 namespace cuda {
@@ -176,29 +177,9 @@ ffi::Error QuantizeFp8Current(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result
 }  // namespace cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8TensorCuda, cuda::QuantizeFp8Tensor,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("colwise"));
+                              BindQuantizeFp8Tensor(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8CurrentCuda, cuda::QuantizeFp8Current,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("colwise")
-                                  .Attr<bool>("power_2")
-                                  .Attr<float>("epsilon"));
+                              BindQuantizeFp8Current(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 }  // namespace te_jax

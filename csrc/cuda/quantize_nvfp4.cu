@@ -20,6 +20,7 @@
 // numerics.h on the host.
 #include "amax.cuh"
 #include "nvfp4_math.cuh"
+#include "../common/bindings.h"
 
 namespace te_jax {
 namespace cuda {
@@ -635,20 +636,6 @@ ffi::Error QuantizeNvfp4(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 }  // namespace cuda
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeNvfp4Cuda, cuda::QuantizeNvfp4,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<bool>("rowwise")
-                                  .Attr<bool>("colwise")
-                                  .Attr<bool>("block_2d")
-                                  .Attr<bool>("rht")
-                                  .Attr<bool>("stochastic_rounding"));
+                              BindQuantizeNvfp4(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
 
 }  // namespace te_jax
