@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "../common/bindings.h"
+#include "../common/norm_act_checks.h"
 #include "norm_act_cpu.h"
 
 namespace te_jax {
@@ -17,20 +18,12 @@ ffi::Error ActFwd(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi
                   ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> s, ffi::Result<ffi::AnyBuffer> q_t,
                   ffi::Result<ffi::AnyBuffer> s_t, ffi::Result<ffi::AnyBuffer> amax,
                   ffi::Result<ffi::AnyBuffer> amax_t, ffi::Result<ffi::AnyBuffer> scale_out, ffi::Dictionary attrs) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch in = mb_or.value();
-  ActKind act = ActKind::kGelu;
-  TE_RETURN_IF_ERROR(ParseAct(attrs, &act));
-  CastSpec sp;
-  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
-  int64_t F = 0;
-  TE_RETURN_IF_ERROR(OutCols(act, in.cols, &F));
-  const MatrixBatch out{in.batch, in.rows, F};
-  TE_RETURN_IF_ERROR(CheckCastResults(sp, out, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
-  TE_RETURN_IF_ERROR(CheckCount(scale, in.batch, "scale"));
-  TE_RETURN_IF_ERROR(CheckCount(key, 2 * in.batch, "key"));
+  ActArgs args;
+  TE_RETURN_IF_ERROR(CheckActFwd(x, scale, key, {*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out}, attrs, &args));
+  const MatrixBatch in = args.mb;
+  const ActKind act = args.act;
+  const CastSpec& sp = args.sp;
+  const int64_t F = args.out_cols;
   const std::vector<float> xf = ToFloat(x);
   CastResults r{*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out};
   const int64_t M = in.rows, N = in.cols;
@@ -56,23 +49,15 @@ ffi::Error ActBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> sca
                   ffi::Dictionary attrs) {
   TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
   TE_RETURN_IF_ERROR(CheckHighPrecision(dy, "dy"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  ActKind act = ActKind::kGelu;
-  TE_RETURN_IF_ERROR(ParseAct(attrs, &act));
-  CastSpec sp;
-  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
-  auto want_dbias = attrs.get<bool>("dbias");
-  if (want_dbias.has_error()) return want_dbias.error();
-  int64_t F = 0;
-  TE_RETURN_IF_ERROR(OutCols(act, mb.cols, &F));
-  TE_RETURN_IF_ERROR(CheckCastResults(sp, mb, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
+  ActArgs args;
+  TE_RETURN_IF_ERROR(CheckActBwd(x, scale, key, {*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out}, *dbias, attrs,
+                                 &args));
+  const MatrixBatch mb = args.mb;
+  const ActKind act = args.act;
+  const CastSpec& sp = args.sp;
+  const int64_t F = args.out_cols;
   const int64_t B = mb.batch, M = mb.rows, N = mb.cols;
   if (static_cast<int64_t>(dy.element_count()) != B * M * F) return InvalidArgument("dy must be [..., M, N_out]");
-  TE_RETURN_IF_ERROR(CheckCount(*dbias, want_dbias.value() ? B * N : 0, "dbias"));
-  TE_RETURN_IF_ERROR(CheckCount(scale, B, "scale"));
-  TE_RETURN_IF_ERROR(CheckCount(key, 2 * B, "key"));
   const std::vector<float> xf = ToFloat(x), dyf = ToFloat(dy);
   CastResults r{*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out};
   std::vector<float> dx(static_cast<size_t>(M * N));
@@ -91,7 +76,7 @@ ffi::Error ActBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> sca
         }
       }
     }
-    if (want_dbias.value()) {
+    if (args.dbias) {
       std::fill(db.begin(), db.end(), 0.0);
       for (int64_t i = 0; i < M; ++i)
         for (int64_t j = 0; j < N; ++j) db[j] += static_cast<double>(dx[i * N + j]);

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../common/bindings.h"
+#include "../common/norm_act_checks.h"
 #include "norm_act_cpu.h"
 
 namespace te_jax {
@@ -37,24 +38,13 @@ ffi::Error NormFwd(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> gamma, ffi::Buffer<ff
                    ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> amax_t,
                    ffi::Result<ffi::AnyBuffer> scale_out, ffi::Result<ffi::Buffer<ffi::F32>> mean,
                    ffi::Result<ffi::Buffer<ffi::F32>> rsigma, ffi::Dictionary attrs) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  NormAttrs na;
-  TE_RETURN_IF_ERROR(ParseNormAttrs(attrs, true, &na));
-  CastSpec sp;
-  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
-  TE_RETURN_IF_ERROR(CheckCastResults(sp, mb, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
-  const int64_t B = mb.batch, M = mb.rows, H = mb.cols;
-  TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
-  const bool has_beta = beta.element_count() != 0;
-  if (has_beta) TE_RETURN_IF_ERROR(CheckCount(beta, B * H, "beta"));
-  if (has_beta && na.rms) return InvalidArgument("rmsnorm takes no beta");
-  TE_RETURN_IF_ERROR(CheckCount(scale, B, "scale"));
-  TE_RETURN_IF_ERROR(CheckCount(key, 2 * B, "key"));
-  TE_RETURN_IF_ERROR(CheckCount(*mean, na.rms ? 0 : B * M, "mean"));
-  TE_RETURN_IF_ERROR(CheckCount(*rsigma, B * M, "rsigma"));
+  NormFwdArgs args;
+  TE_RETURN_IF_ERROR(CheckNormFwd(x, gamma, beta, scale, key, {*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out},
+                                  *mean, *rsigma, attrs, &args));
+  const NormAttrs& na = args.na;
+  const CastSpec& sp = args.sp;
+  const bool has_beta = args.has_beta;
+  const int64_t B = args.mb.batch, M = args.mb.rows, H = args.mb.cols;
   const std::vector<float> xf = ToFloat(x);
   CastResults r{*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out};
   std::vector<float> y(static_cast<size_t>(M * H)), tmp(static_cast<size_t>(H));
@@ -85,19 +75,10 @@ ffi::Error NormBwd(ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> me
   TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
   TE_RETURN_IF_ERROR(CheckHighPrecision(dy, "dy"));
   TE_RETURN_IF_ERROR(CheckHighPrecision(*dx, "dx"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
+  MatrixBatch mb;
   NormAttrs na;
-  TE_RETURN_IF_ERROR(ParseNormAttrs(attrs, false, &na));
+  TE_RETURN_IF_ERROR(CheckNormBwd(dy, x, mean, rsigma, gamma, *dx, *dgamma, *dbeta, attrs, &mb, &na));
   const int64_t B = mb.batch, M = mb.rows, H = mb.cols;
-  TE_RETURN_IF_ERROR(CheckCount(dy, B * M * H, "dy"));
-  TE_RETURN_IF_ERROR(CheckCount(*dx, B * M * H, "dx"));
-  TE_RETURN_IF_ERROR(CheckCount(mean, na.rms ? 0 : B * M, "mean"));
-  TE_RETURN_IF_ERROR(CheckCount(rsigma, B * M, "rsigma"));
-  TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
-  TE_RETURN_IF_ERROR(CheckCount(*dgamma, B * H, "dgamma"));
-  TE_RETURN_IF_ERROR(CheckCount(*dbeta, na.rms ? 0 : B * H, "dbeta"));
   const std::vector<float> xf = ToFloat(x), dyf = ToFloat(dy);
   std::vector<float> dxf(xf.size()), g(static_cast<size_t>(H)), gx(static_cast<size_t>(H));
   std::vector<double> dg(static_cast<size_t>(H)), db(static_cast<size_t>(H));

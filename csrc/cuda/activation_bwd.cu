@@ -5,6 +5,7 @@
 // kernel adds them up in order (deterministic, no atomics).
 #include "norm_act_cast.cuh"
 #include "../common/bindings.h"
+#include "../common/norm_act_checks.h"
 
 namespace te_jax {
 namespace cuda {
@@ -73,30 +74,22 @@ ffi::Error ActBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi:
                   ffi::Dictionary attrs) {
   TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
   if (dy.element_type() != x.element_type()) return InvalidArgument("dy and x must have the same dtype");
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  ActKind act = ActKind::kGelu;
-  TE_RETURN_IF_ERROR(ParseAct(attrs, &act));
-  CastSpec sp;
-  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
-  auto want_dbias = attrs.get<bool>("dbias");
-  if (want_dbias.has_error()) return want_dbias.error();
-  int64_t F = 0;
-  TE_RETURN_IF_ERROR(OutCols(act, mb.cols, &F));
-  TE_RETURN_IF_ERROR(CheckCastResults(sp, mb, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
+  ActArgs args;
+  TE_RETURN_IF_ERROR(CheckActBwd(x, scale, key, {*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out}, *dbias, attrs,
+                                 &args));
+  const MatrixBatch mb = args.mb;
+  const ActKind act = args.act;
+  const CastSpec& sp = args.sp;
+  const int64_t F = args.out_cols;
   const int64_t B = mb.batch, M = mb.rows, N = mb.cols;
   TE_RETURN_IF_ERROR(CheckCount(dy, B * M * F, "dy"));
-  TE_RETURN_IF_ERROR(CheckCount(*dbias, want_dbias.value() ? B * N : 0, "dbias"));
-  TE_RETURN_IF_ERROR(CheckCount(scale, B, "scale"));
-  TE_RETURN_IF_ERROR(CheckCount(key, 2 * B, "key"));
-  const int64_t ws_need = want_dbias.value() ? B * CeilDiv(M, fused::kDbiasRows) * N : 0;
+  const int64_t ws_need = args.dbias ? B * CeilDiv(M, fused::kDbiasRows) * N : 0;
   if (static_cast<int64_t>(workspace->element_count()) < ws_need) {
     return InvalidArgument("workspace: need " + std::to_string(ws_need) + " float32 elements for the dbias partials");
   }
   if (B == 0) return ffi::Error::Success();
   const CastBuffers bufs = fused::BuffersOf(*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out);
-  float* ws = want_dbias.value() ? workspace->typed_data() : nullptr;
+  float* ws = args.dbias ? workspace->typed_data() : nullptr;
   TE_RETURN_IF_ERROR(DispatchInput(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     ActBwdProducer<T> p{static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(x.untyped_data()),

@@ -5,6 +5,7 @@
 // nvfp4 first run an amax pass (reads x, writes only the amax).
 #include "norm_act_cast.cuh"
 #include "../common/bindings.h"
+#include "../common/norm_act_checks.h"
 
 namespace te_jax {
 namespace cuda {
@@ -56,20 +57,12 @@ ffi::Error ActFwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> s
                   ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> s, ffi::Result<ffi::AnyBuffer> q_t,
                   ffi::Result<ffi::AnyBuffer> s_t, ffi::Result<ffi::AnyBuffer> amax,
                   ffi::Result<ffi::AnyBuffer> amax_t, ffi::Result<ffi::AnyBuffer> scale_out, ffi::Dictionary attrs) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch in = mb_or.value();
-  ActKind act = ActKind::kGelu;
-  TE_RETURN_IF_ERROR(ParseAct(attrs, &act));
-  CastSpec sp;
-  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
-  int64_t F = 0;
-  TE_RETURN_IF_ERROR(OutCols(act, in.cols, &F));
-  const MatrixBatch out{in.batch, in.rows, F};
-  TE_RETURN_IF_ERROR(CheckCastResults(sp, out, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
-  TE_RETURN_IF_ERROR(CheckCount(scale, in.batch, "scale"));
-  TE_RETURN_IF_ERROR(CheckCount(key, 2 * in.batch, "key"));
+  ActArgs args;
+  TE_RETURN_IF_ERROR(CheckActFwd(x, scale, key, {*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out}, attrs, &args));
+  const MatrixBatch in = args.mb;
+  const ActKind act = args.act;
+  const CastSpec& sp = args.sp;
+  const int64_t F = args.out_cols;
   if (in.batch == 0) return ffi::Error::Success();
   const CastBuffers bufs = fused::BuffersOf(*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out);
   return DispatchInput(x.element_type(), [&](auto tag) {

@@ -15,6 +15,7 @@
 
 #include "norm_act_cast.cuh"
 #include "../common/bindings.h"
+#include "../common/norm_act_checks.h"
 
 namespace te_jax {
 namespace cuda {
@@ -321,19 +322,10 @@ ffi::Error NormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi
   if (dy.element_type() != x.element_type() || dx->element_type() != x.element_type()) {
     return InvalidArgument("dy, x and dx must have the same dtype");
   }
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
+  MatrixBatch mb;
   NormAttrs na;
-  TE_RETURN_IF_ERROR(ParseNormAttrs(attrs, false, &na));
+  TE_RETURN_IF_ERROR(CheckNormBwd(dy, x, mean, rsigma, gamma, *dx, *dgamma, *dbeta, attrs, &mb, &na));
   const int64_t B = mb.batch, M = mb.rows, H = mb.cols;
-  TE_RETURN_IF_ERROR(CheckCount(dy, B * M * H, "dy"));
-  TE_RETURN_IF_ERROR(CheckCount(*dx, B * M * H, "dx"));
-  TE_RETURN_IF_ERROR(CheckCount(mean, na.rms ? 0 : B * M, "mean"));
-  TE_RETURN_IF_ERROR(CheckCount(rsigma, B * M, "rsigma"));
-  TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
-  TE_RETURN_IF_ERROR(CheckCount(*dgamma, B * H, "dgamma"));
-  TE_RETURN_IF_ERROR(CheckCount(*dbeta, na.rms ? 0 : B * H, "dbeta"));
   if (B * H == 0) return ffi::Error::Success();
   const int64_t ws = workspace->element_count();
   const int64_t groups = ws / (2 * B * H);

@@ -12,6 +12,7 @@
 // the transformed copy's amax. Other widths: a generic statistics kernel.
 #include "norm_act_cast.cuh"
 #include "../common/bindings.h"
+#include "../common/norm_act_checks.h"
 
 namespace te_jax {
 namespace cuda {
@@ -303,24 +304,13 @@ ffi::Error NormFwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> 
                    ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> amax_t,
                    ffi::Result<ffi::AnyBuffer> scale_out, ffi::Result<ffi::Buffer<ffi::F32>> mean,
                    ffi::Result<ffi::Buffer<ffi::F32>> rsigma, ffi::Dictionary attrs) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  NormAttrs na;
-  TE_RETURN_IF_ERROR(ParseNormAttrs(attrs, true, &na));
-  CastSpec sp;
-  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &sp));
-  TE_RETURN_IF_ERROR(CheckCastResults(sp, mb, *q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out));
-  const int64_t B = mb.batch, M = mb.rows, H = mb.cols;
-  TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
-  const bool has_beta = beta.element_count() != 0;
-  if (has_beta) TE_RETURN_IF_ERROR(CheckCount(beta, B * H, "beta"));
-  if (has_beta && na.rms) return InvalidArgument("rmsnorm takes no beta");
-  TE_RETURN_IF_ERROR(CheckCount(scale, B, "scale"));
-  TE_RETURN_IF_ERROR(CheckCount(key, 2 * B, "key"));
-  TE_RETURN_IF_ERROR(CheckCount(*mean, na.rms ? 0 : B * M, "mean"));
-  TE_RETURN_IF_ERROR(CheckCount(*rsigma, B * M, "rsigma"));
+  NormFwdArgs args;
+  TE_RETURN_IF_ERROR(CheckNormFwd(x, gamma, beta, scale, key, {*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out},
+                                  *mean, *rsigma, attrs, &args));
+  const NormAttrs& na = args.na;
+  const CastSpec& sp = args.sp;
+  const bool has_beta = args.has_beta;
+  const int64_t B = args.mb.batch, M = args.mb.rows, H = args.mb.cols;
   if (B * M == 0 || H == 0) return ffi::Error::Success();
   NormParams p{gamma.typed_data(), has_beta ? beta.typed_data() : nullptr, M, H, na.rms, na.zero_centered_gamma,
                na.epsilon};
