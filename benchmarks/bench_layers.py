@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import time
 import traceback
 import warnings
@@ -46,6 +45,7 @@ import te_jax.flax as tf
 from te_jax import recipe as R
 from te_jax.dense import DenseQuantizers
 from te_jax.ops.gemm import gemm
+from timing import time_call
 
 BF16 = jnp.bfloat16
 RECIPES = {
@@ -160,22 +160,6 @@ def gemm_only_step(section: str, t: int, h: int, n: int, recipe, key):
     return jax.jit(run), sets
 
 
-# ---- timing ----------------------------------------------------------------------------------
-
-
-def time_call(fn, input_sets, warmup: int, iters: int, trials: int) -> float:
-    """Median seconds per call over ``trials`` runs of ``iters`` back-to-back calls."""
-    for i in range(warmup):
-        jax.block_until_ready(fn(*input_sets[i % len(input_sets)]))
-    per_call = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        out = None
-        for i in range(iters):
-            out = fn(*input_sets[i % len(input_sets)])
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) / iters)
-    return statistics.median(per_call)
 
 
 def bench_section(section: str, t: int, h: int, n: int, args) -> list[dict]:
