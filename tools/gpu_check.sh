@@ -1,111 +1,150 @@
 #!/usr/bin/env bash
-# The GPU check: on a GPU machine without network, build te_jax with its CUDA
-# handlers, run the test suite on the GPU (kernels vs the CPU-evaluated
-# reference, bit for bit), run the benchmarks, and write under $OUT:
-#   build.log, tests.log, summary.json, summary.md (and multi_gpu.log with --multi-gpu)
-# Usage: OUT=/some/dir bash tools/gpu_check.sh [--skip-build] [--no-tests] [--no-bench]
-#        [--bench=quantize,gemm,inspect] [--multi-gpu] [pytest arguments: test files, -k ...]
-#        (default: all of tests/)
-# --multi-gpu (2 or more GPUs): the layer mesh checks of tests/mesh_multidevice.py (dp and tp over
-# two GPUs against one, NCCL collectives) and the data-parallel scaling of the 125m GPT (tokens/s on
-# one GPU at batch 32 against all GPUs at 32 per GPU), as JSON lines in multi_gpu.log.
-# --train=bf16,delayed,...: examples/gpt with each recipe (TRAIN_PRESET, default 125m; TRAIN_STEPS,
-# default the preset's), one run per GPU at a time; a JSON line per run in train.log (final train and
-# eval loss, tokens/s). "flax-fp8" is the same model through flax.linen's Fp8DotGeneral.
+# The GPU check: on a GPU machine without network, build te_jax with its CUDA handlers (or install
+# a wheel an earlier run built), then run its jobs on the machine's GPUs in parallel, within a
+# deadline (tools/gpu_jobs.py): the test suite (kernels vs the CPU-evaluated reference, bit for
+# bit), the benchmarks, the multi-GPU checks and training runs. Writes under $OUT:
+#   summary.md, summary.json   the tables (tests, benchmarks, training, multi-GPU, jobs)
+#   jobs.log                   one JSON line per job: GPUs, exit status, seconds (log tail on failure)
+#   logs.tgz                   build.log, every job's full output, train.log, multi_gpu.log
+#   te_jax-*.whl               the wheel built here (pass it back with --wheel= to skip the build)
+#
+# Usage: OUT=/some/dir bash tools/gpu_check.sh [--skip-build | --wheel=FILE] [--no-tests]
+#        [--no-bench | --bench=quantize,gemm,...] [--multi-gpu] [--train=RUN,...] [--deadline=S]
+#        [pytest arguments: test files, -k ...] (default: all of tests/)
+# Jobs start in this order: the tests, then --bench/--multi-gpu/--train in the order given (all the
+# benchmarks last when --bench is not given). Each takes one GPU except the multi-GPU ones.
+# --bench=NAME,...  benchmarks/bench_NAME.py; extra arguments from $BENCH_<NAME>_ARGS
+#                   (e.g. BENCH_LAYERS_ARGS="--sections mlp --trials 3").
+# --multi-gpu[=mesh,scaling]  (2 or more GPUs; default both) "mesh": the layer mesh checks of
+#                   tests/mesh_multidevice.py, dp and tp over two GPUs against one, NCCL collectives
+#                   (recipes from $MESH_RECIPES); "scaling": the data-parallel scaling of the 125m GPT
+#                   (tokens/s on one GPU at batch 32 against all of them at 32 per GPU).
+# --train=RUN,...   examples/gpt, one run per GPU at a time. RUN is RECIPE[@PRESET[:STEPS]]
+#                   (default preset $TRAIN_PRESET or 125m, steps $TRAIN_STEPS or the preset's);
+#                   "flax-fp8" is the same model through flax.linen's Fp8DotGeneral.
+# --deadline=S      every job ends within S seconds of the script's start (default 570).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-PY=python3
-skip_build=0; run_tests=1; run_bench=1; multi_gpu=0; benches=""; train=""; pytest_args=()
+LOGS=/tmp/gpu_check_logs
+rm -rf "$LOGS" && mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 ROOT OUT LOGS PY=python3
+script_start=$(date +%s)
+build=1; wheel=""; run_tests=1; run_bench=1; bench_given=0; deadline=570; jobs=(); pytest_args=()
+
+# ---- the jobs: each runs from /tmp, so Python imports the installed te_jax (with its compiled
+# modules), not the te_jax/ folder in the source tree.
+tests_job() {
+  cd "$ROOT/tests" && XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -p no:cacheprovider \
+    --junitxml="$OUT/junit.xml" --maxfail=30 -n 8 "$@"
+}
+bench_job() {
+  local var="BENCH_${1^^}_ARGS" args=()
+  eval "args=(${!var:-})"
+  cd /tmp && $PY "$ROOT/benchmarks/bench_$1.py" --out "$OUT/bench_$1.json" --md "$OUT/bench_$1.md" "${args[@]}"
+}
+train_job() {  # recipe preset [steps]
+  local json="/tmp/train_$GPU_JOB.json" steps=()
+  [ -n "${3:-}" ] && steps=(--steps "$3")
+  cd /tmp && $PY "$ROOT/examples/gpt/train.py" --preset "$2" --recipe "$1" "${steps[@]}" --no-progress \
+    --log-every 100 --json "$json" || return 1
+  $PY -c "import json, sys; r = json.load(open('$json'))[0]; print(json.dumps({k: r[k] for k in \
+('recipe', 'preset', 'steps', 'final_train_loss', 'final_eval_loss', 'tokens_per_s')} | {'gpu': sys.argv[1]}))" \
+    "$CUDA_VISIBLE_DEVICES" >> "$OUT/train.log"
+}
+mesh_job() {
+  cd "$ROOT/tests" && $PY mesh_multidevice.py --models mlp,stack --meshes dp2,tp2 \
+    --recipes "${MESH_RECIPES:-delayed,current,delayed_split,current_split}" | tee /dev/stderr | grep '^{' >> "$OUT/multi_gpu.log"
+}
+scaling_job() {  # the 125m GPT on the first GPU at batch 32, then on all of them at 32 per GPU
+  local n all=$CUDA_VISIBLE_DEVICES
+  n=$(tr ',' '\n' <<< "$all" | wc -l)
+  for run in "${all%%,*} 1" "$all $n"; do
+    set -- $run
+    (cd /tmp && CUDA_VISIBLE_DEVICES=$1 $PY "$ROOT/examples/gpt/train.py" --preset 125m --recipe delayed \
+      --steps 40 --batch $((32 * $2)) --mesh "dp=$2" --eval-every 1000 --eval-batches 1 --no-progress \
+      --log-every 20 --json /tmp/scale.json) || return 1
+    $PY -c "import json; r = json.load(open('/tmp/scale.json'))[0]; print(json.dumps({'scaling': 'dp=$2', \
+'gpus': $2, 'batch': $((32 * $2)), 'tokens_per_s': r['tokens_per_s'], 'final_train_loss': r['final_train_loss']}))" \
+      >> "$OUT/multi_gpu.log"
+  done
+}
+export -f tests_job bench_job train_job mesh_job scaling_job
+
+train_estimate() {  # rough seconds for a training run: compile and evaluation, then the steps
+  awk -v recipe="$1" -v preset="$2" -v steps="$3" 'BEGIN {
+    per_step = preset == "tiny" ? 0.05 : preset == "125m" ? 0.3 : 1.3
+    if (recipe ~ /^(mxfp8|nvfp4|flax-fp8)$/) per_step *= 1.5
+    printf "%d\n", 60 + steps * per_step }'
+}
+preset_steps() { $PY -c "import sys; sys.path.insert(0, '$ROOT'); from examples.gpt.presets import PRESETS; print(PRESETS['$1'].steps)"; }
+
+ordered=()
 for arg in "$@"; do
   case "$arg" in
-    --skip-build) skip_build=1 ;;
+    --skip-build) build=0 ;;
+    --wheel=*) wheel=${arg#--wheel=}; build=0 ;;
     --no-tests) run_tests=0 ;;
     --no-bench) run_bench=0 ;;
-    --bench=*) benches=${arg#--bench=} ;;
-    --multi-gpu) multi_gpu=1 ;;
-    --train=*) train=${arg#--train=} ;;
+    --deadline=*) deadline=${arg#--deadline=} ;;
+    --bench=*) bench_given=1; ordered+=("$arg") ;;
+    --multi-gpu|--multi-gpu=*|--train=*) ordered+=("$arg") ;;
     *) pytest_args+=("$arg") ;;
   esac
 done
 [ ${#pytest_args[@]} -eq 0 ] && pytest_args=(tests/)
-# Python runs outside the source tree so that it imports the installed te_jax
-# (with its compiled modules), not the te_jax/ folder beside it.
 pytest_args=("${pytest_args[@]/#tests\//}")
+[ $run_tests -eq 1 ] && jobs+=("tests|300|1|tests_job ${pytest_args[*]}")
+[ $run_bench -eq 1 ] && [ $bench_given -eq 0 ] && ordered+=("--bench=$(ls benchmarks/bench_*.py | sed 's|.*/bench_||; s|\.py$||' | paste -sd,)")
+for arg in "${ordered[@]}"; do
+  case "$arg" in
+    --bench=*)
+      [ $run_bench -eq 1 ] || continue
+      IFS=, read -ra names <<< "${arg#--bench=}"
+      for b in "${names[@]}"; do jobs+=("bench_$b|120|1|bench_job $b"); done ;;
+    --multi-gpu) jobs+=("mesh|200|2|mesh_job" "dp_scaling|150|2|scaling_job") ;;
+    --multi-gpu=*)
+      [[ ,${arg#--multi-gpu=}, == *,mesh,* ]] && jobs+=("mesh|200|2|mesh_job")
+      [[ ,${arg#--multi-gpu=}, == *,scaling,* ]] && jobs+=("dp_scaling|150|2|scaling_job") ;;
+    --train=*)
+      IFS=, read -ra runs <<< "${arg#--train=}"
+      for r in "${runs[@]}"; do
+        recipe=${r%%@*}; preset=${TRAIN_PRESET:-125m}; steps=${TRAIN_STEPS:-}
+        if [[ $r == *@* ]]; then spec=${r#*@}; preset=${spec%%:*}; [[ $spec == *:* ]] && steps=${spec#*:}; fi
+        est_steps=${steps:-$(preset_steps "$preset")}
+        jobs+=("train_${recipe}_${preset}|$(train_estimate "$recipe" "$preset" "$est_steps")|1|train_job $recipe $preset $steps")
+      done ;;
+  esac
+done
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv; \
-  $PY -c "import jax; print('jax', jax.__version__, jax.devices())"; } > "$OUT/tests.log" 2>&1
+{ nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv; \
+  $PY -c "import jax; print('jax', jax.__version__, jax.devices())"; } > "$LOGS/machine.log" 2>&1
 
-if [ $skip_build -eq 0 ]; then
+if [ $build -eq 1 ]; then
   start=$(date +%s)
-  if ! $PY -m pip install --no-build-isolation --no-deps -v . \
-      -C cmake.define.TE_JAX_CUDA=ON -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a > "$OUT/build.log" 2>&1; then
-    echo "gpu_check: BUILD FAILED"; tail -40 "$OUT/build.log"; exit 1
+  rm -rf /tmp/te_wheel
+  if ! $PY -m pip wheel --no-build-isolation --no-deps -v -w /tmp/te_wheel . \
+      -C cmake.define.TE_JAX_CUDA=ON -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90a > "$LOGS/build.log" 2>&1; then
+    echo "gpu_check: BUILD FAILED"; tail -40 "$LOGS/build.log"; exit 1
   fi
-  echo "gpu_check: built in $(( $(date +%s) - start )) s"
+  wheel=$(ls /tmp/te_wheel/te_jax-*.whl)
+  cp "$wheel" "$OUT/"
+  echo "gpu_check: built $(basename "$wheel") in $(( $(date +%s) - start )) s"
+fi
+if [ -n "$wheel" ]; then
+  $PY -m pip install --no-deps --force-reinstall "$wheel" >> "$LOGS/build.log" 2>&1 \
+    || { echo "gpu_check: installing $wheel failed"; tail -20 "$LOGS/build.log"; exit 1; }
 fi
 (cd /tmp && $PY -c "import te_jax, te_jax._ffi as f; assert f.CUDA_BUILT, 'CUDA handlers missing'; print('te_jax CUDA handlers:', f.TARGETS)") \
-  >> "$OUT/tests.log" 2>&1 || { echo "gpu_check: te_jax import failed"; tail -20 "$OUT/tests.log"; exit 1; }
+  >> "$LOGS/machine.log" 2>&1 || { echo "gpu_check: te_jax import failed"; tail -20 "$LOGS/machine.log"; exit 1; }
 
-if [ $run_tests -eq 1 ]; then
-  start=$(date +%s)
-  (cd "$ROOT/tests" && XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -p no:cacheprovider --junitxml="$OUT/junit.xml" --maxfail=30 -n 8 "${pytest_args[@]}") \
-    >> "$OUT/tests.log" 2>&1
-  echo "gpu_check: pytest exit $? in $(( $(date +%s) - start )) s"
-  tail -5 "$OUT/tests.log"
-fi
-
-if [ $run_bench -eq 1 ]; then
-  for bench in benchmarks/bench_*.py; do
-    name=$(basename "$bench" .py)
-    if [ -n "$benches" ] && [[ ",$benches," != *",${name#bench_},"* ]]; then continue; fi
-    start=$(date +%s)
-    (cd /tmp && $PY "$ROOT/$bench" --out "$OUT/$name.json" --md "$OUT/$name.md") >> "$OUT/tests.log" 2>&1 \
-      || echo "gpu_check: $name failed (see tests.log)"
-    echo "gpu_check: $name took $(( $(date +%s) - start )) s"
-  done
-fi
-if [ $multi_gpu -eq 1 ]; then
-  n=$(cd /tmp && $PY -c "import jax; print(jax.device_count())")
-  log="$OUT/multi_gpu.log"
-  echo "{\"gpus\": $n}" > "$log"
-  if [ "$n" -ge 2 ]; then
-    start=$(date +%s)
-    (cd "$ROOT/tests" && $PY mesh_multidevice.py --models mlp,stack --meshes dp2,tp2 \
-      --recipes delayed,current,delayed_split,current_split) \
-      2>/dev/null | grep '^{' >> "$log"
-    echo "gpu_check: mesh checks took $(( $(date +%s) - start )) s"
-    for run in "1 32 dp=1" "$n $((32 * n)) dp=$n"; do
-      set -- $run
-      (cd /tmp && CUDA_VISIBLE_DEVICES=$(seq -s, 0 $(($1 - 1))) $PY "$ROOT/examples/gpt/train.py" --preset 125m \
-        --recipe delayed --steps 40 --batch "$2" --mesh "$3" --eval-every 1000 --eval-batches 1 --no-progress \
-        --log-every 20 --json /tmp/scale.json > /tmp/scale.log 2>&1) || tail -20 /tmp/scale.log
-      $PY -c "import json; r = json.load(open('/tmp/scale.json'))[0]; print(json.dumps({'scaling': '$3', 'gpus': $1, \
-'batch': $2, 'tokens_per_s': r['tokens_per_s'], 'final_train_loss': r['final_train_loss']}))" >> "$log"
-    done
-    grep -h scaling "$log"
-  fi
-fi
-if [ -n "$train" ]; then
-  n=$(cd /tmp && $PY -c "import jax; print(jax.device_count())")
-  IFS=, read -ra recipes <<< "$train"
-  steps=()
-  [ -n "${TRAIN_STEPS:-}" ] && steps=(--steps "$TRAIN_STEPS")
-  i=0
-  for r in "${recipes[@]}"; do
-    (cd /tmp && CUDA_VISIBLE_DEVICES=$((i % n)) $PY "$ROOT/examples/gpt/train.py" --preset "${TRAIN_PRESET:-125m}" \
-       --recipe "$r" "${steps[@]}" --no-progress --log-every 100 --json "/tmp/train_$i.json" > "/tmp/train_$i.log" 2>&1 \
-     && $PY -c "import json; r = json.load(open('/tmp/train_$i.json'))[0]; print(json.dumps({k: r[k] for k in \
-('recipe', 'preset', 'steps', 'final_train_loss', 'final_eval_loss', 'tokens_per_s')}))" >> "$OUT/train.log" \
-     || { echo "gpu_check: training $r failed"; tail -5 "/tmp/train_$i.log"; }) &
-    i=$((i + 1))
-    [ $((i % n)) -eq 0 ] && wait
-  done
-  wait
-  cat "$OUT/train.log"
-fi
+printf '%s\n' "${jobs[@]}" > "$LOGS/jobs.txt"
+gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)
+$PY "$ROOT/tools/gpu_jobs.py" "$LOGS/jobs.txt" --gpus "$gpus" --log "$OUT/jobs.log" --logs "$LOGS" \
+  --deadline-s $(( deadline - ($(date +%s) - script_start) ))
 $PY "$ROOT/tools/gpu_summary.py" "$OUT"
+for f in train.log multi_gpu.log; do [ -f "$OUT/$f" ] && mv "$OUT/$f" "$LOGS/"; done
+tar -czf "$OUT/logs.tgz" -C "$LOGS" .
 rm -f "$OUT"/bench_*.json "$OUT"/bench_*.md "$OUT/junit.xml"
