@@ -395,7 +395,8 @@ BUILTIN = {
 
 
 def _gallery_dirs() -> list[Path]:
-    return [Path.cwd() / "recipes", Path(__file__).resolve().parents[1] / "recipes"]
+    here = Path(__file__).resolve().parent  # a source tree has recipes/ beside te_jax/; a wheel, te_jax/gallery/
+    return [Path.cwd() / "recipes", here.parent / "recipes", here / "gallery"]
 
 
 def load_recipe(path_or_name: str) -> Recipe:
@@ -406,7 +407,8 @@ def load_recipe(path_or_name: str) -> Recipe:
     * a path to a ``.py`` file that defines ``qfactory(role)``
       (``"recipes/current_scaling_ref.py"``): wrapped in CustomRecipe;
     * a gallery name (``"current_scaling_ref"``): ``recipes/NAME.py`` in the
-      working directory or in the repository te_jax was installed from;
+      working directory, in the repository te_jax was installed from, or in
+      the copy of that gallery a wheel carries (``te_jax/gallery``);
     * a built-in recipe, by class name or snake case (``"DelayedScaling"``,
       ``"delayed_scaling"``), with default fields;
     * an importable module name that defines ``qfactory``.

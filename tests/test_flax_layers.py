@@ -218,6 +218,21 @@ def test_transformer_layer_matches_reference(heads, groups):
     _close(m.apply(v, x), _ref_transformer(v["params"], x, heads, groups), 2e-5)
 
 
+def test_attention_picks_cudnn_only_on_gpus_where_it_fits(monkeypatch):
+    pick = tf.transformer.choose_attention_implementation
+    q = jnp.zeros((2, 16, 4, 64), jnp.bfloat16)
+    assert pick(q) == ("cudnn" if jax.default_backend() == "gpu" else "xla")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert pick(q) == "cudnn" and pick(q.astype(jnp.float16)) == "cudnn"
+    assert pick(q.astype(jnp.float32)) == "xla"  # cuDNN takes half precision only
+    assert pick(jnp.zeros((2, 16, 4, 12), jnp.bfloat16)) == "xla"  # head dim not a multiple of 8
+    assert pick(jnp.zeros((2, 16, 4, 192), jnp.bfloat16)) == "xla"
+    assert pick(jnp.zeros((2, 15, 4, 64), jnp.bfloat16), mask=jnp.ones((15, 15), bool)) == "xla"
+    assert pick(jnp.zeros((2, 15, 4, 64), jnp.bfloat16)) == "cudnn"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert pick(q) == "xla"
+
+
 # ---- every recipe on every layer ------------------------------------------------------------
 
 LAYERS = {

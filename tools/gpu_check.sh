@@ -17,7 +17,7 @@
 #                   (e.g. BENCH_LAYERS_ARGS="--sections mlp --trials 3").
 # --multi-gpu[=mesh,scaling]  (2 or more GPUs; default both) "mesh": the layer mesh checks of
 #                   tests/mesh_multidevice.py, dp and tp over two GPUs against one, NCCL collectives
-#                   (recipes from $MESH_RECIPES); "scaling": the data-parallel scaling of the 125m GPT
+#                   (models from $MESH_MODELS, recipes from $MESH_RECIPES); "scaling": the data-parallel scaling of the 125m GPT
 #                   (tokens/s on one GPU at batch 32 against all of them at 32 per GPU).
 # --train=RUN,...   examples/gpt, one run per GPU at a time. RUN is RECIPE[@PRESET[:STEPS]]
 #                   (default preset $TRAIN_PRESET or 125m, steps $TRAIN_STEPS or the preset's);
@@ -55,7 +55,7 @@ train_job() {  # recipe preset [steps]
     "$CUDA_VISIBLE_DEVICES" >> "$OUT/train.log"
 }
 mesh_job() {
-  cd "$ROOT/tests" && $PY mesh_multidevice.py --models mlp,stack --meshes dp2,tp2 \
+  cd "$ROOT/tests" && $PY mesh_multidevice.py --models "${MESH_MODELS:-mlp,stack}" --meshes dp2,tp2 \
     --recipes "${MESH_RECIPES:-delayed,current,delayed_split,current_split}" | tee /dev/stderr | grep '^{' >> "$OUT/multi_gpu.log"
 }
 scaling_job() {  # the 125m GPT on the first GPU at batch 32, then on all of them at 32 per GPU
@@ -75,7 +75,7 @@ export -f tests_job bench_job train_job mesh_job scaling_job
 
 train_estimate() {  # rough seconds for a training run: compile and evaluation, then the steps
   awk -v recipe="$1" -v preset="$2" -v steps="$3" 'BEGIN {
-    per_step = preset == "tiny" ? 0.05 : preset == "125m" ? 0.3 : 1.3
+    per_step = preset == "tiny" ? 0.05 : preset == "125m" ? 0.22 : 1.3
     if (recipe ~ /^(mxfp8|nvfp4|flax-fp8)$/) per_step *= 1.5
     printf "%d\n", 60 + steps * per_step }'
 }

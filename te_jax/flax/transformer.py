@@ -5,9 +5,11 @@
     x = x + dropout(out(attention(rope(q), rope(k), v)))    q, k, v = qkv(norm(x))   (LayerNormDenseGeneral)
     x = x + dropout(mlp(x))                                                          (LayerNormMLP, norm inside)
 
-Attention is ``jax.nn.dot_product_attention`` (cuDNN's fused attention on
-GPUs when it supports the shapes and dtype, XLA otherwise; it stays in high
-precision) with a causal mask and grouped-query heads. Module paths:
+Attention is ``jax.nn.dot_product_attention`` in high precision. Left to
+choose (``attention_implementation=None``), it runs cuDNN's fused (flash)
+attention on GPUs where cuDNN takes the shapes and dtype (see
+``attention_implementation``), XLA's otherwise; jax's own default is XLA
+everywhere, which keeps the [T, T] scores in memory with a causal mask and grouped-query heads. Module paths:
 ``<path>/attention/qkv``, ``<path>/attention/out``, ``<path>/mlp`` (GEMMs
 ``<path>/mlp/wi`` and ``<path>/mlp/wo``), so per-layer custom recipes can tell them apart.
 """
@@ -91,12 +93,24 @@ class SelfAttention(nn.Module):
         if ax:  # attention sees whole sequences, its heads split like the projections' (sequence parallel too)
             q, k, v = (nn.with_logical_constraint(t, ("batch", None, "heads", "kv")) for t in (q, k, v))
         o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal,
-                                         implementation=self.implementation)
+                                         implementation=self.implementation or choose_attention_implementation(q, mask))
         if ax:
             o = nn.with_logical_constraint(o, ("batch", None, "heads", "kv"))
         return LayerNormDenseGeneral(features=h, axis=(-2, -1), enable_layernorm=False, name="out",
                                      kernel_axes=("heads", "kv", "embed") if ax else (),
                                      bias_axes=("embed",) if ax else (), **common)(o)
+
+
+def choose_attention_implementation(q: jax.Array, mask: jax.Array | None = None) -> str:
+    """The attention kernel a TransformerLayer picks when left to choose.
+
+    "cudnn" when the default backend is a GPU, ``q`` ([B, T, N, D]) is bf16 or
+    fp16, D is a multiple of 8 and at most 128, and any mask leaves T even
+    (what cuDNN's fused attention takes for training); "xla" otherwise.
+    """
+    d, t = q.shape[-1], q.shape[-3]
+    fits = q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128 and (mask is None or t % 2 == 0)
+    return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
 
 
 class TransformerLayer(nn.Module):
@@ -115,7 +129,8 @@ class TransformerLayer(nn.Module):
       hidden_dropout: dropout on the attention and MLP outputs (before the residual add).
       intermediate_dropout: dropout on the MLP's activation output.
       dropout_rng_name: the dropout RNG stream.
-      attention_implementation: ``jax.nn.dot_product_attention``'s implementation (None, "xla", "cudnn").
+      attention_implementation: ``jax.nn.dot_product_attention``'s implementation: "xla", "cudnn", or
+        None to choose (``choose_attention_implementation``: cuDNN's fused attention on GPUs where it fits).
       dtype, param_dtype, kernel_init, bias_init: for every sub-layer.
       logical_axes: give the parameters logical axis names ("embed", "heads", "qkv", "kv", "mlp", "act").
       dot_general_cls: flax's custom product for every projection (e.g. ``nn.Fp8DirectDotGeneralOp``:
