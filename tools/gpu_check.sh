@@ -11,8 +11,8 @@
 # Usage: OUT=/some/dir bash tools/gpu_check.sh [--skip-build | --wheel=FILE] [--no-tests]
 #        [--no-bench | --bench=quantize,gemm,...] [--multi-gpu] [--train=RUN,...] [--deadline=S]
 #        [pytest arguments: test files, -k ...] (default: all of tests/)
-# Jobs start in this order: the tests, then --bench/--multi-gpu/--train in the order given (all the
-# benchmarks last when --bench is not given). Each takes one GPU except the multi-GPU ones.
+# Jobs start in this order: the tests (or where --tests stands), then --bench/--multi-gpu/--train in
+# the order given (all the benchmarks last when --bench is not given). Each takes one GPU except the multi-GPU ones.
 # --bench=NAME,...  benchmarks/bench_NAME.py; extra arguments from $BENCH_<NAME>_ARGS
 #                   (e.g. BENCH_LAYERS_ARGS="--sections mlp --trials 3").
 # --multi-gpu[=mesh,scaling]  (2 or more GPUs; default both) "mesh": the layer mesh checks of
@@ -21,7 +21,8 @@
 #                   (tokens/s on one GPU at batch 32 against all of them at 32 per GPU).
 # --train=RUN,...   examples/gpt, one run per GPU at a time. RUN is RECIPE[@PRESET[:STEPS]]
 #                   (default preset $TRAIN_PRESET or 125m, steps $TRAIN_STEPS or the preset's);
-#                   "flax-fp8" is the same model through flax.linen's Fp8DotGeneral.
+#                   "flax-fp8" is the same model through flax.linen's Fp8DotGeneral; RECIPE+inspect
+#                   adds --inspect (statistics at each evaluation step).
 # --deadline=S      every job ends within S seconds of the script's start (default 570).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,14 +46,15 @@ bench_job() {
   eval "args=(${!var:-})"
   cd /tmp && $PY "$ROOT/benchmarks/bench_$1.py" --out "$OUT/bench_$1.json" --md "$OUT/bench_$1.md" "${args[@]}"
 }
-train_job() {  # recipe preset [steps]
-  local json="/tmp/train_$GPU_JOB.json" steps=()
-  [ -n "${3:-}" ] && steps=(--steps "$3")
-  cd /tmp && $PY "$ROOT/examples/gpt/train.py" --preset "$2" --recipe "$1" "${steps[@]}" --no-progress \
+train_job() {  # recipe[+inspect] preset [steps]
+  local json="/tmp/train_$GPU_JOB.json" extra=() recipe=${1%+inspect}
+  [ -n "${3:-}" ] && extra=(--steps "$3")
+  [[ $1 == *+inspect ]] && extra+=(--inspect "/tmp/inspect_$GPU_JOB")
+  cd /tmp && $PY "$ROOT/examples/gpt/train.py" --preset "$2" --recipe "$recipe" "${extra[@]}" --no-progress \
     --log-every 100 --json "$json" || return 1
   $PY -c "import json, sys; r = json.load(open('$json'))[0]; print(json.dumps({k: r[k] for k in \
-('recipe', 'preset', 'steps', 'final_train_loss', 'final_eval_loss', 'tokens_per_s')} | {'gpu': sys.argv[1]}))" \
-    "$CUDA_VISIBLE_DEVICES" >> "$OUT/train.log"
+('recipe', 'preset', 'steps', 'final_train_loss', 'final_eval_loss', 'tokens_per_s')} | {'run': sys.argv[2], \
+'gpu': sys.argv[1]}))" "$CUDA_VISIBLE_DEVICES" "$1" >> "$OUT/train.log"
 }
 mesh_job() {
   cd "$ROOT/tests" && $PY mesh_multidevice.py --models "${MESH_MODELS:-mlp,stack}" --meshes dp2,tp2 \
@@ -75,7 +77,7 @@ export -f tests_job bench_job train_job mesh_job scaling_job
 
 train_estimate() {  # rough seconds for a training run: compile and evaluation, then the steps
   awk -v recipe="$1" -v preset="$2" -v steps="$3" 'BEGIN {
-    per_step = preset == "tiny" ? 0.05 : preset == "125m" ? 0.22 : 1.3
+    per_step = preset == "tiny" ? 0.05 : preset == "125m" ? 0.16 : 1.3
     if (recipe ~ /^(mxfp8|nvfp4|flax-fp8)$/) per_step *= 1.5
     printf "%d\n", 60 + steps * per_step }'
 }
@@ -90,13 +92,14 @@ for arg in "$@"; do
     --no-bench) run_bench=0 ;;
     --deadline=*) deadline=${arg#--deadline=} ;;
     --bench=*) bench_given=1; ordered+=("$arg") ;;
-    --multi-gpu|--multi-gpu=*|--train=*) ordered+=("$arg") ;;
+    --multi-gpu|--multi-gpu=*|--train=*|--tests) ordered+=("$arg") ;;
     *) pytest_args+=("$arg") ;;
   esac
 done
 [ ${#pytest_args[@]} -eq 0 ] && pytest_args=(tests/)
 pytest_args=("${pytest_args[@]/#tests\//}")
-[ $run_tests -eq 1 ] && jobs+=("tests|300|1|tests_job ${pytest_args[*]}")
+tests_line="tests|${TESTS_EST_S:-300}|1|tests_job ${pytest_args[*]}"
+[ $run_tests -eq 1 ] && [[ " ${ordered[*]} " != *" --tests "* ]] && jobs+=("$tests_line")
 [ $run_bench -eq 1 ] && [ $bench_given -eq 0 ] && ordered+=("--bench=$(ls benchmarks/bench_*.py | sed 's|.*/bench_||; s|\.py$||' | paste -sd,)")
 for arg in "${ordered[@]}"; do
   case "$arg" in
@@ -104,6 +107,7 @@ for arg in "${ordered[@]}"; do
       [ $run_bench -eq 1 ] || continue
       IFS=, read -ra names <<< "${arg#--bench=}"
       for b in "${names[@]}"; do jobs+=("bench_$b|120|1|bench_job $b"); done ;;
+    --tests) [ $run_tests -eq 1 ] && jobs+=("$tests_line") ;;
     --multi-gpu) jobs+=("mesh|200|2|mesh_job" "dp_scaling|150|2|scaling_job") ;;
     --multi-gpu=*)
       [[ ,${arg#--multi-gpu=}, == *,mesh,* ]] && jobs+=("mesh|200|2|mesh_job")
@@ -114,7 +118,7 @@ for arg in "${ordered[@]}"; do
         recipe=${r%%@*}; preset=${TRAIN_PRESET:-125m}; steps=${TRAIN_STEPS:-}
         if [[ $r == *@* ]]; then spec=${r#*@}; preset=${spec%%:*}; [[ $spec == *:* ]] && steps=${spec#*:}; fi
         est_steps=${steps:-$(preset_steps "$preset")}
-        jobs+=("train_${recipe}_${preset}|$(train_estimate "$recipe" "$preset" "$est_steps")|1|train_job $recipe $preset $steps")
+        jobs+=("train_${recipe/+/_}_${preset}|$(train_estimate "$recipe" "$preset" "$est_steps")|1|train_job $recipe $preset $steps")
       done ;;
   esac
 done

@@ -68,7 +68,7 @@ def main(out: pathlib.Path) -> None:
     if summary["training"]:
         md += ["", "## training", ""] + table(
             summary["training"],
-            ["recipe", "preset", "steps", "final_train_loss", "final_eval_loss", "tokens_per_s", "gpu"])
+            ["recipe", "run", "preset", "steps", "final_train_loss", "final_eval_loss", "tokens_per_s", "gpu"])
     if summary["multi_gpu"]:
         md += ["", "## multi-GPU", ""] + [json.dumps(row) for row in summary["multi_gpu"]]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
