@@ -36,6 +36,10 @@ import te_jax.flax as tf
 from te_jax import recipe as R
 from te_jax.sharding import logical_axis_rules
 
+# The models are float32; on GPUs jax's default lets XLA multiply float32 matrices (the attention's) in
+# TF32, and then a mesh's different shapes give different roundings that no FP8 question is about.
+jax.config.update("jax_default_matmul_precision", "highest")
+
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 MESHES = {  # name -> (axis sizes, MeshResource)
     "dp8": ({"dp": 8}, te_jax.MeshResource(dp_resource="dp")),

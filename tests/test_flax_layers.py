@@ -43,6 +43,14 @@ def _randomize(tree, seed=5, scale=0.2):
     return treedef.unflatten([v + scale * jax.random.normal(k, v.shape, v.dtype) for k, v in zip(keys, leaves)])
 
 
+@pytest.fixture(autouse=True)
+def _float32_products():
+    """float32 products in float32: on GPUs jax's default lets XLA multiply float32 matrices in TF32 (10-bit
+    mantissas), and the parity checks here compare float32 layers with float32 references."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _close(a, b, tol):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert a.shape == b.shape

@@ -284,6 +284,9 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
     bar = report.Progress(range(start, cfg.steps), enabled=cfg.progress, desc=f"{label:>8}", total=cfg.steps,
                           initial=start)
     hist = {"step": [], "loss": [], "eval_step": [], "eval_loss": []}
+    if inspect_step is not None:  # compiled now, so its first use at an evaluation step is not timed as training
+        example = jax.device_put(data_lib.train_batch(corpus, start, cfg.batch, cfg.seq_len, cfg.seed), batch_sharding)
+        inspect_step = inspect_step.lower(state, example).compile()
     pending, train_time, timed_steps, t0, timed_from = [], 0.0, 0, None, start
     for step in bar:
         tokens = jax.device_put(data_lib.train_batch(corpus, step, cfg.batch, cfg.seq_len, cfg.seed),
