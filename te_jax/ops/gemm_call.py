@@ -25,7 +25,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 import te_jax._ffi  # noqa: F401  (registers the FFI targets)
-from te_jax.ops.partition import AxisClaims, mesh_axes
+from te_jax.ops.partition import AxisClaims, device_local, mesh_axes
 
 CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
 _SCALARS = {"a_t": "a_tm", "b_t": "b_tm"}  # per-tensor value -> one value per matrix of the leading axes
@@ -192,7 +192,7 @@ def _plan(lay: Layout, mesh, arg_shapes, wanted=None):
 def _partition(lay: Layout, mesh, arg_shapes, result_shape):
     arg_shardings, out_sharding, k_axes, scatter_m, scatter_n = _plan(lay, mesh, arg_shapes, result_shape.sharding)
     if not k_axes:
-        return mesh, functools.partial(_ffi_call, lay), out_sharding, arg_shardings
+        return mesh, device_local(functools.partial(_ffi_call, lay)), out_sharding, arg_shardings
     partial_lay = dataclasses.replace(lay, out_dtype=jnp.dtype(jnp.float32), has_bias=False)
     summed = tuple(x for x in k_axes if x not in scatter_m + scatter_n)
 
@@ -211,7 +211,7 @@ def _partition(lay: Layout, mesh, arg_shapes, result_shape):
             out = out + args[-1].astype(jnp.float32)
         return out.astype(lay.out_dtype)
 
-    return mesh, partial_products, out_sharding, arg_shardings
+    return mesh, device_local(partial_products), out_sharding, arg_shardings
 
 
 _partitioned.def_partition(

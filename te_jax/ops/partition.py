@@ -142,6 +142,40 @@ def all_reduce(x: jax.Array, kind: str, axes: tuple[str, ...]) -> jax.Array:
     return lax.psum(x.astype(jnp.float32), axes)
 
 
+# Not public in old releases (jax 0.6): there the body is traced as it always was.
+_use_abstract_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
+
+
+def device_local(body: Callable[..., Any]) -> Callable[..., Any]:
+    """``body`` as a ``custom_partitioning`` lowering function: traced with no mesh in context.
+
+    XLA calls the partition rule while compiling; jax 0.11 does so with the
+    caller's mesh (``jax.set_mesh``) still in context, and the body traced
+    there types its values as sharded over it. With Explicit axes every op,
+    the all-reduces' reducers included, is then lowered with a Shardy
+    ``Sharding`` custom call, which nothing removes from a module that is
+    already partitioned: XLA rejects the reducer ("Unsupported reduction
+    computation") or the call itself. The body works on one device's blocks
+    and names mesh axes only in its collectives, so it is traced as jax 0.10
+    traced it, with no mesh: the same ops, hence the same bits.
+
+    Args:
+      body: the per-device function a partition rule returns.
+
+    Returns:
+      ``body``, run under an empty abstract mesh.
+    """
+    if _use_abstract_mesh is None:  # pragma: no cover
+        return body
+
+    @functools.wraps(body)
+    def run(*args: jax.Array) -> Any:
+        with _use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+            return body(*args)
+
+    return run
+
+
 def fold_shard_index(words: jax.Array, shards: Shards) -> jax.Array:
     """PRNG key words ``[..., 2]`` made distinct per block (unchanged with one block).
 
@@ -306,7 +340,7 @@ def _unsharded(op: MatrixOp, *args) -> tuple:
 
 def _partition(op: MatrixOp, mesh, arg_shapes, result_shape):
     shards, arg_shardings, result_shardings = _plan(op, mesh, arg_shapes)
-    return mesh, functools.partial(_run, op, shards), result_shardings, arg_shardings
+    return mesh, device_local(functools.partial(_run, op, shards)), result_shardings, arg_shardings
 
 
 def _sharding_rule(op: MatrixOp, mesh, value_types, result_types):
@@ -398,4 +432,4 @@ def call(op: MatrixOp, *args) -> tuple:
     return run(*args)
 
 
-__all__ = ["MatrixOp", "Shards", "all_reduce", "call", "ffi", "fold_shard_index", "per_matrix"]
+__all__ = ["MatrixOp", "Shards", "all_reduce", "call", "device_local", "ffi", "fold_shard_index", "per_matrix"]

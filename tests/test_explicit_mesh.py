@@ -1,0 +1,127 @@
+"""The custom calls' sharding rules under a mesh with Explicit axes (``jax.set_mesh``).
+
+XLA runs the partition rules while compiling, and newer jax does that inside
+the caller's ``jax.set_mesh``: a rule's body traced there was typed as sharded
+over an Explicit mesh and lowered with Shardy ``Sharding`` custom calls that
+XLA rejects (the all-reduces' reducers first). Each case jits an op on
+operands sharded over an Explicit ``(x: 2, y: 4)`` mesh and must give the
+unsharded op's result with the expected number of all-reduces: the amax pmax
+(bits equal), the float32 psums of dgamma / dbeta, dbias and a split
+contraction (float32 summation order: 1e-6), and a GEMM without collectives.
+
+The checks need 8 devices, so they run in a subprocess (this file run as a
+script) whose XLA_FLAGS asks for 8 fake CPU devices; the child prints one JSON
+line per case.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+CASES = {  # name: all-reduces in the compiled HLO, whether the results must be bit-identical
+    "quantize_fp8_current/rows": (1, True),
+    "quantize_fp8_current/nan": (1, True),
+    "norm_bwd/rows": (1, False),
+    "act_bwd_dbias/grid": (1, False),
+    "gemm/rows": (0, True),
+    "gemm/contraction": (1, False),
+}
+
+
+def _child() -> None:
+    import re
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    from te_jax.ops import activation as A
+    from te_jax.ops import gemm as G
+    from te_jax.ops import norm as N
+    from te_jax.ops import quantize as Q
+    from te_jax.ops.fused_cast import CastSpec
+    from te_jax.quantize import reference as ref
+
+    assert jax.device_count() == 8, jax.devices()
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+
+    def bits(a) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(a)).view(np.uint8)
+
+    def rel_err(got, want) -> float:
+        """The largest difference relative to the largest magnitude, over the non-NaN entries."""
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        if got.shape != want.shape:
+            return float("inf")
+        scale = max(float(np.nanmax(np.abs(want), initial=0.0)), 1e-30)
+        return float(np.nanmax(np.abs(got - want), initial=0.0)) / scale
+
+    def report(name: str, fn, args, specs) -> None:
+        want = jax.tree.leaves(jax.jit(fn)(*args))
+        sharded = [jax.device_put(a, NamedSharding(mesh, P(*s))) for a, s in zip(args, specs)]
+        with jax.set_mesh(mesh):
+            f = jax.jit(fn)
+            got = jax.tree.leaves(f(*sharded))
+            hlo = f.lower(*sharded).compile().as_text()
+        err = max(rel_err(g, w) for g, w in zip(got, want))
+        print(json.dumps(dict(
+            case=name,
+            all_reduce=len(re.findall(r"= [^\n=]*? all-reduce(?:-start)?\(", hlo)),
+            same_bits=all(g.shape == w.shape and np.array_equal(bits(g), bits(w)) for g, w in zip(got, want)),
+            shapes_match=all(g.shape == w.shape for g, w in zip(got, want)),
+            err=err,
+        )), flush=True)
+
+    rows, cols = 256, 512
+    x, dy = normal(rows, cols), normal(rows, cols)
+    current = lambda x: Q.quantize_fp8_current(x, rowwise=True, colwise=True)  # noqa: E731
+    report("quantize_fp8_current/rows", current, (x,), (("x", None),))
+    report("quantize_fp8_current/nan", current, (x.at[200, 3].set(jnp.nan),), (("x", None),))
+
+    gamma, beta = normal(cols) * 0.1 + 1, normal(cols) * 0.1
+    fwd = N.norm_fwd(x, gamma, beta)
+    report("norm_bwd/rows", lambda dy, x, m, r, g: N.norm_bwd(dy, x, m, r, g),
+           (dy, x, fwd.mean, fwd.rsigma, gamma), (("x", None), ("x", None), ("x",), ("x",), (None,)))
+
+    spec = CastSpec("fp8_block", jnp.float8_e4m3fn, True, True)
+    report("act_bwd_dbias/grid", lambda dy, x: A.act_bwd(dy, x, act="gelu", spec=spec, dbias=True),
+           (dy, x), (("x", "y"), ("x", "y")))
+
+    e4 = jnp.float8_e4m3fn
+    a, b = ref.quantize_mxfp8(x, qdtype=e4)[:2], ref.quantize_mxfp8(normal(cols, cols), qdtype=e4)[:2]
+    gemm = lambda qa, sa, qb, sb: G.gemm_mxfp8(qa, sa, qb, sb, out_dtype=jnp.float32)  # noqa: E731
+    report("gemm/rows", gemm, (*a, *b), (("x", None),) * 2 + ((None, None),) * 2)
+    report("gemm/contraction", gemm, (*a, *b), ((None, "y"),) * 4)
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return {r["case"]: r for r in map(json.loads, proc.stdout.splitlines())}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_explicit_mesh(results, name):
+    all_reduces, exact = CASES[name]
+    r = results[name]
+    assert r["shapes_match"]
+    assert r["all_reduce"] == all_reduces
+    if exact:
+        assert r["same_bits"], r
+    else:
+        assert r["err"] <= 1e-6, r
+
+
+if __name__ == "__main__":
+    _child()
