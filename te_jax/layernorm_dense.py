@@ -190,7 +190,10 @@ class GemmQuant:
         The ScaledTensor is named ``QUANTIZED`` before anything reads it (the
         state update too), so a remat policy that saves it never reruns ``fn``.
         When inspecting, ``reference()`` gives the high-precision (float32)
-        tensor ``fn`` quantized, which the statistics compare against.
+        tensor ``fn`` quantized, which the statistics compare against; callers
+        compute it with the pure-JAX reference (bit-identical to the fused
+        kernel) so XLA fuses it into the statistics' reductions instead of
+        writing and re-reading a float32 copy.
         """
         role, qz = _ROLE_OF[field], getattr(self.q, field)
         key = None if self.key is None else jax.random.fold_in(self.key, ROLES.index(role))
@@ -251,7 +254,7 @@ def norm_input(norm: NormSpec | None, g: GemmQuant, x, gamma, beta, dtype, train
 
     def reference():
         return norm_ops.norm(x, gamma, beta, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
-                             epsilon=norm.epsilon, out_dtype=jnp.float32)[0]
+                             epsilon=norm.epsilon, out_dtype=jnp.float32, backend="reference")[0]
 
     ln, mean, rsigma = g.run("input", fn, reference) if g.has("input") else fn(None, None, None)
     return ln, checkpoint_name((mean, rsigma), NORM_STATS)
