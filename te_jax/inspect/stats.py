@@ -112,12 +112,37 @@ def _copy(t: ScaledTensor, copy: str):
     return codes, decode
 
 
-def _block_amax(ax: jax.Array, t: ScaledTensor) -> jax.Array:
-    """``max |x|`` per block (block modes), shaped like the decode scales of one copy."""
-    b, (m, n) = _BLOCK[t.mode], ax.shape
+def _group_partials(xm: jax.Array, values: jax.Array, codes: jax.Array, fmt_max: float, group: int) -> tuple:
+    """Per group of ``group`` consecutive elements of a row: ``max |x|``, then the counts of nonzero,
+    underflowed and saturated elements (int32), ``sum (x - value)^2`` and ``sum x^2``.
+
+    One variadic reduction, so XLA reads ``x`` and the quantized copy once for every statistic (six
+    separate reductions could each re-read them).
+    """
+    m, n = xm.shape
+    xg, vg, cg = (a.reshape(m, n // group, group) for a in (xm, values, codes))
+    ax = jnp.abs(xg)
+    nonzero = xg != 0
+    beyond = ax > jnp.abs(vg) * jnp.float32(1 + SATURATION_MARGIN)
+    count = lambda b: b.astype(jnp.int32)  # noqa: E731  (exact where a float32 count would not be)
+    operands = (ax, count(nonzero), count(nonzero & (vg == 0)), count(nonzero & beyond & (jnp.abs(cg) == fmt_max)),
+                jnp.square(xg - vg), jnp.square(xg))
+    zero_f, zero_i = jnp.float32(0), jnp.int32(0)
+    inits = (zero_f, zero_i, zero_i, zero_i, zero_f, zero_f)
+
+    def combine(a, b):
+        return (lax.max(a[0], b[0]), *(u + v for u, v in zip(a[1:], b[1:])))
+
+    return lax.reduce(operands, inits, combine, (2,))
+
+
+def _block_amax(group_amax: jax.Array, t: ScaledTensor) -> jax.Array:
+    """``max |x|`` per block, shaped like one copy's decode scales, from the per-row-group maxima."""
     if t.block_2d:
-        return jnp.max(ax.reshape(m // b, b, n // b, b), axis=(1, 3))
-    return jnp.max(ax.reshape(m, n // b, b), axis=-1)
+        m, nb = group_amax.shape
+        b = _BLOCK[t.mode]
+        return jnp.max(group_amax.reshape(m // b, b, nb), axis=1)
+    return group_amax
 
 
 def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -162,14 +187,12 @@ def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise") -> Stats:
     else:
         values = t.dequantize(jnp.float32, backend="reference").reshape(t.matrix_shape)
     codes, decode = _copy(t, copy)
-    ax = jnp.abs(xm)
-    nonzero = xm != 0
-    n_nonzero = jnp.sum(nonzero).astype(jnp.float32)
-    underflow = jnp.sum(nonzero & (values == 0)).astype(jnp.float32)
-    beyond = ax > jnp.abs(values) * jnp.float32(1 + SATURATION_MARGIN)
-    saturated = jnp.sum(nonzero & beyond & (jnp.abs(codes) == format_max(t))).astype(jnp.float32)
-    err = jnp.sqrt(jnp.sum(jnp.square(xm - values)))
-    out = {"amax": jnp.max(ax), "underflow": _ratio(underflow, n_nonzero),
-           "saturation": _ratio(saturated, n_nonzero), "rel_error": _ratio(err, jnp.sqrt(jnp.sum(jnp.square(xm))))}
-    out.update(_scale_stats(decode, None if t.mode is ScalingMode.FP8_TENSOR else _block_amax(ax, t)))
+    per_tensor = t.mode is ScalingMode.FP8_TENSOR
+    group = xm.shape[1] if per_tensor else _BLOCK[t.mode]  # per-tensor: one group per row
+    group_amax, *partials = _group_partials(xm, values, codes, format_max(t), group)
+    n_nonzero, underflow, saturated = (jnp.sum(p).astype(jnp.float32) for p in partials[:3])
+    err, norm = (jnp.sqrt(jnp.sum(p)) for p in partials[3:])
+    out = {"amax": jnp.max(group_amax), "underflow": _ratio(underflow, n_nonzero),
+           "saturation": _ratio(saturated, n_nonzero), "rel_error": _ratio(err, norm)}
+    out.update(_scale_stats(decode, None if per_tensor else _block_amax(group_amax, t)))
     return {n: out[n].astype(jnp.float32) for n in STAT_NAMES}
