@@ -1,6 +1,10 @@
-"""Helpers shared by the quantization tests: awkward inputs and bit-level comparison."""
+"""Helpers shared by the tests: awkward inputs, bit-level comparison, scripts on fake CPU devices."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,18 +20,31 @@ def on_cpu(fn, *args, **kwargs):
         return jax.jit(lambda *a: fn(*a, **kwargs))(*args)
 
 
+def _bit_mismatch(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Where ``got`` and ``want`` (same shape and dtype) differ in bits; NaN matches NaN whatever its payload,
+    NaN against a number is a mismatch."""
+    if got.dtype.kind in "ui":
+        return got != want
+    nan_g, nan_w = np.isnan(got.astype(np.float32)), np.isnan(want.astype(np.float32))
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[got.dtype.itemsize]
+    return ((got.view(width) != want.view(width)) & ~(nan_g & nan_w)) | (nan_g != nan_w)
+
+
+def same_bits(got, want) -> bool:
+    """Equal shapes, dtypes and bits (so -0 != +0); NaN matches NaN whatever its payload."""
+    got, want = np.asarray(got), np.asarray(want)
+    return got.shape == want.shape and got.dtype == want.dtype and not _bit_mismatch(got, want).any()
+
+
 def assert_same_bits(got, want, what: str = "") -> None:
     """Equal shapes, dtypes and bits; NaN matches NaN whatever its payload."""
     got, want = np.asarray(got), np.asarray(want)
     assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    if got.dtype.kind == "u" or got.dtype.kind == "i":
-        bad = got != want
-    else:
+    if got.dtype.kind not in "ui":
         nan_g, nan_w = np.isnan(got.astype(np.float32)), np.isnan(want.astype(np.float32))
         assert np.array_equal(nan_g, nan_w), f"{what}: NaN positions differ ({nan_g.sum()} vs {nan_w.sum()})"
-        width = {1: np.uint8, 2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
-        bad = (got.view(width) != want.view(width)) & ~nan_g
+    bad = _bit_mismatch(got, want)
     if bad.any():
         idx = tuple(np.argwhere(bad)[0])
         raise AssertionError(
@@ -62,3 +79,15 @@ def with_specials(x: jax.Array, seed: int, block: int = 16) -> jax.Array:
     if v.shape[-1] >= block:
         v.reshape(-1, v.shape[-1])[0, :block] = 0.0  # an all-zero block in the first row
     return jnp.asarray(v).astype(x.dtype)
+
+
+def run_on_fake_devices(argv: list[str], *, devices: int = 8, xla_flags: str = "", timeout: int = 900,
+                        cwd=None) -> subprocess.CompletedProcess:
+    """``python argv...`` in a subprocess on ``devices`` fake CPU devices (the pytest process keeps one).
+
+    The child inherits the environment; its XLA_FLAGS are ours plus the device count and ``xla_flags``.
+    """
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices} {xla_flags}"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=cwd)

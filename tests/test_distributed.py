@@ -17,13 +17,11 @@ devices and prints one JSON line per case; these tests check them:
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from qtest_util import run_on_fake_devices
 
 HERE = Path(__file__).parent
 MESHES = ("dp8", "dp2xtp4", "fsdp4xtp2", "dp2xfsdp2xtp2_sp")
@@ -73,11 +71,8 @@ FP8 = ("f8e4m3fn", "f8e5m2")
 
 
 def _run(args: list[str], dump: Path, devices: int = 8) -> list[dict]:
-    flags = (f"--xla_force_host_platform_device_count={devices} --xla_dump_to={dump} "
-             "--xla_dump_hlo_pass_re=spmd-partitioning")
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(HERE / "mesh_multidevice.py"), *args], capture_output=True,
-                          text=True, env=env, timeout=1200, cwd=HERE)
+    proc = run_on_fake_devices([HERE / "mesh_multidevice.py", *args], devices=devices, timeout=1200, cwd=HERE,
+                               xla_flags=f"--xla_dump_to={dump} --xla_dump_hlo_pass_re=spmd-partitioning")
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no output; stderr:\n{proc.stderr[-4000:]}"
     return lines

@@ -17,9 +17,6 @@ line per case.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -104,9 +101,9 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=900)
+    from qtest_util import run_on_fake_devices  # not at the top: the child this file also is needs no jax yet
+
+    proc = run_on_fake_devices([__file__])
     assert proc.returncode == 0, proc.stderr[-6000:]
     return {r["case"]: r for r in map(json.loads, proc.stdout.splitlines())}
 

@@ -9,10 +9,7 @@ the unsharded bits, the expected output shardings and collective counts.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +19,7 @@ import pytest
 from te_jax.ops import activation as A
 from te_jax.ops.fused_cast import CastSpec
 from te_jax.quantize import MXFP8Quantizer
+from qtest_util import run_on_fake_devices
 
 HELPER = pathlib.Path(__file__).with_name("op_sharding_multidevice.py")
 FAMILIES = ("quantize/", "dequantize/", "nvfp4_sr/", "norm_fwd/", "norm_bwd/", "act_fwd/", "act_bwd/", "misaligned/")
@@ -29,10 +27,7 @@ FAMILIES = ("quantize/", "dequantize/", "nvfp4_sr/", "norm_fwd/", "norm_bwd/", "
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(HELPER)], capture_output=True, text=True, env=env, timeout=1200,
-                          cwd=HELPER.parent)
+    proc = run_on_fake_devices([HELPER], timeout=1200, cwd=HELPER.parent)
     assert proc.returncode == 0, proc.stderr[-6000:]
     lines = proc.stdout.splitlines()
     assert lines and lines[-1] == "ALL OK", proc.stdout[-6000:]

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,19 +31,10 @@ from te_jax.train import TrainState, accumulate_gradients, value_and_grad
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fp8_models import MLP, Dense, mse  # noqa: E402
+from qtest_util import run_on_fake_devices, same_bits as _bits_equal  # noqa: E402  (GPUs write their own NaNs)
 
 F32 = np.float32
 E4M3_MAX, E5M2_MAX = F32(448), F32(57344)
-
-
-def _bits_equal(a, b) -> bool:
-    """Bit for bit (so -0 != +0), except that any NaN equals any NaN: GPUs write their own NaN payload."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    width = np.dtype(f"u{a.dtype.itemsize}")
-    nan_a, nan_b = np.isnan(a), np.isnan(b)
-    return np.array_equal(nan_a, nan_b) and np.array_equal(a.view(width)[~nan_a], b.view(width)[~nan_b])
 
 
 def _div(a, b) -> float:
@@ -457,7 +446,6 @@ def test_orbax_restore_continues_bit_identically(tmp_path):
 
 def test_eight_device_reduction():
     script = Path(__file__).parent / "fp8_multidevice.py"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    result = run_on_fake_devices([script], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ALL OK" in result.stdout
