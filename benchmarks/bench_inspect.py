@@ -1,13 +1,20 @@
 """The cost of te_jax.inspect: one GPT training step with inspection off and on (median of timed steps).
 
     python benchmarks/bench_inspect.py --preset 125m --recipes delayed,current,mxfp8
+    python benchmarks/bench_inspect.py --preset 125m --recipes bf16,delayed --bare --loop   # where time goes
     python benchmarks/bench_inspect.py --preset tiny --batch 8 --seq-len 64      # CPU smoke run
 
-Each recipe's step (examples/gpt's, AdamW, fp8 state) is compiled twice, under
-``te_jax.autocast(recipe=...)`` and ``te_jax.autocast(recipe=..., inspect=True)``;
+Each recipe's steps are the training example's own (``examples.gpt.train.build_run``:
+AdamW, fp8 state, jitted with the state's shardings over a one-device mesh),
+compiled under ``te_jax.autocast(recipe=...)`` and with ``inspect=True``;
 after ``--warmup`` steps each, ``--iters`` steps are timed back to back
 (``--trials`` times, median per step). The target is at most +10% on an H200
-for the 125m preset.
+for the 125m preset. bf16 has no inspected step.
+
+``--bare`` also times the same step jitted without shardings or mesh (the
+example's sharding machinery should cost nothing on one device); ``--loop``
+times the example's training loop (a host-made batch per step, device_put,
+the step, a sync every 10 steps), to separate step time from loop overhead.
 """
 
 from __future__ import annotations
@@ -22,48 +29,69 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: an installed te_jax wins
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
+from examples.gpt import data as data_lib  # noqa: E402
 from examples.gpt import train as gpt  # noqa: E402
-from examples.gpt.model import GPT  # noqa: E402
 from examples.gpt.presets import PRESETS  # noqa: E402
-from te_jax.train import TrainState  # noqa: E402
+from te_jax import inspect as te_inspect  # noqa: E402
 
 
-def time_step(step, state, tokens, warmup: int, iters: int, trials: int) -> float:
-    """Median ms per step; ``step`` donates the state, so it is threaded through."""
-    for _ in range(warmup):
-        state, metrics = step(state, tokens)
+def time_step(step, state, batch_for, warmup: int, iters: int, trials: int, sync_every: int = 0) -> float:
+    """Median ms per step over ``trials`` runs of ``iters`` steps; ``step`` donates the state, so it is threaded.
+
+    ``batch_for(i)`` gives step i's tokens; ``sync_every`` > 0 waits for the metrics every that many steps.
+    """
+    for i in range(warmup):
+        state, metrics = step(state, batch_for(i))
     jax.block_until_ready(metrics)
     per_step = []
     for _ in range(trials):
         start = time.perf_counter()
-        for _ in range(iters):
-            state, metrics = step(state, tokens)
+        for i in range(iters):
+            state, metrics = step(state, batch_for(i))
+            if sync_every and (i + 1) % sync_every == 0:
+                jax.device_get(metrics)
         jax.block_until_ready(metrics)
         per_step.append(1e3 * (time.perf_counter() - start) / iters)
     return statistics.median(per_step)
 
 
-def bench(recipe_name: str, args) -> dict:
+def bench(recipe_name: str, args, corpus) -> dict:
     cfg = gpt.RunConfig(preset=args.preset, recipe=recipe_name, batch=args.batch, seq_len=args.seq_len,
                         inspect="-").resolved()
-    recipe = gpt.make_recipe(recipe_name)
-    model = GPT(cfg.model_config())
-    init_key, quant_key = jax.random.split(jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (cfg.batch, cfg.seq_len + 1), 0, 256, jnp.int32)
-    with gpt.autocast_for(recipe, None, inspect=recipe is not None):
-        variables = jax.jit(model.init)({"params": init_key, "quantize": quant_key}, tokens[:, :-1])
-    out = {"recipe": recipe_name}
-    for inspect in (False, True):
-        params = jax.tree.map(jnp.copy, dict(variables))  # the step donates its state
-        state = TrainState.create(apply_fn=model.apply, params=params, tx=gpt.make_optimizer(cfg))
-        state = state.replace(step=jnp.asarray(0, jnp.int32))
-        step = jax.jit(gpt.make_train_step(model, recipe, None, quant_key, inspect=inspect), donate_argnums=0)
-        out["inspect_ms" if inspect else "plain_ms"] = time_step(step, state, tokens, args.warmup, args.iters,
-                                                                 args.trials)
-    out["overhead"] = out["inspect_ms"] / out["plain_ms"] - 1
+    run = gpt.build_run(cfg)
+    host = jax.device_get(run.state)
+    fresh = lambda: jax.device_put(host, run.shardings)  # noqa: E731  (each timing gets its own copy: donated)
+    tokens = jax.device_put(data_lib.train_batch(corpus, 0, cfg.batch, cfg.seq_len, cfg.seed), run.batch_sharding)
+    same = lambda i: tokens  # noqa: E731
+    timing = (args.warmup, args.iters, args.trials)
+    out = {"recipe": recipe_name, "plain_ms": time_step(run.train_step, fresh(), same, *timing)}
+    if run.inspect_step is not None:
+        for every in args.sample:
+            step = run.jit_step(te_inspect.Sample(every))
+            suffix = "" if every == 1 else f"_every{every}"
+            out["inspect_ms" + suffix] = ms = time_step(step, fresh(), same, *timing)
+            out["overhead" + suffix] = ms / out["plain_ms"] - 1
+    if args.bare:
+        step = jax.jit(gpt.make_train_step(run.model, run.recipe, None, jax.random.key(1)), donate_argnums=0)
+        out["bare_ms"] = time_step(step, jax.device_put(host), lambda i: jax.device_put(jax.device_get(tokens)),
+                                   *timing)
+    if args.loop:
+        def batch_for(i):
+            return jax.device_put(data_lib.train_batch(corpus, i, cfg.batch, cfg.seq_len, cfg.seed),
+                                  run.batch_sharding)
+
+        out["loop_ms"] = time_step(run.train_step, fresh(), batch_for, *timing, sync_every=10)
     return out
+
+
+def columns(samples: list[int]) -> list[tuple[str, str]]:
+    """(result key, table heading) of every timing, in table order."""
+    cols = [("plain_ms", "plain ms")]
+    for every in samples:
+        suffix, label = ("", "") if every == 1 else (f"_every{every}", f", every {every}th row")
+        cols += [("inspect_ms" + suffix, "inspected ms" + label), ("overhead" + suffix, "cost" + label)]
+    return cols + [("bare_ms", "bare jit ms"), ("loop_ms", "loop ms")]
 
 
 def main() -> None:
@@ -75,25 +103,33 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--sample", default="1", type=lambda s: [int(k) for k in s.split(",")],
+                   help="comma-separated row strides of te_jax.inspect.Sample to time (default 1: every row)")
+    p.add_argument("--bare", action="store_true", help="also time the step jitted without shardings or mesh")
+    p.add_argument("--loop", action="store_true", help="also time the example's training loop")
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--md", help="write a markdown table here")
     args = p.parse_args()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind} ({jax.default_backend()}), preset {args.preset}")
+    corpus = data_lib.load(None, 16 << 20)
     results = []
     for name in [r.strip() for r in args.recipes.split(",") if r.strip()]:
-        r = bench(name, args)
+        r = bench(name, args, corpus)
         results.append(r)
-        print(f"{name:>8}: {r['plain_ms']:9.2f} ms/step, with inspect {r['inspect_ms']:9.2f} ms/step "
-              f"({r['overhead']:+.1%})", flush=True)
+        print(f"{name:>8}: " + ", ".join(f"{label} {r[key]:+.1%}" if key.startswith("overhead") else
+                                         f"{label} {r[key]:.2f}" for key, label in columns(args.sample) if key in r),
+              flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.md:
-        rows = [f"| {r['recipe']} | {r['plain_ms']:.2f} | {r['inspect_ms']:.2f} | {r['overhead']:+.1%} |"
-                for r in results]
+        cols = [(k, label) for k, label in columns(args.sample) if any(k in r for r in results)]
+        cell = lambda r, k: ("-" if k not in r else f"{r[k]:+.1%}" if k.startswith("overhead")  # noqa: E731
+                             else f"{r[k]:.2f}")
+        rows = [f"| {r['recipe']} | " + " | ".join(cell(r, k) for k, _ in cols) + " |" for r in results]
         Path(args.md).write_text("\n".join([f"## Inspection cost ({args.preset} GPT training step, "
                                              f"{jax.devices()[0].device_kind})", "",
-                                             "| recipe | plain ms | inspected ms | cost |", "|---|---|---|---|",
-                                             *rows, ""]))
+                                             "| recipe | " + " | ".join(label for _, label in cols) + " |",
+                                             "|---" * (len(cols) + 1) + "|", *rows, ""]))
 
 
 if __name__ == "__main__":

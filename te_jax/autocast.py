@@ -20,6 +20,7 @@ import dataclasses
 import jax
 
 from te_jax import recipe as recipe_lib
+from te_jax.inspect.stats import Sample, as_sample
 from te_jax.sharding import MeshResource
 
 
@@ -31,20 +32,21 @@ class AutocastConfig:
       enabled: quantize te_jax layers.
       recipe: the recipe (None when disabled).
       mesh_resource: the mesh axes amaxes are reduced over, or None.
-      inspect: collect quantization statistics (``te_jax.inspect``); False when disabled.
+      inspect: the rows quantization statistics read (``te_jax.inspect.Sample``),
+        or None: no statistics (always None when disabled).
     """
 
     enabled: bool = False
     recipe: recipe_lib.Recipe | None = None
     mesh_resource: MeshResource | None = None
-    inspect: bool = False
+    inspect: Sample | None = None
 
 
 _current = jax.make_user_context(default_value=AutocastConfig())
 
 
 def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
-             mesh_resource: MeshResource | None = None, inspect: bool = False):
+             mesh_resource: MeshResource | None = None, inspect: bool | Sample = False):
     """Context manager: te_jax layers traced inside it quantize with ``recipe``.
 
     Args:
@@ -53,13 +55,16 @@ def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
       mesh_resource: ``te_jax.MeshResource`` naming the mesh axes that amaxes
         are reduced over inside shard_map; None reduces over every manual axis.
       inspect: also compute every quantized tensor's statistics and return
-        them through the "fp8_stats" collection (``te_jax.inspect``). Off, the
+        them through the "fp8_stats" collection (``te_jax.inspect``): True
+        reads every row, ``te_jax.inspect.Sample(every=k)`` every k-th row of
+        activations and gradients (the cost falls about k-fold). Off, the
         traced program is exactly the one without inspection.
     """
     if not isinstance(enabled, bool):
         raise ValueError(f"te_jax: autocast(enabled=...) must be True or False, got {enabled!r}")
-    if not isinstance(inspect, bool):
-        raise ValueError(f"te_jax: autocast(inspect=...) must be True or False, got {inspect!r}")
+    if not isinstance(inspect, (bool, Sample)):
+        raise ValueError(f"te_jax: autocast(inspect=...) must be True, False or a te_jax.inspect.Sample, "
+                         f"got {inspect!r}")
     if recipe is not None and not isinstance(recipe, recipe_lib.Recipe):
         raise ValueError(
             f"te_jax: autocast(recipe=...) must be a te_jax.recipe recipe (DelayedScaling, Float8CurrentScaling, "
@@ -69,7 +74,7 @@ def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
         raise ValueError(f"te_jax: autocast(mesh_resource=...) must be a te_jax.MeshResource, got {mesh_resource!r}")
     if enabled:
         config = AutocastConfig(True, recipe if recipe is not None else recipe_lib.DelayedScaling(), mesh_resource,
-                                inspect)
+                                as_sample(inspect))
     else:
         config = AutocastConfig(False, None, mesh_resource)
     return _current(config)
@@ -98,8 +103,13 @@ def current() -> AutocastConfig:
 
 def inspecting() -> bool:
     """Whether the innermost autocast quantizes and collects statistics."""
+    return inspect_sample() is not None
+
+
+def inspect_sample() -> Sample | None:
+    """The rows statistics read under the innermost autocast (None: not collecting statistics)."""
     config = current()
-    return config.enabled and config.inspect
+    return config.inspect if config.enabled else None
 
 
 def current_recipe() -> recipe_lib.Recipe | None:

@@ -55,7 +55,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.autocast import current as current_autocast
 from te_jax.autocast import with_plan_mesh
-from te_jax.inspect.stats import primary_copy, stats_cotangent, stats_input, stats_leaves, tensor_stats
+from te_jax.inspect.stats import Sample, as_sample, primary_copy, stats_cotangent, stats_input, stats_leaves, tensor_stats
 from te_jax.ops.gemm import gemm
 from te_jax.quantize.delayed import as_float32
 from te_jax.recipe import ROLES, Recipe, Role
@@ -151,7 +151,7 @@ def dense(
     key: jax.Array | None = None,
     mesh_resource: MeshResource | None = None,
     precision=None,
-    inspect: bool = False,
+    inspect: bool | Sample = False,
     stats: Mapping[str, Any] | None = None,
 ) -> tuple:
     """``lax.dot_general(x, kernel, contracting_dims) + bias`` with quantized GEMMs.
@@ -170,8 +170,9 @@ def dense(
         None takes the active autocast's (and without one, every manual axis).
       precision: ``lax.dot_general`` precision of the high-precision path.
       inspect: also compute the statistics of every quantized tensor
-        (``te_jax.inspect``); a static choice, off by default (then nothing
-        of it is traced).
+        (``te_jax.inspect``): True for every row, a ``te_jax.inspect.Sample``
+        for every k-th row of activations and gradients; a static choice,
+        off by default (then nothing of it is traced).
       stats: with ``inspect``, the statistics input ``{role: {stat: f32[]}}``
         (``te_jax.inspect.zeros(quantizers.quantized_roles())``, the default).
         Its value is never read: its gradient is the statistics of every role,
@@ -182,6 +183,7 @@ def dense(
       With ``inspect``, ``(y, new_state, forward statistics)``.
     """
     q = as_quantizers(quantizers)
+    inspect = as_sample(inspect)
     x_c = _axes(contracting_dims[0], x.ndim, "x")
     k_c = _axes(contracting_dims[1], kernel.ndim, "kernel")
     if len(x_c) != len(k_c) or any(x.shape[i] != kernel.shape[j] for i, j in zip(x_c, k_c)):
@@ -241,7 +243,7 @@ class _Plan:
     bias_dtype: Any  # None: no bias
     state_leaves: tuple  # ((role, leaf name, dtype, varying axes), ...) of the incoming state
     vary: tuple  # varying axes (shard_map) of x, kernel, bias
-    inspect: bool = False  # record statistics (te_jax.inspect)
+    inspect: Sample | None = None  # record statistics (te_jax.inspect), reading these rows
     stats_leaves: tuple = ()  # as state_leaves, of the statistics input
 
     @property
@@ -289,7 +291,7 @@ def _quantize(plan: _Plan, role: str, x, state, key, *, rowwise=True, colwise=Fa
     t = qz.quantize(x, state, rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis, key=_role_key(key, role))
     t = name_quantized(t)  # before the state update reads its amax, so remat can save rather than recompute it
     if stats is not None:
-        stats[role] = tensor_stats(x, t, primary_copy(role))
+        stats[role] = tensor_stats(x, t, primary_copy(role), plan.inspect)
     if state is None:
         return t, None, None
     if t.amax is None:

@@ -48,7 +48,7 @@ from jax.ad_checkpoint import checkpoint_name
 from te_jax.autocast import current as current_autocast
 from te_jax.autocast import with_plan_mesh
 from te_jax.dense import QUANTIZED, DenseQuantizers, as_quantizers, name_quantized
-from te_jax.inspect.stats import primary_copy, stats_cotangent, stats_input, stats_leaves, tensor_stats
+from te_jax.inspect.stats import Sample, as_sample, primary_copy, stats_cotangent, stats_input, stats_leaves, tensor_stats
 from te_jax.ops import norm as norm_ops
 from te_jax.ops.gemm import gemm
 from te_jax.quantize.delayed import as_float32
@@ -169,16 +169,18 @@ class GemmQuant:
       state: role -> state of the stateful roles (float32 or max-merging leaves).
       key: raw PRNG key or None; role r draws from ``fold_in(key, ROLES.index(r))``.
       mesh_resource: the axes amaxes are reduced over.
-      inspect: also record each quantized tensor's statistics in ``stats``
-        (``te_jax.inspect``); off, ``stats`` is None and nothing is computed.
+      inspect: None, or the rows (``te_jax.inspect.Sample``) each quantized
+        tensor's statistics read, recorded in ``stats``; None leaves ``stats``
+        None and computes nothing.
     """
 
     def __init__(self, q: DenseQuantizers, state: Mapping, key, mesh_resource: MeshResource | None,
-                 inspect: bool = False):
+                 inspect: Sample | None = None):
         self.q, self.key, self.mesh_resource = q, key, mesh_resource
         self.st = {r: as_float32(v) for r, v in state.items()}
         self.new: dict[str, Any] = {}
         self.grads: dict[str, Any] = {}
+        self.sample = inspect
         self.stats: dict[str, Any] | None = {} if inspect else None
 
     def has(self, field: str) -> bool:
@@ -200,7 +202,7 @@ class GemmQuant:
         out = fn(qz, self.st.get(role), key)
         out = (name_quantized(out[0]), *out[1:])
         if self.stats is not None:
-            self.stats[role] = tensor_stats(reference(), out[0], primary_copy(role))
+            self.stats[role] = tensor_stats(reference(), out[0], primary_copy(role), self.sample)
         if role in self.st:
             amax = out[0].amax
             if amax is None:
@@ -332,7 +334,7 @@ class _Plan:
     dtype: Any  # the kernel's dtype: the compute and output dtype
     x_dtype: Any
     bias_dtype: Any  # None: no bias
-    inspect: bool = False  # record statistics (te_jax.inspect)
+    inspect: Sample | None = None  # record statistics (te_jax.inspect), reading these rows
     stats_leaves: tuple = ()  # state_leaves of the statistics input
 
     @property
@@ -355,7 +357,7 @@ def layernorm_dense(
     key: jax.Array | None = None,
     mesh_resource: MeshResource | None = None,
     precision=None,
-    inspect: bool = False,
+    inspect: bool | Sample = False,
     stats: Mapping[str, Any] | None = None,
     dot_general=None,
 ) -> tuple:
@@ -381,6 +383,7 @@ def layernorm_dense(
     """
     where = "layernorm_dense"
     q = as_quantizers(quantizers)
+    inspect = as_sample(inspect)
     check_no_dot_general(where, dot_general, q.any)
     norm = as_norm(norm_type, zero_centered_gamma, epsilon, gamma, beta, where)
     check_high_precision(where, x=x, gamma=gamma, beta=beta, kernel=kernel, bias=bias)

@@ -47,7 +47,7 @@ from jax.ad_checkpoint import checkpoint_name
 from te_jax.autocast import current as current_autocast
 from te_jax.autocast import with_plan_mesh
 from te_jax.dense import DenseQuantizers, as_quantizers
-from te_jax.inspect.stats import stats_cotangent, stats_input, stats_leaves
+from te_jax.inspect.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves
 from te_jax.layernorm_dense import (PRE_ACTIVATION, GemmQuant, NormSpec, as_norm, check_blocks, check_high_precision,
                                     check_key, check_no_dot_general, check_state, keep, norm_backward, norm_input,
                                     normalize_hp,
@@ -129,7 +129,7 @@ class _Plan:
     x_dtype: Any
     b1_dtype: Any
     b2_dtype: Any
-    inspect: bool = False  # record statistics (te_jax.inspect)
+    inspect: Sample | None = None  # record statistics (te_jax.inspect), reading these rows
     stats_leaves: tuple = ()  # per GEMM, as ``leaves``, of the statistics input
 
     @property
@@ -156,7 +156,7 @@ def layernorm_mlp(
     key: jax.Array | None = None,
     mesh_resource: MeshResource | None = None,
     precision=None,
-    inspect: bool = False,
+    inspect: bool | Sample = False,
     stats: Mapping[str, Any] | None = None,
     dot_generals=None,
 ) -> tuple:
@@ -186,6 +186,7 @@ def layernorm_mlp(
       ``(y [..., H_out], new_state)``, and the forward statistics ``{"wi": ..., "wo": ...}`` third when ``inspect``.
     """
     where = "layernorm_mlp"
+    inspect = as_sample(inspect)
     q = _as_mlp_quantizers(quantizers)
     check_no_dot_general(where, dot_generals, q.any)
     norm = as_norm(norm_type, zero_centered_gamma, epsilon, gamma, beta, where)

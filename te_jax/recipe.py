@@ -399,7 +399,7 @@ def _gallery_dirs() -> list[Path]:
     return [Path.cwd() / "recipes", here.parent / "recipes", here / "gallery"]
 
 
-def load_recipe(path_or_name: str) -> Recipe:
+def load_recipe(path_or_name: str, *, num_layers: int | None = None) -> Recipe:
     """A recipe from a gallery file, a module, or a built-in name.
 
     Accepted, in this order:
@@ -412,14 +412,25 @@ def load_recipe(path_or_name: str) -> Recipe:
     * a built-in recipe, by class name or snake case (``"DelayedScaling"``,
       ``"delayed_scaling"``), with default fields;
     * an importable module name that defines ``qfactory``.
+
+    Args:
+      path_or_name: one of the above.
+      num_layers: the model's depth, for recipes that treat transformer
+        blocks by position: a module that defines ``make_qfactory(num_layers)``
+        gets its factory from it (``recipes/nvfp4_first_last_bf16.py``). Without
+        it such a module's own ``qfactory`` (its default depth) is used; other
+        recipes ignore it.
     """
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+                                   or num_layers < 1):
+        raise ValueError(f"te_jax: load_recipe(num_layers=...) must be a positive int, got {num_layers!r}")
     text = str(path_or_name)
     candidates = [Path(text)]
     if not text.endswith(".py") and "/" not in text:
         candidates += [d / f"{text}.py" for d in _gallery_dirs()]
     for path in candidates:
         if path.is_file():
-            return _from_file(path)
+            return _from_file(path, num_layers)
     by_name = {**BUILTIN, **{cls.__name__.lower(): cls for cls in BUILTIN.values()}}
     if text.lower() in by_name:
         return by_name[text.lower()]()
@@ -432,17 +443,20 @@ def load_recipe(path_or_name: str) -> Recipe:
             f"te_jax: no recipe named {text!r}: not a file, not recipes/{text}.py, not a built-in "
             f"({', '.join(BUILTIN)}), not an importable module"
         ) from None
-    return _wrap(module, text)
+    return _wrap(module, text, num_layers)
 
 
-def _from_file(path: Path) -> CustomRecipe:
+def _from_file(path: Path, num_layers: int | None) -> CustomRecipe:
     spec = importlib.util.spec_from_file_location(f"te_jax_recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return _wrap(module, str(path))
+    return _wrap(module, str(path), num_layers)
 
 
-def _wrap(module, where: str) -> CustomRecipe:
+def _wrap(module, where: str, num_layers: int | None) -> CustomRecipe:
+    make = getattr(module, "make_qfactory", None)
+    if num_layers is not None and callable(make):
+        return CustomRecipe(qfactory=make(num_layers))
     qfactory = getattr(module, "qfactory", None)
     if not callable(qfactory):
         raise ValueError(f"te_jax: recipe module {where!r} must define a function qfactory(role)")

@@ -54,7 +54,9 @@ MESHES = {  # name -> (axis sizes, MeshResource)
 RECIPES = {"delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling(),
            # on GPUs: forward GEMMs without Hopper's fast accumulation, whose rounding depends on how K is split
            "delayed_split": R.DelayedScaling(amax_history_len=4, fast_accumulation=False),
-           "current_split": R.Float8CurrentScaling(fast_accumulation=False)}
+           "current_split": R.Float8CurrentScaling(fast_accumulation=False),
+           # no quantization: how closely the high-precision program alone matches across meshes
+           "hp": None}
 B, T, H, F, HEADS = 8, 32, 64, 256, 4
 RESIDUAL = ("batch", "length", "hidden")
 
@@ -87,7 +89,7 @@ def step_fn(model, recipe, mesh_resource):
     def step(variables, x, c):
         def loss(v):
             inner = {k: val for k, val in v.items() if k != "x"}
-            with te_jax.autocast(recipe=recipe, mesh_resource=mesh_resource):
+            with te_jax.autocast(enabled=recipe is not None, recipe=recipe, mesh_resource=mesh_resource):
                 y = model.apply(inner, v["x"])
             return jnp.sum(y * c)
 
@@ -126,6 +128,31 @@ def partitioned_all_gathers(before: set[str]) -> list[str] | None:
     return all_gathers(max(new, key=lambda p: p.stat().st_mtime).read_text()) if new else None
 
 
+NOISE_FLOOR = False  # --noise-floor
+
+
+def noise_floor(step, variables, x, c, device, ref, trials: int = 3, eps: float = 2.0**-20) -> dict:
+    """The largest errors of the one-device step when every element of x moves by a relative ~``eps``.
+
+    An FP8 cast turns a tiny difference in a value that lies near a rounding boundary into a whole
+    quantization step downstream. The high-precision program on a mesh differs from one device by
+    a few 1e-7 relative (GEMMs summed in another order); this is what a difference of that size in
+    the input does to the one-device FP8 step, the yardstick for a mesh whose GEMM sums are not exact.
+    (A run on 2026-11-30 moved 1% of x's elements by one ulp: far too small to flip any rounding.)
+    """
+    worst: dict[str, float] = {}
+    jitted = jax.jit(step)
+    for t in range(trials):
+        noise = jax.random.normal(jax.random.key(100 + t), x.shape, x.dtype)
+        xp = x * (1 + eps * noise)
+        loss, grads = jitted(*jax.device_put((variables, xp, c), device))
+        errs = {"loss": rel_err(loss, ref[0]), "x": rel_err(grads["x"], ref[1]["x"]),
+                "params": max(rel_err(a, b) for a, b in zip(jax.tree.leaves(grads["params"]),
+                                                           jax.tree.leaves(ref[1]["params"])))}
+        worst = {k: max(worst.get(k, 0.0), v) for k, v in errs.items()}
+    return worst
+
+
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
@@ -152,13 +179,14 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices) -> dict
     batch = int(np.prod([axes[a] for a in ("dp", "fsdp") if a in axes])) if mesh_resource.sp_resource else B
     x = jax.random.normal(jax.random.fold_in(key, 1), (batch, T, H), jnp.float32)
     c = jax.random.normal(jax.random.fold_in(key, 2), (batch, T, H), jnp.float32)
-    with te_jax.autocast(recipe=recipe):
+    with te_jax.autocast(enabled=recipe is not None, recipe=recipe):
         boxed = model.init(jax.random.key(3), x)
     variables = nn.meta.unbox(boxed)
     step = step_fn(model, recipe, mesh_resource)
 
     one = jax.devices()[0] if devices[0].platform == "cpu" else devices[0]
     ref_loss, ref_grads = jax.jit(step)(*jax.device_put((variables, x, c), one))
+    floor = noise_floor(step, variables, x, c, one, (ref_loss, ref_grads)) if NOISE_FLOOR else None
 
     rules = logical_axis_rules(mesh_resource)
     with nn.logical_axis_rules(rules):
@@ -192,14 +220,21 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices) -> dict
         hlo = jitted.lower(sv, sx, sc).compile().as_text()
         loss, grads = jitted(sv, sx, sc)
 
+    worst = {}  # the leaf with the largest error, per collection (for diagnosing a mismatch)
+    for name in ("params", "fp8_meta"):
+        flat = jax.tree_util.tree_flatten_with_path(grads.get(name, {}))[0]
+        ref_flat = jax.tree.leaves(ref_grads.get(name, {}))
+        if flat:
+            errors = [(rel_err(v, r), jax.tree_util.keystr(path)) for (path, v), r in zip(flat, ref_flat)]
+            worst[name] = sorted(errors, reverse=True)[:4]
     errs = {"loss": rel_err(loss, ref_loss), "x": rel_err(grads["x"], ref_grads["x"]),
             "params": max(rel_err(a, b) for a, b in zip(jax.tree.leaves(grads["params"]),
                                                        jax.tree.leaves(ref_grads["params"]))),
             "fp8_meta": max((rel_err(a, b) for a, b in zip(jax.tree.leaves(grads.get("fp8_meta", {})),
                                                           jax.tree.leaves(ref_grads.get("fp8_meta", {})))),
                             default=0.0)}
-    return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs,
-                fp8_same_everywhere=same_on_every_device(grads.get("fp8_meta", {})),
+    return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs, noise_floor=floor,
+                fp8_same_everywhere=same_on_every_device(grads.get("fp8_meta", {})), worst=worst,
                 x_grad_spec=str(grads["x"].sharding.spec), partitioned_all_gathers=partitioned_all_gathers(before),
                 **collectives(hlo))
 
@@ -209,7 +244,13 @@ def main() -> int:
     p.add_argument("--models", default="mlp,stack")
     p.add_argument("--meshes", default="dp8,dp2xtp4,fsdp4xtp2,dp2xfsdp2xtp2_sp")
     p.add_argument("--recipes", default="delayed,current")
+    p.add_argument("--backend", default="ffi", choices=te_jax.backend.BACKENDS,
+                   help="te_jax ops from the FFI kernels or the pure-JAX reference (to bisect a mismatch)")
+    p.add_argument("--noise-floor", action="store_true",
+                   help="also report the one-device errors when x changes by ~1e-6 relative (noise_floor)")
     args = p.parse_args()
+    global NOISE_FLOOR
+    NOISE_FLOOR = args.noise_floor
     devices = jax.devices()
     print(json.dumps(dict(platform=devices[0].platform, devices=len(devices))), flush=True)
     failed = False
@@ -217,7 +258,10 @@ def main() -> int:
         for mesh_name in args.meshes.split(","):
             for recipe_name in args.recipes.split(","):
                 try:
-                    out = run_case(model_name, mesh_name, recipe_name, devices)
+                    with te_jax.backend.use(args.backend):
+                        out = run_case(model_name, mesh_name, recipe_name, devices)
+                    if args.backend != "ffi":
+                        out["backend"] = args.backend
                 except Exception as err:  # noqa: BLE001 (report every case)
                     out = dict(model=model_name, mesh=mesh_name, recipe=recipe_name,
                                error=f"{type(err).__name__}: {str(err)[:2000]}")

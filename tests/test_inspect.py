@@ -366,6 +366,93 @@ def test_clear_errors():
             tf.DenseGeneral(32).apply(variables, x)
     with pytest.raises(ValueError, match="inspect"):
         te_jax.autocast(inspect=1)
+    with pytest.raises(ValueError, match="inspect"):
+        te_jax.layernorm_dense(x, jnp.ones(32), jnp.zeros(32), jnp.ones((32, 32)), inspect=4,
+                               quantizers=te_jax.DenseQuantizers.from_recipe(R.Float8CurrentScaling()))
+
+
+# ---- sampled rows (Sample(every=k)) -----------------------------------------------------------------
+
+SAMPLED_QUANTIZERS = {
+    "current": CurrentScalingQuantizer(),
+    "mxfp8": MXFP8Quantizer(),
+    "nvfp4": NVFP4Quantizer(),
+}
+
+
+def _stats_sampled(x, t, every):
+    fn = jax.jit(lambda x, t: S.tensor_stats(x, t, "rowwise", S.Sample(every)))
+    return {k: float(v) for k, v in fn(x, t).items()}
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLED_QUANTIZERS))
+@pytest.mark.parametrize("every", [3, 8])
+def test_sampled_statistics_are_those_of_the_sampled_rows(name, every):
+    """Every statistic but a measured amax equals the whole-tensor statistic of rows 0, k, 2k, ...
+
+    The rows sampled come with their own quantized copy (block scales are per row), so the reference
+    is the unsampled statistic of ``x[::k]`` against the same codes and scales, computed in numpy.
+    """
+    rng = np.random.default_rng(every)
+    x = rng.standard_normal((64, 96)).astype(F32) * np.exp(rng.uniform(-4, 4, (64, 1))).astype(F32)
+    x[5, 7] = 3e4  # the largest value sits in a row the sample skips (5 is not a multiple of 3 or 8)
+    x[::every][1, :32] = 0.0  # a zero block in the sample
+    t = SAMPLED_QUANTIZERS[name].quantize(jnp.asarray(x), rowwise=True, colwise=False)
+    got = _stats_sampled(jnp.asarray(x), t, every)
+    values = np.asarray(t.dequantize(jnp.float32))[::every]
+    xs = x[::every]
+    nonzero = xs != 0
+    assert got["underflow"] == pytest.approx(np.sum(nonzero & (values == 0)) / np.sum(nonzero), abs=1e-7)
+    want_err = np.sqrt(np.sum((xs.astype(np.float64) - values) ** 2) / np.sum(xs.astype(np.float64) ** 2))
+    assert got["rel_error"] == pytest.approx(want_err, rel=1e-5)
+    full = _stats(jnp.asarray(x), t)
+    if name == "mxfp8":  # no measured amax: the sample's own maximum, which misses x[5, 7]
+        assert got["amax"] == np.max(np.abs(xs)) < full["amax"] == 3e4
+    else:  # the quantizer measured the whole tensor's amax
+        assert got["amax"] == full["amax"] == 3e4
+    if name != "current":  # block scales: those of the sampled rows
+        blocks = {"mxfp8": 32, "nvfp4": 16}[name]
+        amax_blocks = np.abs(xs).reshape(xs.shape[0], -1, blocks).max(-1)
+        assert 0 < got["scale_log2_range"] and got["scale"] > 0
+        assert np.sum(amax_blocks > 0) < amax_blocks.size  # the zero block is left out
+
+
+def test_sample_one_is_every_row_and_weights_are_read_whole():
+    x = jax.random.normal(jax.random.key(3), (64, 64))
+    t = NVFP4Quantizer(block_2d=True).quantize(x, rowwise=True, colwise=True)
+    full = jax.jit(lambda x, t: S.tensor_stats(x, t, "rowwise"))(x, t)
+    for sample in (S.Sample(), S.Sample(every=4)):  # 2D blocks are never sampled
+        got = jax.jit(lambda x, t, s=sample: S.tensor_stats(x, t, "rowwise", s))(x, t)
+        assert all(np.asarray(got[k]) == np.asarray(full[k]) for k in S.STAT_NAMES)
+    t = CurrentScalingQuantizer().quantize(x, rowwise=True, colwise=True)
+    full = jax.jit(lambda x, t: S.tensor_stats(x, t, "colwise"))(x, t)
+    got = jax.jit(lambda x, t: S.tensor_stats(x, t, "colwise", S.Sample(every=4)))(x, t)
+    assert all(np.asarray(got[k]) == np.asarray(full[k]) for k in S.STAT_NAMES)
+    assert S.as_sample(True) == S.Sample() and S.as_sample(False) is None
+
+
+def test_layers_under_sampled_inspection():
+    x = jax.random.normal(jax.random.key(0), (64, 64))
+    recipe = R.Float8CurrentScaling()
+    _, full = _train_grads(Block(), recipe, x)
+    _, sampled = _train_grads(Block(), recipe, x, inspect=I.Sample(every=4))
+    rows = {(r["layer"], r["role"]): r for r in I.to_rows(full[I.STATS_COLLECTION])}
+    for r in I.to_rows(sampled[I.STATS_COLLECTION]):
+        want = rows[(r["layer"], r["role"])]
+        # per-tensor: the quantizer's own amax, which may differ from the float32 recomputation by an ulp
+        assert r["amax"] == pytest.approx(want["amax"], rel=1e-6)
+        if r["role"] == "linear_weight":  # weights are read whole
+            assert r == want
+        else:
+            assert 0 < r["rel_error"] < 0.1 and r["rel_error"] == pytest.approx(want["rel_error"], rel=0.25)
+    for a, b in zip(jax.tree.leaves(full["params"]), jax.tree.leaves(sampled["params"])):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8"])
+def test_sample_refuses_bad_strides(bad):
+    with pytest.raises(ValueError, match="Sample"):
+        I.Sample(every=bad)
 
 
 # ---- rows, tables, writers, the report, the CLI ----------------------------------------------------

@@ -65,6 +65,21 @@ def test_nvfp4_first_last_bf16_decides_by_block():
     assert isinstance(module.qfactory(R.Role("linear_input", ("TransformerLayer_10",))), NVFP4Quantizer)
 
 
+def test_load_recipe_passes_the_depth_to_make_qfactory():
+    rec = R.load_recipe("nvfp4_first_last_bf16", num_layers=18)
+    role = lambda block: R.Role("linear_input", (f"TransformerLayer_{block}", "mlp", "wi"))  # noqa: E731
+    assert isinstance(rec.quantizer(role(16)), NVFP4Quantizer) and rec.quantizer(role(17)) is None
+    default = R.load_recipe("nvfp4_first_last_bf16")  # the module's own qfactory: NUM_LAYERS = 12
+    assert default.quantizer(role(11)) is None and default.quantizer(role(16)) is None
+    # recipes without make_qfactory ignore the depth
+    mixed = R.load_recipe("mixed_per_layer", num_layers=18)
+    attn = R.Role("linear_input", ("TransformerLayer_17", "attention", "query"))
+    assert mixed.quantizer(attn) == MXFP8Quantizer(jnp.float8_e4m3fn)
+    for bad in (0, -1, 2.0, True, "18"):
+        with pytest.raises(ValueError, match="num_layers"):
+            R.load_recipe("nvfp4_first_last_bf16", num_layers=bad)
+
+
 def test_mixed_per_layer_decides_by_layer():
     q = _module("mixed_per_layer").qfactory
     for name in ("query", "key", "value", "out_proj"):

@@ -34,7 +34,9 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
     # appended, not prepended: an installed te_jax (with its compiled modules) wins over the source tree
@@ -67,12 +69,16 @@ RECIPES = {
 }
 
 
-def make_recipe(name: str) -> R.Recipe | None:
-    """A recipe from its short name (None for bf16) or from a recipes/ path or name."""
+def make_recipe(name: str, num_layers: int | None = None) -> R.Recipe | None:
+    """A recipe from its short name (None for bf16) or from a recipes/ path or name.
+
+    ``num_layers`` (the model's depth) reaches gallery recipes that place
+    quantization by block position (``recipes/nvfp4_first_last_bf16.py``).
+    """
     if name in RECIPES:
         cls = RECIPES[name]
         return None if cls is None else cls()
-    return R.load_recipe(name)
+    return R.load_recipe(name, num_layers=num_layers)
 
 
 def recipe_label(name: str) -> str:
@@ -108,6 +114,7 @@ class RunConfig:
     progress: bool = True
     dtype: str | None = None
     inspect: str | None = None  # directory for te_jax.inspect statistics (None: off)
+    inspect_every: int = 1  # statistics read every k-th row of activations and gradients (te_jax.inspect.Sample)
 
     def resolved(self) -> RunConfig:
         """With the preset's values filled in where a field is None."""
@@ -140,7 +147,7 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     )
 
 
-def autocast_for(recipe: R.Recipe | None, mesh_resource, inspect: bool = False):
+def autocast_for(recipe: R.Recipe | None, mesh_resource, inspect: bool | te_inspect.Sample = False):
     """The autocast block every trace of the model runs in (disabled for bf16)."""
     if recipe is None:
         return te_jax.autocast(enabled=False, mesh_resource=mesh_resource)
@@ -152,7 +159,7 @@ def cross_entropy(logits, targets):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def make_train_step(model, recipe, mesh_resource, base_key, inspect: bool = False):
+def make_train_step(model, recipe, mesh_resource, base_key, inspect: bool | te_inspect.Sample = False):
     """The train step; with ``inspect`` its metrics also hold the quantization statistics ("fp8_stats")."""
 
     def train_step(state: TrainState, tokens):
@@ -229,21 +236,39 @@ def restore_checkpoint(manager, state: TrainState, which: str, meta: dict) -> Tr
 # ---- one run -------------------------------------------------------------------------------------
 
 
-def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state: bool = False) -> dict:
-    """Trains one recipe; returns its history and final figures (and the TrainState when asked)."""
-    cfg = cfg.resolved()
+@dataclasses.dataclass
+class Run:
+    """What a training run is built from: the model, its recipe and mesh, the sharded state and the steps.
+
+    ``inspect_step`` (None unless ``cfg.inspect`` and a recipe) is the train
+    step that also returns the quantization statistics; ``jit_step(inspect)``
+    compiles the train step with another ``inspect`` setting.
+    """
+
+    cfg: RunConfig
+    label: str
+    model: GPT
+    recipe: R.Recipe | None
+    mesh: jax.sharding.Mesh
+    batch_sharding: NamedSharding
+    shardings: Any
+    state: TrainState
+    train_step: Callable
+    inspect_step: Callable | None
+    eval_step: Callable
+    jit_step: Callable[[bool | te_inspect.Sample], Callable]
+
+
+def build_run(cfg: RunConfig) -> Run:
+    """The model, its sharded initial state and the jitted steps of ``cfg`` (resolved)."""
     label = recipe_label(cfg.recipe)
-    recipe = make_recipe(cfg.recipe)
+    recipe = make_recipe(cfg.recipe, cfg.model_config().layers)
     shape = parallel.parse_mesh(cfg.mesh)
+    if cfg.batch % (shape["dp"] * shape["fsdp"]):
+        raise ValueError(f"--batch {cfg.batch} must be divisible by dp*fsdp = {shape['dp'] * shape['fsdp']}")
     mesh = parallel.make_mesh(shape)
     mesh_resource = parallel.MESH_RESOURCE
     batch_sharding = NamedSharding(mesh, P(parallel.BATCH))
-    if cfg.batch % (shape["dp"] * shape["fsdp"]):
-        raise ValueError(f"--batch {cfg.batch} must be divisible by dp*fsdp = {shape['dp'] * shape['fsdp']}")
-    corpus = corpus or data_lib.load(cfg.data, cfg.data_bytes)
-    evals = [jax.device_put(b, batch_sharding)
-             for b in data_lib.eval_batches(corpus, cfg.eval_batches, cfg.batch, cfg.seq_len)]
-
     model = GPT(dataclasses.replace(cfg.model_config(), logical_axes=shape["tp"] > 1))
     init_key, quant_key = jax.random.split(jax.random.key(cfg.seed))
     dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
@@ -256,6 +281,28 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
     shardings = parallel.state_shardings(state, specs, mesh)
     state = jax.device_put(state, shardings)
 
+    def jit_step(inspect: bool | te_inspect.Sample):
+        return jax.jit(make_train_step(model, recipe, mesh_resource, quant_key, inspect=inspect),
+                       in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
+
+    return Run(cfg=cfg, label=label, model=model, recipe=recipe, mesh=mesh, batch_sharding=batch_sharding,
+               shardings=shardings, state=state, train_step=jit_step(False),
+               inspect_step=jit_step(te_inspect.Sample(cfg.inspect_every)) if inspecting else None,
+               eval_step=jax.jit(make_eval_step(model, recipe, mesh_resource)), jit_step=jit_step)
+
+
+def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state: bool = False) -> dict:
+    """Trains one recipe; returns its history and final figures (and the TrainState when asked)."""
+    cfg = cfg.resolved()
+    run = build_run(cfg)
+    label, state, train_step, inspect_step, eval_step = (run.label, run.state, run.train_step, run.inspect_step,
+                                                          run.eval_step)
+    batch_sharding, shardings = run.batch_sharding, run.shardings
+    corpus = corpus or data_lib.load(cfg.data, cfg.data_bytes)
+    evals = [jax.device_put(b, batch_sharding)
+             for b in data_lib.eval_batches(corpus, cfg.eval_batches, cfg.batch, cfg.seq_len)]
+    inspecting = inspect_step is not None
+
     meta = {"preset": cfg.preset, "recipe": cfg.recipe, "seed": cfg.seed}
     manager = _ckpt_manager(cfg) if cfg.ckpt_dir else None
     if cfg.resume:
@@ -263,17 +310,7 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
             raise ValueError("--resume needs --ckpt-dir")
         state = restore_checkpoint(manager, state, cfg.resume, meta)
     start = int(state.step)
-
-    train_step = jax.jit(make_train_step(model, recipe, mesh_resource, quant_key),
-                         in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
-                         donate_argnums=0)
-    inspect_step = None
-    if inspecting:
-        inspect_step = jax.jit(make_train_step(model, recipe, mesh_resource, quant_key, inspect=True),
-                               in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
-                               donate_argnums=0)
     stats_log = StatsLog(cfg.inspect, label, cfg.tensorboard) if inspecting else None
-    eval_step = jax.jit(make_eval_step(model, recipe, mesh_resource))
 
     def evaluate(params):
         return float(np.mean([float(eval_step(params, b)) for b in evals]))
@@ -479,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inspect", nargs="?", const="inspect_out", metavar="DIR",
                    help="collect per-layer quantization statistics at each evaluation (te_jax.inspect); write "
                         "DIR/<recipe>.jsonl and reports (default DIR: inspect_out)")
+    p.add_argument("--inspect-every", type=int, default=1, metavar="K",
+                   help="statistics over every K-th row of activations and gradients (te_jax.inspect.Sample; "
+                        "about K times cheaper; default 1: every row)")
     return p
 
 
@@ -489,7 +529,7 @@ def config_from_args(args, recipe: str) -> RunConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every, data=args.data,
         data_bytes=args.data_bytes, mesh=args.mesh, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,
         resume=args.resume, tensorboard=args.tensorboard, progress=not args.no_progress, dtype=args.dtype,
-        inspect=args.inspect)
+        inspect=args.inspect, inspect_every=args.inspect_every)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -13,7 +13,7 @@ from flax.linen import dtypes as flax_dtypes
 from flax.linen import meta
 
 from te_jax import FP8_COLLECTION
-from te_jax.autocast import current_recipe, inspecting
+from te_jax.autocast import current_recipe, inspect_sample, inspecting
 from te_jax.inspect import stats as inspect_stats
 from te_jax.inspect.stats import STATS_COLLECTION
 from te_jax.state import QUANTIZE_RNG, module_path
@@ -141,6 +141,11 @@ def store_gemm_state(module: nn.Module, new_state: dict | None, name: str | None
             module.put_variable(FP8_COLLECTION, role, value)
     else:
         module.put_variable(FP8_COLLECTION, name, dict(new_state))
+
+
+def inspect_arg(*stats_inputs) -> inspect_stats.Sample | bool:
+    """The ``inspect`` argument of a functional op: the autocast's Sample when a statistics input exists, else False."""
+    return inspect_sample() if any(s is not None for s in stats_inputs) else False
 
 
 def stats_input(module: nn.Module, quantizers, name: str | None = None) -> dict[str, Any] | None:

@@ -100,7 +100,7 @@ class DenseGeneral(nn.Module):
         stats = C.stats_input(self, quantizers)
         y, new_state, *fwd_stats = dense(inputs, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
                                          quantizers=quantizers, state=state, key=C.quantize_key(self, quantizers.any),
-                                         precision=self.precision, inspect=stats is not None, stats=stats)
+                                         precision=self.precision, inspect=C.inspect_arg(stats), stats=stats)
         C.store_gemm_state(self, new_state)
         C.store_stats(self, *fwd_stats)
         return y

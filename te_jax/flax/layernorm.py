@@ -182,7 +182,7 @@ class LayerNormDenseGeneral(nn.Module):
             y, new_state, *fwd_stats = layernorm_dense(
                 x, gamma, beta, kernel, bias, norm_type=kind, zero_centered_gamma=zcg, epsilon=self.epsilon,
                 quantizers=quantizers, state=state, key=C.quantize_key(self, quantizers.any),
-                precision=self.precision, inspect=stats is not None, stats=stats,
+                precision=self.precision, inspect=C.inspect_arg(stats), stats=stats,
                 dot_general=C.dot_general_of(self, self.dot_general_cls, quantizers.any))
         except ValueError as err:
             raise _located(err, self) from None

@@ -123,7 +123,7 @@ class LayerNormMLP(nn.Module):
         quantizers = MLPQuantizers.from_recipe(C.recipe_or_none(), module_path(self))
         state = {g: C.gemm_state(self, getattr(quantizers, g), g) for g in ("wi", "wo")}
         stats = {g: C.stats_input(self, getattr(quantizers, g), g) for g in ("wi", "wo")}
-        inspect = any(v is not None for v in stats.values())
+        inspect = C.inspect_arg(*stats.values())
         try:
             y, new_state, *fwd_stats = layernorm_mlp(
                 x, gamma, beta, k1, b1, k2, b2, activation=act, norm_type=kind, zero_centered_gamma=zcg,

@@ -24,9 +24,19 @@ without any gives 0.
 
 Blocks whose decode scale is 0 or not finite (an NVFP4 block scale that
 underflowed in E4M3) are left out of the scale statistics; ``underflow`` shows them.
+
+Sampling (``Sample(every=k)``, k > 1) reads every k-th row of the rowwise
+``[M, N]`` matrix (rows 0, k, 2k, ...): a row is whole blocks of every 1D
+layout, so each statistic is the exact statistic of those rows. ``amax`` stays
+the whole tensor's when the quantizer measured it (per-tensor modes and NVFP4
+carry it in the ScaledTensor); otherwise it is the sampled rows' maximum.
+Column-wise copies (weights) and 2D-blocked tensors are always read whole:
+they are weights, small next to activations and gradients.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from collections.abc import Iterable, Mapping
 
@@ -45,6 +55,34 @@ COPIES = ("rowwise", "colwise")
 _BLOCK = {ScalingMode.MXFP8: 32, ScalingMode.FP8_BLOCK: 128, ScalingMode.NVFP4: 16}
 
 Stats = dict[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """Which rows of a tensor its statistics read (``te_jax.autocast(inspect=Sample(every=8))``).
+
+    Attributes:
+      every: read rows 0, every, 2 * every, ... of each activation and
+        gradient (1: every row, the exact statistics; ``inspect=True`` means
+        ``Sample()``). The cost of inspection falls about in proportion.
+    """
+
+    every: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise ValueError(f"te_jax: inspect Sample(every=...) must be a positive int, got {self.every!r}")
+
+
+def as_sample(inspect) -> Sample | None:
+    """The sampling an ``inspect`` argument asks for: None when off (False/None), ``Sample()`` for True."""
+    if inspect is None or inspect is False:
+        return None
+    if inspect is True:
+        return Sample()
+    if isinstance(inspect, Sample):
+        return inspect
+    raise ValueError(f"te_jax: inspect must be True, False or a te_jax.inspect.Sample, got {inspect!r}")
 
 
 def zeros(roles: Iterable[str]) -> dict[str, Stats]:
@@ -165,7 +203,14 @@ def _scale_stats(decode: jax.Array, block_amax: jax.Array | None) -> Stats:
             "scale_log2_std": jnp.sqrt(var)}
 
 
-def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise") -> Stats:
+def _sampled_rows(t: ScaledTensor, copy: str, sample: Sample | None) -> int:
+    """The row stride the statistics of ``t``'s ``copy`` read with (1: every row)."""
+    if sample is None or sample.every == 1 or copy != "rowwise" or t.block_2d:
+        return 1
+    return sample.every
+
+
+def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise", sample: Sample | None = None) -> Stats:
     """The statistics (``STAT_NAMES``) of ``t``'s ``copy``, the quantization of ``x``.
 
     Args:
@@ -173,9 +218,11 @@ def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise") -> Stats:
       t: its ScaledTensor.
       copy: "rowwise" (the ``[M, N]`` matrix) or "colwise" (``[N, M]``,
         compared in the Hadamard domain when ``t.rht``).
+      sample: which rows to read (None: all; see the module docstring).
     """
     if copy not in COPIES:
         raise ValueError(f"te_jax.inspect: copy must be one of {COPIES}, got {copy!r}")
+    every = _sampled_rows(t, copy, sample)
     xm = x.astype(jnp.float32).reshape(t.matrix_shape)
     # The pure-JAX dequantize (bit-identical to the custom call): XLA fuses it into the reductions
     # below, where the custom call would write and re-read a float32 copy of the tensor.
@@ -187,12 +234,18 @@ def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise") -> Stats:
     else:
         values = t.dequantize(jnp.float32, backend="reference").reshape(t.matrix_shape)
     codes, decode = _copy(t, copy)
+    if every > 1:  # strided row slices; XLA fuses them into the reduction's reads
+        xm, values, codes = xm[::every], values[::every], codes[::every]
+        decode = decode if decode.size == 1 else decode[::every]
     per_tensor = t.mode is ScalingMode.FP8_TENSOR
     group = xm.shape[1] if per_tensor else _BLOCK[t.mode]  # per-tensor: one group per row
     group_amax, *partials = _group_partials(xm, values, codes, format_max(t), group)
     n_nonzero, underflow, saturated = (jnp.sum(p).astype(jnp.float32) for p in partials[:3])
     err, norm = (jnp.sqrt(jnp.sum(p)) for p in partials[3:])
-    out = {"amax": jnp.max(group_amax), "underflow": _ratio(underflow, n_nonzero),
+    amax = jnp.max(group_amax)
+    if every > 1 and t.amax is not None and t.mode in (ScalingMode.FP8_TENSOR, ScalingMode.NVFP4):
+        amax = jnp.asarray(t.amax, jnp.float32).reshape(())  # the quantizer's amax covers every row
+    out = {"amax": amax, "underflow": _ratio(underflow, n_nonzero),
            "saturation": _ratio(saturated, n_nonzero), "rel_error": _ratio(err, norm)}
     out.update(_scale_stats(decode, None if per_tensor else _block_amax(group_amax, t)))
     return {n: out[n].astype(jnp.float32) for n in STAT_NAMES}
