@@ -110,9 +110,26 @@ def make_step(model, variables, recipe):
         with ctx:
             return te_jax.train.value_and_grad(loss_fn)({**variables, "x": x})
 
-    jitted = jax.jit(step)
-    key = jax.random.key(123)
-    return lambda x, c: jitted(variables, x, c, key)
+    return CompiledStep(step, variables, jax.random.key(123))
+
+
+class CompiledStep:
+    """``step(variables, x, c, key)`` with its variables and key bound, compiled ahead of time on the
+    first call (or by ``compile``), so the compile's time can be told apart from the step's."""
+
+    def __init__(self, step, variables, key):
+        self.step, self.variables, self.key, self.compiled = step, variables, key, None
+
+    def compile(self, x, c) -> float:
+        """Compiles for ``x``, ``c``; returns the seconds it took."""
+        start = time.perf_counter()
+        self.compiled = jax.jit(self.step).lower(self.variables, x, c, self.key).compile()
+        return time.perf_counter() - start
+
+    def __call__(self, x, c):
+        if self.compiled is None:
+            self.compile(x, c)
+        return self.compiled(self.variables, x, c, self.key)
 
 
 # ---- GEMM-only steps (the breakdown) --------------------------------------------------------
@@ -178,21 +195,30 @@ def bench_section(section: str, t: int, h: int, n: int, args) -> list[dict]:
             continue
         row = dict(section=section, shape=dict(T=t, H=h, N=n), name=name)
         try:
+            start = time.perf_counter()
             if impl == "flax":
                 model = FlaxLayer(section, n, out_features=h, fp8=arg, bias=args.bias)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", DeprecationWarning)
-                    variables = model.init(jax.random.key(1), x0)
+                    variables = jax.jit(model.init)(jax.random.key(1), x0)
                 recipe = None
             else:
                 model, recipe = te_layer(section, h, n, args.bias), arg
                 with te_jax.autocast(recipe=recipe):
-                    variables = model.init(jax.random.key(1), x0)
+                    variables = jax.jit(model.init)(jax.random.key(1), x0)
+            jax.block_until_ready(variables)
+            init_s = time.perf_counter() - start
             step = make_step(model, variables, recipe)
+            if args.verbose:  # each phase printed when it ends, so a stall shows where it is
+                print(f"    {name}: init {init_s:.1f} s", flush=True)
+            compile_s = step.compile(*sets[0])
+            if args.verbose:
+                print(f"    {name}: compile {compile_s:.1f} s", flush=True)
             start = time.perf_counter()
             jax.block_until_ready(step(*sets[0]))
             if args.verbose:
-                print(f"    {name}: first step (compile + run) {time.perf_counter() - start:.1f} s", flush=True)
+                print(f"    {name}: first step {time.perf_counter() - start:.1f} s", flush=True)
+            row.update(init_s=init_s, compile_s=compile_s)
             sec = time_call(step, sets, args.warmup, args.iters, args.trials)
             row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
             del step, variables

@@ -150,12 +150,28 @@ def _copy(t: ScaledTensor, copy: str):
     return codes, decode
 
 
-def _group_partials(xm: jax.Array, values: jax.Array, codes: jax.Array, fmt_max: float, group: int) -> tuple:
+_SUM, _MAX, _MIN = lax.add, lax.max, lax.min
+
+
+def _variadic(terms: list[tuple[jax.Array, jax.Array, object]], axes: tuple[int, ...]) -> list[jax.Array]:
+    """One variadic reduction of ``(operand, init, combine op)`` terms (equal shapes) over ``axes``.
+
+    XLA emits one kernel for it, reading every operand once; separate reductions are a kernel each,
+    and the statistics of a step cover a few hundred tensors, so kernel count is most of their cost.
+    """
+    operands, inits, ops = zip(*terms)
+
+    def combine(a, b):
+        return tuple(op(u, v) for op, u, v in zip(ops, a, b))
+
+    return list(lax.reduce(operands, inits, combine, axes))
+
+
+def _group_partials(xm: jax.Array, values: jax.Array, codes: jax.Array, fmt_max: float, group: int) -> list:
     """Per group of ``group`` consecutive elements of a row: ``max |x|``, then the counts of nonzero,
     underflowed and saturated elements (int32), ``sum (x - value)^2`` and ``sum x^2``.
 
-    One variadic reduction, so XLA reads ``x`` and the quantized copy once for every statistic (six
-    separate reductions could each re-read them).
+    One variadic reduction, so XLA reads ``x`` and the quantized copy once for every statistic.
     """
     m, n = xm.shape
     xg, vg, cg = (a.reshape(m, n // group, group) for a in (xm, values, codes))
@@ -163,15 +179,10 @@ def _group_partials(xm: jax.Array, values: jax.Array, codes: jax.Array, fmt_max:
     nonzero = xg != 0
     beyond = ax > jnp.abs(vg) * jnp.float32(1 + SATURATION_MARGIN)
     count = lambda b: b.astype(jnp.int32)  # noqa: E731  (exact where a float32 count would not be)
-    operands = (ax, count(nonzero), count(nonzero & (vg == 0)), count(nonzero & beyond & (jnp.abs(cg) == fmt_max)),
-                jnp.square(xg - vg), jnp.square(xg))
     zero_f, zero_i = jnp.float32(0), jnp.int32(0)
-    inits = (zero_f, zero_i, zero_i, zero_i, zero_f, zero_f)
-
-    def combine(a, b):
-        return (lax.max(a[0], b[0]), *(u + v for u, v in zip(a[1:], b[1:])))
-
-    return lax.reduce(operands, inits, combine, (2,))
+    return _variadic([(ax, zero_f, _MAX), (count(nonzero), zero_i, _SUM), (count(nonzero & (vg == 0)), zero_i, _SUM),
+                      (count(nonzero & beyond & (jnp.abs(cg) == fmt_max)), zero_i, _SUM),
+                      (jnp.square(xg - vg), zero_f, _SUM), (jnp.square(xg), zero_f, _SUM)], (2,))
 
 
 def _block_amax(group_amax: jax.Array, t: ScaledTensor) -> jax.Array:
@@ -187,19 +198,25 @@ def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0).astype(jnp.float32)
 
 
-def _scale_stats(decode: jax.Array, block_amax: jax.Array | None) -> Stats:
-    """``scale``, ``scale_log2_range`` and ``scale_log2_std`` from the decode scales (block_amax None: per tensor)."""
-    if block_amax is None:  # one scale, no spread (not computed: log2's rounding may differ between fusions)
-        zero = jnp.zeros((), jnp.float32)
-        return {"scale": nm.reciprocal(decode.reshape(())), "scale_log2_range": zero, "scale_log2_std": zero}
+def _scale_terms(decode: jax.Array, block_amax: jax.Array) -> tuple[jax.Array, list]:
+    """``(log2 of the decode scales, reduction terms)``: the count, sum, max and min of log2 over the
+    blocks that hold a nonzero value and have a positive finite scale."""
     ok = (decode > 0) & nm.is_finite(decode) & (block_amax > 0)
     log2 = jnp.log2(jnp.where(ok, decode, 1))
-    n = jnp.sum(ok).astype(jnp.float32)
-    mean = _ratio(jnp.sum(jnp.where(ok, log2, 0)), n)
-    var = _ratio(jnp.sum(jnp.where(ok, jnp.square(log2 - mean), 0)), n)
-    spread = jnp.max(jnp.where(ok, log2, -jnp.inf)) - jnp.min(jnp.where(ok, log2, jnp.inf))
+    return jnp.where(ok, log2, jnp.nan), [
+        (ok.astype(jnp.int32), jnp.int32(0), _SUM), (jnp.where(ok, log2, 0), jnp.float32(0), _SUM),
+        (jnp.where(ok, log2, -jnp.inf), jnp.float32(-jnp.inf), _MAX),
+        (jnp.where(ok, log2, jnp.inf), jnp.float32(jnp.inf), _MIN)]
+
+
+def _scale_stats(log2: jax.Array, n_ok, total, top, bottom) -> Stats:
+    """``scale``, ``scale_log2_range`` and ``scale_log2_std`` from the reduced log2 terms (the deviation
+    takes a second pass over ``log2``, NaN where a block is left out: exact where one pass would cancel)."""
+    n = n_ok.astype(jnp.float32)
+    mean = _ratio(total, n)
+    var = _ratio(jnp.sum(jnp.where(jnp.isnan(log2), 0, jnp.square(log2 - mean))), n)
     return {"scale": jnp.where(n > 0, jnp.exp2(-mean), 0).astype(jnp.float32),
-            "scale_log2_range": jnp.where(n > 0, spread, 0).astype(jnp.float32),
+            "scale_log2_range": jnp.where(n > 0, top - bottom, 0).astype(jnp.float32),
             "scale_log2_std": jnp.sqrt(var)}
 
 
@@ -239,13 +256,30 @@ def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise", sample: S
         decode = decode if decode.size == 1 else decode[::every]
     per_tensor = t.mode is ScalingMode.FP8_TENSOR
     group = xm.shape[1] if per_tensor else _BLOCK[t.mode]  # per-tensor: one group per row
-    group_amax, *partials = _group_partials(xm, values, codes, format_max(t), group)
-    n_nonzero, underflow, saturated = (jnp.sum(p).astype(jnp.float32) for p in partials[:3])
-    err, norm = (jnp.sqrt(jnp.sum(p)) for p in partials[3:])
-    amax = jnp.max(group_amax)
+    partials = _group_partials(xm, values, codes, format_max(t), group)
+    # The totals (and, when the decode scales line up with the groups, their log2 terms) in one more
+    # reduction over all groups.
+    zero_f, zero_i = jnp.float32(0), jnp.int32(0)
+    terms = [(partials[0], zero_f, _MAX), *((p, zero_i, _SUM) for p in partials[1:4]),
+             *((p, zero_f, _SUM) for p in partials[4:])]
+    log2 = None
+    if not per_tensor:
+        block_amax = _block_amax(partials[0], t)
+        log2, scale_terms = _scale_terms(decode, block_amax)
+        if block_amax.shape == partials[0].shape:
+            terms += scale_terms
+    totals = _variadic(terms, (0, 1))
+    if log2 is not None and len(totals) == 6:  # 2D blocks: their own (small) reduction
+        totals += _variadic(scale_terms, (0, 1))
+    amax, n_nonzero, underflow, saturated = totals[0], *(v.astype(jnp.float32) for v in totals[1:4])
+    err, norm = jnp.sqrt(totals[4]), jnp.sqrt(totals[5])
     if every > 1 and t.amax is not None and t.mode in (ScalingMode.FP8_TENSOR, ScalingMode.NVFP4):
         amax = jnp.asarray(t.amax, jnp.float32).reshape(())  # the quantizer's amax covers every row
     out = {"amax": amax, "underflow": _ratio(underflow, n_nonzero),
            "saturation": _ratio(saturated, n_nonzero), "rel_error": _ratio(err, norm)}
-    out.update(_scale_stats(decode, None if per_tensor else _block_amax(group_amax, t)))
+    if per_tensor:  # one scale, no spread (not computed: log2's rounding may differ between fusions)
+        zero = jnp.zeros((), jnp.float32)
+        out.update(scale=nm.reciprocal(decode.reshape(())), scale_log2_range=zero, scale_log2_std=zero)
+    else:
+        out.update(_scale_stats(log2, *totals[6:]))
     return {n: out[n].astype(jnp.float32) for n in STAT_NAMES}
