@@ -55,7 +55,8 @@ train_job() {  # recipe[+inspect] preset [steps]
     --log-every 100 --json "$json" || return 1
   $PY -c "import json, sys; r = json.load(open('$json'))[0]; print(json.dumps({k: r[k] for k in \
 ('recipe', 'preset', 'steps', 'final_train_loss', 'final_eval_loss', 'tokens_per_s')} | {'run': sys.argv[2], \
-'gpu': sys.argv[1]}))" "$CUDA_VISIBLE_DEVICES" "$1" >> "$OUT/train.log"
+'gpu': sys.argv[1], 'window_tokens_per_s': [round(v) for v in r['history']['window_tokens_per_s']]}))" \
+  "$CUDA_VISIBLE_DEVICES" "$1" >> "$OUT/train.log"
 }
 mesh_job() {
   cd "$ROOT/tests" && $PY mesh_multidevice.py --models "${MESH_MODELS:-mlp,stack}" --meshes "${MESH_MESHES:-dp2,tp2}" \

@@ -320,7 +320,8 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
     writer = report.make_writer(cfg.tensorboard, label) if cfg.tensorboard else None
     bar = report.Progress(range(start, cfg.steps), enabled=cfg.progress, desc=f"{label:>8}", total=cfg.steps,
                           initial=start)
-    hist = {"step": [], "loss": [], "eval_step": [], "eval_loss": []}
+    # window_tokens_per_s: the tokens/s of each stretch between log points (compile and evaluation excluded)
+    hist = {"step": [], "loss": [], "eval_step": [], "eval_loss": [], "window_step": [], "window_tokens_per_s": []}
     if inspect_step is not None:  # compiled now, so its first use at an evaluation step is not timed as training
         example = jax.device_put(data_lib.train_batch(corpus, start, cfg.batch, cfg.seq_len, cfg.seed), batch_sharding)
         inspect_step = inspect_step.lower(state, example).compile()
@@ -350,7 +351,12 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
                 writer.scalar("train/loss", float(m["loss"]), s)
                 writer.scalar("train/grad_norm", float(m["grad_norm"]), s)
         pending = []
-        train_time += time.perf_counter() - t0
+        window_s = time.perf_counter() - t0
+        train_time += window_s
+        window_steps = done - max(timed_from, hist["window_step"][-1] if hist["window_step"] else timed_from)
+        if window_steps > 0:
+            hist["window_step"].append(done)
+            hist["window_tokens_per_s"].append(window_steps * tokens_per_step / window_s)
         timed_steps = done - timed_from
         tps = timed_steps * tokens_per_step / train_time if timed_steps else float("nan")
         if do_eval:
