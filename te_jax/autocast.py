@@ -62,9 +62,11 @@ def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
     """
     if not isinstance(enabled, bool):
         raise ValueError(f"te_jax: autocast(enabled=...) must be True or False, got {enabled!r}")
-    if not isinstance(inspect, (bool, Sample)):
+    try:
+        sample = as_sample(inspect)
+    except ValueError:
         raise ValueError(f"te_jax: autocast(inspect=...) must be True, False or a te_jax.inspect.Sample, "
-                         f"got {inspect!r}")
+                         f"got {inspect!r}") from None
     if recipe is not None and not isinstance(recipe, recipe_lib.Recipe):
         raise ValueError(
             f"te_jax: autocast(recipe=...) must be a te_jax.recipe recipe (DelayedScaling, Float8CurrentScaling, "
@@ -74,7 +76,7 @@ def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
         raise ValueError(f"te_jax: autocast(mesh_resource=...) must be a te_jax.MeshResource, got {mesh_resource!r}")
     if enabled:
         config = AutocastConfig(True, recipe if recipe is not None else recipe_lib.DelayedScaling(), mesh_resource,
-                                as_sample(inspect))
+                                sample)
     else:
         config = AutocastConfig(False, None, mesh_resource)
     return _current(config)

@@ -136,9 +136,10 @@ def noise_floor(step, variables, x, c, device, ref, trials: int = 3, eps: float 
 
     An FP8 cast turns a tiny difference in a value that lies near a rounding boundary into a whole
     quantization step downstream. The high-precision program on a mesh differs from one device by
-    a few 1e-7 relative (GEMMs summed in another order); this is what a difference of that size in
-    the input does to the one-device FP8 step, the yardstick for a mesh whose GEMM sums are not exact.
-    (A run on 2026-11-30 moved 1% of x's elements by one ulp: far too small to flip any rounding.)
+    a few 1e-7 relative (GEMMs summed in another order); this is what a somewhat larger difference
+    (about 1e-6, tails to 4e-6) in the input does to the one-device FP8 step: a loose yardstick for a
+    mesh whose GEMM sums are not exact, for diagnosis, not a tolerance. (A run on 2026-11-30 moved 1%
+    of x's elements by one ulp: far too small to flip any rounding.)
     """
     worst: dict[str, float] = {}
     jitted = jax.jit(step)

@@ -28,7 +28,8 @@ import te_jax.flax as tf
 from te_jax import inspect as I
 from te_jax import recipe as R
 from te_jax.inspect import stats as S
-from te_jax.quantize import CurrentScalingQuantizer, DelayedScalingQuantizer, MXFP8Quantizer, NVFP4Quantizer
+from te_jax.quantize import (CurrentScalingQuantizer, DelayedScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer,
+                             NVFP4Quantizer)
 from te_jax.train import TrainState, value_and_grad
 
 F32 = np.float32
@@ -377,6 +378,7 @@ SAMPLED_QUANTIZERS = {
     "current": CurrentScalingQuantizer(),
     "mxfp8": MXFP8Quantizer(),
     "nvfp4": NVFP4Quantizer(),
+    "block": Float8BlockQuantizer(),  # 1x128
 }
 
 
@@ -394,9 +396,9 @@ def test_sampled_statistics_are_those_of_the_sampled_rows(name, every):
     is the unsampled statistic of ``x[::k]`` against the same codes and scales, computed in numpy.
     """
     rng = np.random.default_rng(every)
-    x = rng.standard_normal((64, 96)).astype(F32) * np.exp(rng.uniform(-4, 4, (64, 1))).astype(F32)
+    x = rng.standard_normal((48, 256)).astype(F32) * np.exp(rng.uniform(-4, 4, (48, 1))).astype(F32)  # 3, 8 | 48
     x[5, 7] = 3e4  # the largest value sits in a row the sample skips (5 is not a multiple of 3 or 8)
-    x[::every][1, :32] = 0.0  # a zero block in the sample
+    x[::every][1, :128] = 0.0  # a zero block (of every block size) in the sample
     t = SAMPLED_QUANTIZERS[name].quantize(jnp.asarray(x), rowwise=True, colwise=False)
     got = _stats_sampled(jnp.asarray(x), t, every)
     values = np.asarray(t.dequantize(jnp.float32))[::every]
@@ -406,12 +408,12 @@ def test_sampled_statistics_are_those_of_the_sampled_rows(name, every):
     want_err = np.sqrt(np.sum((xs.astype(np.float64) - values) ** 2) / np.sum(xs.astype(np.float64) ** 2))
     assert got["rel_error"] == pytest.approx(want_err, rel=1e-5)
     full = _stats(jnp.asarray(x), t)
-    if name == "mxfp8":  # no measured amax: the sample's own maximum, which misses x[5, 7]
+    if name in ("mxfp8", "block"):  # no measured amax: the sample's own maximum, which misses x[5, 7]
         assert got["amax"] == np.max(np.abs(xs)) < full["amax"] == 3e4
     else:  # the quantizer measured the whole tensor's amax
         assert got["amax"] == full["amax"] == 3e4
     if name != "current":  # block scales: those of the sampled rows
-        blocks = {"mxfp8": 32, "nvfp4": 16}[name]
+        blocks = {"mxfp8": 32, "nvfp4": 16, "block": 128}[name]
         amax_blocks = np.abs(xs).reshape(xs.shape[0], -1, blocks).max(-1)
         assert 0 < got["scale_log2_range"] and got["scale"] > 0
         assert np.sum(amax_blocks > 0) < amax_blocks.size  # the zero block is left out
@@ -449,10 +451,34 @@ def test_layers_under_sampled_inspection():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8"])
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8", np.bool_(True)])
 def test_sample_refuses_bad_strides(bad):
     with pytest.raises(ValueError, match="Sample"):
         I.Sample(every=bad)
+
+
+def test_sample_takes_integer_likes_and_numpy_bools():
+    assert I.Sample(every=np.int64(8)) == I.Sample(8) and type(I.Sample(np.int32(2)).every) is int
+    assert S.as_sample(np.bool_(True)) == I.Sample() and S.as_sample(np.bool_(False)) is None
+    with pytest.raises(ValueError, match="inspect"):
+        S.as_sample(1)
+
+
+@pytest.mark.parametrize("rows, every, stride", [(64, 8, 8), (64, 3, 2), (48, 5, 4), (7, 4, 1), (3, 8, 3)])
+def test_the_stride_divides_the_rows(rows, every, stride):
+    """Rows 0, k, 2k, ... with k the largest divisor of the rows at most ``every`` (so a sample of a
+    sharded tensor stays on each device)."""
+    x = jnp.asarray(np.random.default_rng(rows).standard_normal((rows, 64)), jnp.float32)
+    t = MXFP8Quantizer().quantize(x, rowwise=True, colwise=False)
+    got = _stats_sampled(x, t, every)
+    xs = np.asarray(x)[::stride]
+    assert got["amax"] == np.max(np.abs(xs))
+
+
+def test_nan_input_gives_nan_error():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((32, 64)), jnp.float32).at[3, 5].set(jnp.nan)
+    for q in (CurrentScalingQuantizer(), MXFP8Quantizer()):
+        assert np.isnan(_stats(x, q.quantize(x))["rel_error"]), q
 
 
 # ---- rows, tables, writers, the report, the CLI ----------------------------------------------------

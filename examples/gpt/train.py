@@ -263,6 +263,7 @@ def build_run(cfg: RunConfig) -> Run:
     """The model, its sharded initial state and the jitted steps of ``cfg`` (resolved)."""
     label = recipe_label(cfg.recipe)
     recipe = make_recipe(cfg.recipe, cfg.model_config().layers)
+    sample = te_inspect.Sample(cfg.inspect_every)  # checked before any work, used only with cfg.inspect
     shape = parallel.parse_mesh(cfg.mesh)
     if cfg.batch % (shape["dp"] * shape["fsdp"]):
         raise ValueError(f"--batch {cfg.batch} must be divisible by dp*fsdp = {shape['dp'] * shape['fsdp']}")
@@ -287,18 +288,18 @@ def build_run(cfg: RunConfig) -> Run:
 
     return Run(cfg=cfg, label=label, model=model, recipe=recipe, mesh=mesh, batch_sharding=batch_sharding,
                shardings=shardings, state=state, train_step=jit_step(False),
-               inspect_step=jit_step(te_inspect.Sample(cfg.inspect_every)) if inspecting else None,
+               inspect_step=jit_step(sample) if inspecting else None,
                eval_step=jax.jit(make_eval_step(model, recipe, mesh_resource)), jit_step=jit_step)
 
 
 def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state: bool = False) -> dict:
     """Trains one recipe; returns its history and final figures (and the TrainState when asked)."""
     cfg = cfg.resolved()
+    corpus = corpus or data_lib.load(cfg.data, cfg.data_bytes)  # first: a bad --data fails before compiling
     run = build_run(cfg)
     label, state, train_step, inspect_step, eval_step = (run.label, run.state, run.train_step, run.inspect_step,
                                                           run.eval_step)
     batch_sharding, shardings = run.batch_sharding, run.shardings
-    corpus = corpus or data_lib.load(cfg.data, cfg.data_bytes)
     evals = [jax.device_put(b, batch_sharding)
              for b in data_lib.eval_batches(corpus, cfg.eval_batches, cfg.batch, cfg.seq_len)]
     inspecting = inspect_step is not None
@@ -540,6 +541,8 @@ def config_from_args(args, recipe: str) -> RunConfig:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
+    if args.inspect_every != 1 and not args.inspect:
+        raise SystemExit("--inspect-every needs --inspect")
     recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
     if len(recipes) > 1 and args.ckpt_dir:
         raise SystemExit("--ckpt-dir takes one --recipe at a time")

@@ -27,22 +27,31 @@ underflowed in E4M3) are left out of the scale statistics; ``underflow`` shows t
 
 Sampling (``Sample(every=k)``, k > 1) reads every k-th row of the rowwise
 ``[M, N]`` matrix (rows 0, k, 2k, ...): a row is whole blocks of every 1D
-layout, so each statistic is the exact statistic of those rows. ``amax`` stays
-the whole tensor's when the quantizer measured it (per-tensor modes and NVFP4
-carry it in the ScaledTensor); otherwise it is the sampled rows' maximum.
-Column-wise copies (weights) and 2D-blocked tensors are always read whole:
-they are weights, small next to activations and gradients.
+layout, so each statistic is the exact statistic of those rows. The stride
+used is the largest divisor of the rows per device (M, or M over the devices
+of an Explicit mesh axis) not above k, so the sample stays on each device.
+``amax`` stays the whole tensor's when the quantizer measured it (per-tensor
+modes and NVFP4 carry it in the ScaledTensor); otherwise it is the sampled
+rows' maximum, and a NaN or Inf in a row not read is not seen. Column-wise
+copies (weights) and 2D-blocked tensors are always read whole: they are
+weights, small next to activations and gradients.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import numbers
 
 from collections.abc import Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from te_jax.quantize import numerics as nm
 from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
@@ -70,18 +79,18 @@ class Sample:
     every: int = 1
 
     def __post_init__(self):
-        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
-            raise ValueError(f"te_jax: inspect Sample(every=...) must be a positive int, got {self.every!r}")
+        every = self.every
+        if isinstance(every, (bool, np.bool_)) or not isinstance(every, numbers.Integral) or every < 1:
+            raise ValueError(f"te_jax: inspect Sample(every=...) must be a positive int, got {every!r}")
+        object.__setattr__(self, "every", int(every))
 
 
 def as_sample(inspect) -> Sample | None:
     """The sampling an ``inspect`` argument asks for: None when off (False/None), ``Sample()`` for True."""
-    if inspect is None or inspect is False:
-        return None
-    if inspect is True:
-        return Sample()
     if isinstance(inspect, Sample):
         return inspect
+    if inspect is None or isinstance(inspect, (bool, np.bool_)):
+        return Sample() if inspect else None
     raise ValueError(f"te_jax: inspect must be True, False or a te_jax.inspect.Sample, got {inspect!r}")
 
 
@@ -195,7 +204,8 @@ def _block_amax(group_amax: jax.Array, t: ScaledTensor) -> jax.Array:
 
 
 def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
-    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0).astype(jnp.float32)
+    """``num / den``, 0 where ``den`` is 0 (NaN and Inf go through: a tensor holding NaN has a NaN error)."""
+    return jnp.where(den == 0, 0, num / jnp.where(den == 0, 1, den)).astype(jnp.float32)
 
 
 def _scale_terms(decode: jax.Array, block_amax: jax.Array) -> tuple[jax.Array, list]:
@@ -220,11 +230,27 @@ def _scale_stats(log2: jax.Array, n_ok, total, top, bottom) -> Stats:
             "scale_log2_std": jnp.sqrt(var)}
 
 
-def _sampled_rows(t: ScaledTensor, copy: str, sample: Sample | None) -> int:
-    """The row stride the statistics of ``t``'s ``copy`` read with (1: every row)."""
+def _row_shards(xm: jax.Array) -> int:
+    """How many devices the rows of ``xm`` are split over, as its type says (Explicit mesh axes; else 1)."""
+    sharding = getattr(jax.typeof(xm), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not spec or spec[0] is None:
+        return 1
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    return math.prod(sharding.mesh.shape[a] for a in axes)
+
+
+def _sampled_rows(t: ScaledTensor, copy: str, sample: Sample | None, xm: jax.Array) -> int:
+    """The row stride the statistics of ``t``'s ``copy`` read with (1: every row).
+
+    The largest divisor of the rows per device that is at most ``sample.every``: then rows 0, k, 2k,
+    ... of the whole tensor are rows 0, k, 2k, ... of every device's block, and the sample moves no data
+    between devices (a typed Explicit sharding would refuse a slice that did).
+    """
     if sample is None or sample.every == 1 or copy != "rowwise" or t.block_2d:
         return 1
-    return sample.every
+    rows = xm.shape[0] // _row_shards(xm)
+    return max(d for d in range(1, min(sample.every, rows) + 1) if rows % d == 0)
 
 
 def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise", sample: Sample | None = None) -> Stats:
@@ -239,7 +265,24 @@ def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise", sample: S
     """
     if copy not in COPIES:
         raise ValueError(f"te_jax.inspect: copy must be one of {COPIES}, got {copy!r}")
-    every = _sampled_rows(t, copy, sample)
+    every = _sampled_rows(t, copy, sample, x.reshape(t.matrix_shape))
+    explicit = _explicit_axes(x)
+    if explicit:
+        # Typed (Explicit) shardings give the variadic reductions no rule but gathering their operands
+        # whole; as Auto axes, XLA partitions them like any reduction (per device, then the totals).
+        return jax.sharding.auto_axes(functools.partial(_tensor_stats, copy=copy, every=every), axes=explicit,
+                                      out_sharding=P())(x, t)
+    return _tensor_stats(x, t, copy, every)
+
+
+def _explicit_axes(x: jax.Array) -> tuple[str, ...]:
+    """The Explicit mesh axes in ``x``'s type (none outside ``jax.set_mesh`` with Explicit axes)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    types = getattr(mesh, "axis_types", ()) or ()
+    return tuple(name for name, kind in zip(mesh.axis_names, types) if kind == AxisType.Explicit) if types else ()
+
+
+def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int) -> Stats:
     xm = x.astype(jnp.float32).reshape(t.matrix_shape)
     # The pure-JAX dequantize (bit-identical to the custom call): XLA fuses it into the reductions
     # below, where the custom call would write and re-read a float32 copy of the tensor.
