@@ -57,7 +57,7 @@ def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
       inspect: also compute every quantized tensor's statistics and return
         them through the "fp8_stats" collection (``te_jax.inspect``): True
         reads every row, ``te_jax.inspect.Sample(every=k)`` every k-th row of
-        activations and gradients (the cost falls about k-fold). Off, the
+        activations and gradients (cheaper; not k-fold: some of the cost is per tensor). Off, the
         traced program is exactly the one without inspection.
     """
     if not isinstance(enabled, bool):

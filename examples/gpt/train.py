@@ -525,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "DIR/<recipe>.jsonl and reports (default DIR: inspect_out)")
     p.add_argument("--inspect-every", type=int, default=1, metavar="K",
                    help="statistics over every K-th row of activations and gradients (te_jax.inspect.Sample; "
-                        "about K times cheaper; default 1: every row)")
+                        "cheaper, though not K times; default 1: every row)")
     return p
 
 

@@ -73,7 +73,8 @@ class Sample:
     Attributes:
       every: read rows 0, every, 2 * every, ... of each activation and
         gradient (1: every row, the exact statistics; ``inspect=True`` means
-        ``Sample()``). The cost of inspection falls about in proportion.
+        ``Sample()``). The cost of inspection falls, though not in proportion
+        (part of it is per tensor, not per row).
     """
 
     every: int = 1
