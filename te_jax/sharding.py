@@ -11,9 +11,11 @@ nothing needs reducing.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 from jax import lax
+from jax.sharding import AxisType
 
 Resource = str | tuple[str, ...] | None
 
@@ -123,6 +125,26 @@ def reduce_amax(amax: jax.Array, reduction: str = "max", mesh_resource: MeshReso
     if not axes:
         return amax
     return lax.pmax(amax, axes) if reduction == "max" else lax.pmean(amax, axes)
+
+
+# ---- what a value's type says about its sharding ----------------------------------------------
+
+
+def explicit_axes(x) -> tuple[str, ...]:
+    """The Explicit mesh axes in ``x``'s type (none outside ``jax.set_mesh`` with Explicit axes)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    types = getattr(mesh, "axis_types", ()) or ()
+    return tuple(name for name, kind in zip(mesh.axis_names, types) if kind == AxisType.Explicit) if types else ()
+
+
+def dim_shards(x, dim: int) -> int:
+    """How many devices ``x``'s dimension ``dim`` is split over, as its type says (Explicit axes; else 1)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if not spec or len(spec) <= dim or spec[dim] is None:
+        return 1
+    axes = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
+    return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
 # ---- shard_map's varying-axes types (check_vma) ------------------------------------------

@@ -128,7 +128,11 @@ def partitioned_all_gathers(before: set[str]) -> list[str] | None:
     return all_gathers(max(new, key=lambda p: p.stat().st_mtime).read_text()) if new else None
 
 
-NOISE_FLOOR = False  # --noise-floor
+def step_errors(loss, grads, ref_loss, ref_grads) -> dict[str, float]:
+    """rel_err of the loss, the x gradient and the worst parameter gradient against the reference step's."""
+    return {"loss": rel_err(loss, ref_loss), "x": rel_err(grads["x"], ref_grads["x"]),
+            "params": max(rel_err(a, b) for a, b in zip(jax.tree.leaves(grads["params"]),
+                                                       jax.tree.leaves(ref_grads["params"])))}
 
 
 def noise_floor(step, variables, x, c, device, ref, trials: int = 3, eps: float = 2.0**-20) -> dict:
@@ -146,10 +150,7 @@ def noise_floor(step, variables, x, c, device, ref, trials: int = 3, eps: float 
     for t in range(trials):
         noise = jax.random.normal(jax.random.key(100 + t), x.shape, x.dtype)
         xp = x * (1 + eps * noise)
-        loss, grads = jitted(*jax.device_put((variables, xp, c), device))
-        errs = {"loss": rel_err(loss, ref[0]), "x": rel_err(grads["x"], ref[1]["x"]),
-                "params": max(rel_err(a, b) for a, b in zip(jax.tree.leaves(grads["params"]),
-                                                           jax.tree.leaves(ref[1]["params"])))}
+        errs = step_errors(*jitted(*jax.device_put((variables, xp, c), device)), *ref)
         worst = {k: max(worst.get(k, 0.0), v) for k, v in errs.items()}
     return worst
 
@@ -168,7 +169,7 @@ def same_on_every_device(tree) -> bool:
     return True
 
 
-def run_case(model_name: str, mesh_name: str, recipe_name: str, devices) -> dict:
+def run_case(model_name: str, mesh_name: str, recipe_name: str, devices, with_noise_floor: bool = False) -> dict:
     axes, mesh_resource = MESHES[mesh_name]
     mesh = jax.sharding.Mesh(np.asarray(devices[:int(np.prod(list(axes.values())))]).reshape(tuple(axes.values())),
                              tuple(axes))
@@ -187,7 +188,7 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices) -> dict
 
     one = jax.devices()[0] if devices[0].platform == "cpu" else devices[0]
     ref_loss, ref_grads = jax.jit(step)(*jax.device_put((variables, x, c), one))
-    floor = noise_floor(step, variables, x, c, one, (ref_loss, ref_grads)) if NOISE_FLOOR else None
+    floor = noise_floor(step, variables, x, c, one, (ref_loss, ref_grads)) if with_noise_floor else None
 
     rules = logical_axis_rules(mesh_resource)
     with nn.logical_axis_rules(rules):
@@ -228,9 +229,7 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices) -> dict
         if flat:
             errors = [(rel_err(v, r), jax.tree_util.keystr(path)) for (path, v), r in zip(flat, ref_flat)]
             worst[name] = sorted(errors, reverse=True)[:4]
-    errs = {"loss": rel_err(loss, ref_loss), "x": rel_err(grads["x"], ref_grads["x"]),
-            "params": max(rel_err(a, b) for a, b in zip(jax.tree.leaves(grads["params"]),
-                                                       jax.tree.leaves(ref_grads["params"]))),
+    errs = {**step_errors(loss, grads, ref_loss, ref_grads),
             "fp8_meta": max((rel_err(a, b) for a, b in zip(jax.tree.leaves(grads.get("fp8_meta", {})),
                                                           jax.tree.leaves(ref_grads.get("fp8_meta", {})))),
                             default=0.0)}
@@ -250,8 +249,6 @@ def main() -> int:
     p.add_argument("--noise-floor", action="store_true",
                    help="also report the one-device errors when x changes by ~1e-6 relative (noise_floor)")
     args = p.parse_args()
-    global NOISE_FLOOR
-    NOISE_FLOOR = args.noise_floor
     devices = jax.devices()
     print(json.dumps(dict(platform=devices[0].platform, devices=len(devices))), flush=True)
     failed = False
@@ -260,7 +257,7 @@ def main() -> int:
             for recipe_name in args.recipes.split(","):
                 try:
                     with te_jax.backend.use(args.backend):
-                        out = run_case(model_name, mesh_name, recipe_name, devices)
+                        out = run_case(model_name, mesh_name, recipe_name, devices, args.noise_floor)
                     if args.backend != "ffi":
                         out["backend"] = args.backend
                 except Exception as err:  # noqa: BLE001 (report every case)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 
 from collections.abc import Iterable, Mapping
@@ -50,12 +49,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from te_jax.quantize import numerics as nm
 from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
-from te_jax.sharding import match_cotangent, varying_axes
+from te_jax.sharding import dim_shards, explicit_axes, match_cotangent, varying_axes
 
 STATS_COLLECTION = "fp8_stats"
 STAT_NAMES = ("amax", "scale", "underflow", "saturation", "rel_error", "scale_log2_range", "scale_log2_std")
@@ -231,16 +229,6 @@ def _scale_stats(log2: jax.Array, n_ok, total, top, bottom) -> Stats:
             "scale_log2_std": jnp.sqrt(var)}
 
 
-def _row_shards(xm: jax.Array) -> int:
-    """How many devices the rows of ``xm`` are split over, as its type says (Explicit mesh axes; else 1)."""
-    sharding = getattr(jax.typeof(xm), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    if not spec or spec[0] is None:
-        return 1
-    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-    return math.prod(sharding.mesh.shape[a] for a in axes)
-
-
 def _sampled_rows(t: ScaledTensor, copy: str, sample: Sample | None, xm: jax.Array) -> int:
     """The row stride the statistics of ``t``'s ``copy`` read with (1: every row).
 
@@ -250,7 +238,7 @@ def _sampled_rows(t: ScaledTensor, copy: str, sample: Sample | None, xm: jax.Arr
     """
     if sample is None or sample.every == 1 or copy != "rowwise" or t.block_2d:
         return 1
-    rows = xm.shape[0] // _row_shards(xm)
+    rows = xm.shape[0] // dim_shards(xm, 0)
     return max(d for d in range(1, min(sample.every, rows) + 1) if rows % d == 0)
 
 
@@ -267,20 +255,13 @@ def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise", sample: S
     if copy not in COPIES:
         raise ValueError(f"te_jax.inspect: copy must be one of {COPIES}, got {copy!r}")
     every = _sampled_rows(t, copy, sample, x.reshape(t.matrix_shape))
-    explicit = _explicit_axes(x)
+    explicit = explicit_axes(x)
     if explicit:
         # Typed (Explicit) shardings give the variadic reductions no rule but gathering their operands
         # whole; as Auto axes, XLA partitions them like any reduction (per device, then the totals).
         return jax.sharding.auto_axes(functools.partial(_tensor_stats, copy=copy, every=every), axes=explicit,
                                       out_sharding=P())(x, t)
     return _tensor_stats(x, t, copy, every)
-
-
-def _explicit_axes(x: jax.Array) -> tuple[str, ...]:
-    """The Explicit mesh axes in ``x``'s type (none outside ``jax.set_mesh`` with Explicit axes)."""
-    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
-    types = getattr(mesh, "axis_types", ()) or ()
-    return tuple(name for name, kind in zip(mesh.axis_names, types) if kind == AxisType.Explicit) if types else ()
 
 
 def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int) -> Stats:
@@ -306,14 +287,13 @@ def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int) -> Stats
     zero_f, zero_i = jnp.float32(0), jnp.int32(0)
     terms = [(partials[0], zero_f, _MAX), *((p, zero_i, _SUM) for p in partials[1:4]),
              *((p, zero_f, _SUM) for p in partials[4:])]
-    log2 = None
+    log2, scale_terms = None, []
     if not per_tensor:
         block_amax = _block_amax(partials[0], t)
         log2, scale_terms = _scale_terms(decode, block_amax)
-        if block_amax.shape == partials[0].shape:
-            terms += scale_terms
-    totals = _variadic(terms, (0, 1))
-    if log2 is not None and len(totals) == 6:  # 2D blocks: their own (small) reduction
+    lined_up = not per_tensor and block_amax.shape == partials[0].shape  # 1D blocks: one block per group
+    totals = _variadic(terms + scale_terms if lined_up else terms, (0, 1))
+    if scale_terms and not lined_up:  # 2D blocks: their own (small) reduction
         totals += _variadic(scale_terms, (0, 1))
     amax, n_nonzero, underflow, saturated = totals[0], *(v.astype(jnp.float32) for v in totals[1:4])
     err, norm = jnp.sqrt(totals[4]), jnp.sqrt(totals[5])
