@@ -15,6 +15,8 @@ for the 125m preset. bf16 has no inspected step.
 example's sharding machinery should cost nothing on one device); ``--loop``
 times the example's training loop (a host-made batch per step, device_put,
 the step, a sync every 10 steps), to separate step time from loop overhead.
+``--profile`` traces 3 steps of each variant and prints (and stores in the
+JSON) where the device time goes, per HLO op kind (``device_profile.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import jax  # noqa: E402
 from examples.gpt import data as data_lib  # noqa: E402
 from examples.gpt import train as gpt  # noqa: E402
 from examples.gpt.presets import PRESETS  # noqa: E402
+from benchmarks.device_profile import format_summary, profile_steps  # noqa: E402
 from te_jax import inspect as te_inspect  # noqa: E402
 
 
@@ -66,12 +69,21 @@ def bench(recipe_name: str, args, corpus) -> dict:
     same = lambda i: tokens  # noqa: E731
     timing = (args.warmup, args.iters, args.trials)
     out = {"recipe": recipe_name, "plain_ms": time_step(run.train_step, fresh(), same, *timing)}
+    profiles = {}
+    if args.profile:
+        profiles["plain"] = profile_steps(run.train_step, fresh(), tokens)[1]
     if run.inspect_step is not None:
         for every in args.sample:
             step = run.jit_step(te_inspect.Sample(every))
             suffix = "" if every == 1 else f"_every{every}"
             out["inspect_ms" + suffix] = ms = time_step(step, fresh(), same, *timing)
             out["overhead" + suffix] = ms / out["plain_ms"] - 1
+            if args.profile:
+                profiles[f"inspect every {every}"] = profile_steps(step, fresh(), tokens)[1]
+    if profiles:
+        out["profiles"] = profiles
+        for name, summary in profiles.items():
+            print(format_summary(f"{recipe_name} {name}", summary), flush=True)
     if args.bare:
         step = jax.jit(gpt.make_train_step(run.model, run.recipe, None, jax.random.key(1)), donate_argnums=0)
         bare_tokens = jax.device_put(jax.device_get(tokens))
@@ -107,6 +119,7 @@ def main() -> None:
                    help="comma-separated row strides of te_jax.inspect.Sample to time (default 1: every row)")
     p.add_argument("--bare", action="store_true", help="also time the step jitted without shardings or mesh")
     p.add_argument("--loop", action="store_true", help="also time the example's training loop")
+    p.add_argument("--profile", action="store_true", help="also print where the device time of each step goes")
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--md", help="write a markdown table here")
     args = p.parse_args()

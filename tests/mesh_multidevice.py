@@ -11,8 +11,23 @@ gradients of parameters and input, the fp8_meta update) of
 
 sharded by ``te_jax.sharding.logical_axis_rules`` and unsharded, and prints
 one JSON line per case: max relative errors, whether every device holds the
-same fp8 update, the collectives of the compiled step per kind, and the
-element types the all-gathers move.
+same fp8 update, the collectives of the compiled step per kind, the element
+types the all-gathers move, and a verdict:
+
+* ``exact``: loss, x gradient and parameter gradients within ``EXACT`` (1e-5)
+  of one device (what the CPU tests require of every case);
+* ``within noise``: not exact, but each within ``NOISE_FACTOR`` times the
+  case's noise floor (``noise_floor``: what a ~1e-6 relative change of x does
+  to the one-device step). On GPUs a mesh's GEMMs sum in another order than one
+  device's (the high-precision program differs by a few 1e-7); an FP8 cast
+  turns such a difference next to a rounding boundary into a whole
+  quantization step, so a multi-layer FP8 model on a GPU mesh can only be
+  held to the size of that sensitivity, which this measures per case. The
+  partitioning itself is the same Python on every backend, and the CPU tests
+  hold it to ``EXACT``;
+* ``mismatch``, or ``fp8 state differs between devices``.
+
+``--check`` exits 1 unless every case is exact or within noise.
 """
 
 from __future__ import annotations
@@ -58,6 +73,11 @@ RECIPES = {"delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8C
            # no quantization: how closely the high-precision program alone matches across meshes
            "hp": None}
 B, T, H, F, HEADS = 8, 32, 64, 256, 4
+EXACT = 1e-5
+# Chosen on 2026-11-30 from two H200s: tp2 stack errors were 0.4x-5x their three-draw floors; a
+# partitioning error (a missing reduction, a wrong amax) moves the loss by far more than 10x its floor.
+NOISE_FACTOR = 10.0
+JUDGED = ("loss", "x", "params")
 RESIDUAL = ("batch", "length", "hidden")
 
 
@@ -135,15 +155,15 @@ def step_errors(loss, grads, ref_loss, ref_grads) -> dict[str, float]:
                                                        jax.tree.leaves(ref_grads["params"])))}
 
 
-def noise_floor(step, variables, x, c, device, ref, trials: int = 3, eps: float = 2.0**-20) -> dict:
+def noise_floor(step, variables, x, c, device, ref, trials: int = 8, eps: float = 2.0**-20) -> dict:
     """The largest errors of the one-device step when every element of x moves by a relative ~``eps``.
 
     An FP8 cast turns a tiny difference in a value that lies near a rounding boundary into a whole
-    quantization step downstream. The high-precision program on a mesh differs from one device by
-    a few 1e-7 relative (GEMMs summed in another order); this is what a somewhat larger difference
-    (about 1e-6, tails to 4e-6) in the input does to the one-device FP8 step: a loose yardstick for a
-    mesh whose GEMM sums are not exact, for diagnosis, not a tolerance. (A run on 2026-11-30 moved 1%
-    of x's elements by one ulp: far too small to flip any rounding.)
+    quantization step downstream. The high-precision program on a GPU mesh differs from one device
+    by a few 1e-7 relative (GEMMs summed in another order); this is what a somewhat larger difference
+    (about 1e-6, tails to 4e-6) in the input does to the one-device step, the largest of ``trials``
+    draws: the yardstick of the "within noise" verdict. (A run on 2026-11-30 moved 1% of x's elements
+    by one ulp instead: far too small to flip any rounding.)
     """
     worst: dict[str, float] = {}
     jitted = jax.jit(step)
@@ -153,6 +173,17 @@ def noise_floor(step, variables, x, c, device, ref, trials: int = 3, eps: float 
         errs = step_errors(*jitted(*jax.device_put((variables, xp, c), device)), *ref)
         worst = {k: max(worst.get(k, 0.0), v) for k, v in errs.items()}
     return worst
+
+
+def verdict(errors: dict, floor: dict | None, fp8_same_everywhere: bool) -> str:
+    """"exact", "within noise", "mismatch" or "fp8 state differs between devices" (module docstring)."""
+    if not fp8_same_everywhere:
+        return "fp8 state differs between devices"
+    if all(errors[k] <= EXACT for k in JUDGED if k in errors):
+        return "exact"
+    if floor and all(errors[k] <= max(EXACT, NOISE_FACTOR * floor[k]) for k in JUDGED if k in errors):
+        return "within noise"
+    return "mismatch"
 
 
 def rel_err(a, b) -> float:
@@ -188,7 +219,6 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices, with_no
 
     one = jax.devices()[0] if devices[0].platform == "cpu" else devices[0]
     ref_loss, ref_grads = jax.jit(step)(*jax.device_put((variables, x, c), one))
-    floor = noise_floor(step, variables, x, c, one, (ref_loss, ref_grads)) if with_noise_floor else None
 
     rules = logical_axis_rules(mesh_resource)
     with nn.logical_axis_rules(rules):
@@ -215,7 +245,8 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices, with_no
             hlo = jitted.lower(sv, sx, sc).compile().as_text()
             new = jitted(sv, sx, sc)
         errs = {"params": max(rel_err(a, b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref)))}
-        return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs, fp8_same_everywhere=True,
+        return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs,
+                    verdict=verdict(errs, None, True), fp8_same_everywhere=True,
                     partitioned_all_gathers=partitioned_all_gathers(before), **collectives(hlo))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         jitted = jax.jit(step)
@@ -233,8 +264,13 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices, with_no
             "fp8_meta": max((rel_err(a, b) for a, b in zip(jax.tree.leaves(grads.get("fp8_meta", {})),
                                                           jax.tree.leaves(ref_grads.get("fp8_meta", {})))),
                             default=0.0)}
+    # The floor is needed to judge any case that is not exact; --noise-floor reports it for all.
+    floor = None
+    if with_noise_floor or any(errs[k] > EXACT for k in JUDGED):
+        floor = noise_floor(step, variables, x, c, one, (ref_loss, ref_grads))
+    same = same_on_every_device(grads.get("fp8_meta", {}))
     return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs, noise_floor=floor,
-                fp8_same_everywhere=same_on_every_device(grads.get("fp8_meta", {})), worst=worst,
+                verdict=verdict(errs, floor, same), fp8_same_everywhere=same, worst=worst,
                 x_grad_spec=str(grads["x"].sharding.spec), partitioned_all_gathers=partitioned_all_gathers(before),
                 **collectives(hlo))
 
@@ -247,7 +283,8 @@ def main() -> int:
     p.add_argument("--backend", default="ffi", choices=te_jax.backend.BACKENDS,
                    help="te_jax ops from the FFI kernels or the pure-JAX reference (to bisect a mismatch)")
     p.add_argument("--noise-floor", action="store_true",
-                   help="also report the one-device errors when x changes by ~1e-6 relative (noise_floor)")
+                   help="report the noise floor of every case (cases that are not exact always get one)")
+    p.add_argument("--check", action="store_true", help="exit 1 unless every case is exact or within noise")
     args = p.parse_args()
     devices = jax.devices()
     print(json.dumps(dict(platform=devices[0].platform, devices=len(devices))), flush=True)
@@ -263,6 +300,8 @@ def main() -> int:
                 except Exception as err:  # noqa: BLE001 (report every case)
                     out = dict(model=model_name, mesh=mesh_name, recipe=recipe_name,
                                error=f"{type(err).__name__}: {str(err)[:2000]}")
+                    failed = True
+                if args.check and out.get("verdict") not in ("exact", "within noise"):
                     failed = True
                 print(json.dumps(out), flush=True)
     return 1 if failed else 0

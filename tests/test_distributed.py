@@ -101,6 +101,22 @@ def test_matches_one_device(cases, model, mesh, recipe):
     case = _case(cases, model, mesh, recipe)
     assert max(case["errors"].values()) <= 1e-5, case["errors"]
     assert case["fp8_same_everywhere"]
+    assert case["verdict"] == "exact"
+
+
+def test_verdict_judges_against_the_noise_floor():
+    """The GPU mesh check's verdict: exact, within NOISE_FACTOR of the floor, or not."""
+    import mesh_multidevice as mm
+
+    exact = {"loss": 1e-7, "x": 2e-6, "params": 9e-6, "fp8_meta": 0.5}  # fp8_meta is not judged
+    assert mm.verdict(exact, None, True) == "exact"
+    assert mm.verdict(exact, None, False) == "fp8 state differs between devices"
+    floor = {"loss": 1e-3, "x": 4e-2, "params": 8e-2}
+    noisy = {"loss": 7e-3, "x": 6e-2, "params": 0.11, "fp8_meta": 1e-2}
+    assert mm.verdict(noisy, floor, True) == "within noise"
+    assert mm.verdict(noisy, None, True) == "mismatch"  # no floor: nothing to judge against
+    assert mm.verdict({**noisy, "loss": 1.1e-2}, floor, True) == "mismatch"  # loss 11x its floor
+    assert mm.verdict(noisy, {**floor, "params": 0.0}, True) == "mismatch"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

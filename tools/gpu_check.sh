@@ -18,7 +18,8 @@
 # --multi-gpu[=mesh,scaling]  (2 or more GPUs; default both) "mesh": the layer mesh checks of
 #                   tests/mesh_multidevice.py, dp and tp over two GPUs against one, NCCL collectives
 #                   (models from $MESH_MODELS, meshes from $MESH_MESHES, recipes from $MESH_RECIPES;
-#                   MESH_NOISE_FLOOR=1 adds --noise-floor, MESH_BACKEND=reference runs the pure-JAX twins); "scaling": the data-parallel scaling of the 125m GPT
+#                   MESH_NOISE_FLOOR=1 adds --noise-floor, MESH_BACKEND=reference runs the pure-JAX twins;
+#                   the job fails unless every case is exact or within its noise floor); "scaling": the data-parallel scaling of the 125m GPT
 #                   (tokens/s on one GPU at batch 32 against all of them at 32 per GPU).
 # --train=RUN,...   examples/gpt, one run per GPU at a time. RUN is RECIPE[@PRESET[:STEPS]]
 #                   (default preset $TRAIN_PRESET or 125m, steps $TRAIN_STEPS or the preset's);
@@ -60,7 +61,7 @@ train_job() {  # recipe[+inspect] preset [steps]
 }
 mesh_job() {
   cd "$ROOT/tests" && $PY mesh_multidevice.py --models "${MESH_MODELS:-mlp,stack}" --meshes "${MESH_MESHES:-dp2,tp2}" \
-    --recipes "${MESH_RECIPES:-delayed,current,delayed_split,current_split}" ${MESH_NOISE_FLOOR:+--noise-floor} \
+    --recipes "${MESH_RECIPES:-delayed,current,delayed_split,current_split}" --check ${MESH_NOISE_FLOOR:+--noise-floor} \
     ${MESH_BACKEND:+--backend "$MESH_BACKEND"} | tee /dev/stderr | grep '^{' >> "$OUT/multi_gpu.log"
 }
 scaling_job() {  # the 125m GPT on the first GPU at batch 32, then on all of them at 32 per GPU
