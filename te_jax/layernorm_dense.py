@@ -191,18 +191,19 @@ class GemmQuant:
 
         The ScaledTensor is named ``QUANTIZED`` before anything reads it (the
         state update too), so a remat policy that saves it never reruns ``fn``.
-        When inspecting, ``reference()`` gives the high-precision (float32)
-        tensor ``fn`` quantized, which the statistics compare against; callers
-        compute it with the pure-JAX reference (bit-identical to the fused
-        kernel) so XLA fuses it into the statistics' reductions instead of
-        writing and re-reading a float32 copy.
+        When inspecting, the statistics compare the quantized tensor with
+        ``reference``: the high-precision tensor itself, or, for a fused
+        kernel's output, ``rows -> its rows [rows]`` (float32, ``[M', N]``),
+        recomputed by the pure-JAX twin (bit-identical to the fused kernel)
+        for just the rows the statistics read, where XLA fuses it into their
+        reductions instead of writing and re-reading a float32 copy.
         """
         role, qz = _ROLE_OF[field], getattr(self.q, field)
         key = None if self.key is None else jax.random.fold_in(self.key, ROLES.index(role))
         out = fn(qz, self.st.get(role), key)
         out = (name_quantized(out[0]), *out[1:])
         if self.stats is not None:
-            self.stats[role] = tensor_stats(reference(), out[0], primary_copy(role), self.sample)
+            self.stats[role] = tensor_stats(reference, out[0], primary_copy(role), self.sample)
         if role in self.st:
             amax = out[0].amax
             if amax is None:
@@ -220,7 +221,7 @@ class GemmQuant:
             return x
         return self.run(field, lambda qz, st, key: (qz.quantize(x, st, rowwise=rowwise, colwise=colwise,
                                                                 flatten_axis=flatten_axis, key=key),),
-                        lambda: x)[0]
+                        x)[0]
 
     def qdq(self, field: str, y):
         """Quantize-dequantize of a GEMM output (linear_output, linear_grad_input)."""
@@ -254,8 +255,8 @@ def norm_input(norm: NormSpec | None, g: GemmQuant, x, gamma, beta, dtype, train
         return norm_ops.norm(x, gamma, beta, qz, st, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
                              epsilon=norm.epsilon, rowwise=True, colwise=training, key=key, out_dtype=dtype)
 
-    def reference():
-        return norm_ops.norm(x, gamma, beta, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
+    def reference(rows: slice):  # a norm is row by row: the rows asked for need only those rows of x
+        return norm_ops.norm(x[rows], gamma, beta, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
                              epsilon=norm.epsilon, out_dtype=jnp.float32, backend="reference")[0]
 
     ln, mean, rsigma = g.run("input", fn, reference) if g.has("input") else fn(None, None, None)

@@ -268,7 +268,8 @@ def _activation_output(plan: _Plan, go: GemmQuant, hid, mask, training: bool):
         return act_ops.activation(hid, plan.activation, out_dtype=plan.dtype)
     return go.run("input", lambda qz, st, k: (act_ops.activation(hid, plan.activation, qz, st, rowwise=True,
                                                                  colwise=training, key=k),),
-                  lambda: act_ops.activation(hid, plan.activation, out_dtype=jnp.float32, backend="reference"))[0]
+                  lambda rows: act_ops.activation(hid[rows], plan.activation, out_dtype=jnp.float32,
+                                                  backend="reference"))[0]
 
 
 def _forward(plan: _Plan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, qstats, training: bool):
@@ -324,8 +325,9 @@ def _bwd(plan: _Plan, res, cts):
         return act_ops.activation_grad(da, hid, plan.activation, qz, s, dbias=has_b1, rowwise=True, colwise=True,
                                        key=k, out_dtype=None if qz is not None else plan.dtype)
 
-    def reference():
-        return act_ops.activation_grad(da, hid, plan.activation, out_dtype=jnp.float32, backend="reference")[0]
+    def reference(rows: slice):
+        return act_ops.activation_grad(da[rows], hid[rows], plan.activation, out_dtype=jnp.float32,
+                                       backend="reference")[0]
 
     dh, db1 = gi.run("grad_output", act_grad, reference) if gi.has("grad_output") else act_grad(None, None, None)
     db1 = None if not has_b1 else db1.astype(plan.b1_dtype)

@@ -419,6 +419,25 @@ def test_sampled_statistics_are_those_of_the_sampled_rows(name, every):
         assert np.sum(amax_blocks > 0) < amax_blocks.size  # the zero block is left out
 
 
+@pytest.mark.parametrize("every", [1, 4, 5])
+def test_recomputed_reference_is_asked_for_the_sampled_rows_only(every):
+    """A fused kernel's output is recomputed for the rows the statistics read, with the same statistics."""
+    x = jax.random.normal(jax.random.key(5), (40, 64)) * 3
+    t = CurrentScalingQuantizer().quantize(x, rowwise=True, colwise=False)
+    asked = []
+
+    def rows_of_x(rows: slice):
+        asked.append(rows)
+        return x[rows]
+
+    sample = S.Sample(every)
+    got = S.tensor_stats(rows_of_x, t, "rowwise", sample)
+    want = S.tensor_stats(x, t, "rowwise", sample)
+    assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}
+    stride = {1: 1, 4: 4, 5: 5}[every]  # 40 rows: 4 and 5 divide them
+    assert asked == [slice(None, None, stride) if stride > 1 else slice(None)]
+
+
 def test_sample_one_is_every_row_and_weights_are_read_whole():
     x = jax.random.normal(jax.random.key(3), (64, 64))
     t = NVFP4Quantizer(block_2d=True).quantize(x, rowwise=True, colwise=True)

@@ -24,7 +24,8 @@
 # --train=RUN,...   examples/gpt, one run per GPU at a time. RUN is RECIPE[@PRESET[:STEPS]]
 #                   (default preset $TRAIN_PRESET or 125m, steps $TRAIN_STEPS or the preset's);
 #                   "flax-fp8" is the same model through flax.linen's Fp8DotGeneral; RECIPE+inspect
-#                   adds --inspect (statistics at each evaluation step).
+#                   adds --inspect (statistics at each evaluation step), RECIPE+inspectK also
+#                   --inspect-every K (every K-th row).
 # --deadline=S      every job ends within S seconds of the script's start (default 570).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,15 +49,19 @@ bench_job() {
   eval "args=(${!var:-})"
   cd /tmp && $PY "$ROOT/benchmarks/bench_$1.py" --out "$OUT/bench_$1.json" --md "$OUT/bench_$1.md" "${args[@]}"
 }
-train_job() {  # recipe[+inspect] preset [steps]
-  local json="/tmp/train_$GPU_JOB.json" extra=() recipe=${1%+inspect}
+train_job() {  # recipe[+inspect[K]] preset [steps]
+  local json="/tmp/train_$GPU_JOB.json" extra=() recipe=${1%%+inspect*} every=${1##*+inspect}
   [ -n "${3:-}" ] && extra=(--steps "$3")
-  [[ $1 == *+inspect ]] && extra+=(--inspect "/tmp/inspect_$GPU_JOB")
+  if [[ $1 == *+inspect* ]]; then
+    extra+=(--inspect "/tmp/inspect_$GPU_JOB")
+    [ -n "$every" ] && extra+=(--inspect-every "$every")
+  fi
   cd /tmp && $PY "$ROOT/examples/gpt/train.py" --preset "$2" --recipe "$recipe" "${extra[@]}" --no-progress \
     --log-every 100 --json "$json" || return 1
   $PY -c "import json, sys; r = json.load(open('$json'))[0]; print(json.dumps({k: r[k] for k in \
 ('recipe', 'preset', 'steps', 'final_train_loss', 'final_eval_loss', 'tokens_per_s')} | {'run': sys.argv[2], \
-'gpu': sys.argv[1], 'window_tokens_per_s': [round(v) for v in r['history']['window_tokens_per_s']]}))" \
+'gpu': sys.argv[1], 'window_tokens_per_s': [round(v) for v in r['history']['window_tokens_per_s']]} | \
+{k: v for k, v in (r.get('inspection') or {}).items() if k in ('step_ms', 'inspect_step_ms', 'overhead')}))" \
   "$CUDA_VISIBLE_DEVICES" "$1" >> "$OUT/train.log"
 }
 mesh_job() {

@@ -43,7 +43,7 @@ import dataclasses
 import functools
 import numbers
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -229,24 +229,29 @@ def _scale_stats(log2: jax.Array, n_ok, total, top, bottom) -> Stats:
             "scale_log2_std": jnp.sqrt(var)}
 
 
-def _sampled_rows(t: ScaledTensor, copy: str, sample: Sample | None, xm: jax.Array) -> int:
+def _sampled_rows(t: ScaledTensor, copy: str, sample: Sample | None, rows_of: jax.Array) -> int:
     """The row stride the statistics of ``t``'s ``copy`` read with (1: every row).
 
-    The largest divisor of the rows per device that is at most ``sample.every``: then rows 0, k, 2k,
-    ... of the whole tensor are rows 0, k, 2k, ... of every device's block, and the sample moves no data
-    between devices (a typed Explicit sharding would refuse a slice that did).
+    The largest divisor of the rows per device (``rows_of``'s first dimension, as its sharding splits
+    it) that is at most ``sample.every``: then rows 0, k, 2k, ... of the whole tensor are rows 0, k,
+    2k, ... of every device's block, and the sample moves no data between devices (a typed Explicit
+    sharding would refuse a slice that did).
     """
     if sample is None or sample.every == 1 or copy != "rowwise" or t.block_2d:
         return 1
-    rows = xm.shape[0] // dim_shards(xm, 0)
+    rows = rows_of.shape[0] // dim_shards(rows_of, 0)
     return max(d for d in range(1, min(sample.every, rows) + 1) if rows % d == 0)
 
 
-def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise", sample: Sample | None = None) -> Stats:
+def tensor_stats(x: jax.Array | Callable[[slice], jax.Array], t: ScaledTensor, copy: str = "rowwise",
+                 sample: Sample | None = None) -> Stats:
     """The statistics (``STAT_NAMES``) of ``t``'s ``copy``, the quantization of ``x``.
 
     Args:
-      x: the high-precision tensor ``t`` quantizes, in ``t.shape``.
+      x: the high-precision tensor ``t`` quantizes, in ``t.shape``; or a function
+        ``rows -> x.reshape(t.matrix_shape)[rows]`` that computes just the rows
+        asked for (a fused kernel's output recomputed by its pure-JAX twin:
+        with sampling, only the sampled rows are recomputed).
       t: its ScaledTensor.
       copy: "rowwise" (the ``[M, N]`` matrix) or "colwise" (``[N, M]``,
         compared in the Hadamard domain when ``t.rht``).
@@ -254,8 +259,16 @@ def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise", sample: S
     """
     if copy not in COPIES:
         raise ValueError(f"te_jax.inspect: copy must be one of {COPIES}, got {copy!r}")
-    every = _sampled_rows(t, copy, sample, x.reshape(t.matrix_shape))
-    explicit = explicit_axes(x)
+    # An array whose type carries the rows' sharding (a column-wise copy is read whole: any will do).
+    typed = x if not callable(x) else t.data if t.data is not None else t.colwise_data
+    explicit = explicit_axes(typed)
+    every = _sampled_rows(t, copy, sample, typed.reshape(t.matrix_shape[0], -1))
+    if callable(x):
+        # Only rows the statistics read are recomputed (outside Explicit axes, where a strided slice of
+        # a typed split dimension is left to the Auto-axes reduction below).
+        if every > 1 and not explicit:
+            return _tensor_stats(x(slice(None, None, every)), t, copy, every, presampled=True)
+        x = x(slice(None))
     if explicit:
         # Typed (Explicit) shardings give the variadic reductions no rule but gathering their operands
         # whole; as Auto axes, XLA partitions them like any reduction (per device, then the totals).
@@ -264,8 +277,9 @@ def tensor_stats(x: jax.Array, t: ScaledTensor, copy: str = "rowwise", sample: S
     return _tensor_stats(x, t, copy, every)
 
 
-def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int) -> Stats:
-    xm = x.astype(jnp.float32).reshape(t.matrix_shape)
+def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int, presampled: bool = False) -> Stats:
+    """The statistics of ``x`` (``t.matrix_shape``, or its rows 0, every, ... when ``presampled``)."""
+    xm = x.astype(jnp.float32).reshape(-1, t.matrix_shape[1])
     # The pure-JAX dequantize (bit-identical to the custom call): XLA fuses it into the reductions
     # below, where the custom call would write and re-read a float32 copy of the tensor.
     if copy == "colwise":
@@ -277,7 +291,8 @@ def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int) -> Stats
         values = t.dequantize(jnp.float32, backend="reference").reshape(t.matrix_shape)
     codes, decode = _copy(t, copy)
     if every > 1:  # strided row slices; XLA fuses them into the reduction's reads
-        xm, values, codes = xm[::every], values[::every], codes[::every]
+        xm = xm if presampled else xm[::every]
+        values, codes = values[::every], codes[::every]
         decode = decode if decode.size == 1 else decode[::every]
     per_tensor = t.mode is ScalingMode.FP8_TENSOR
     group = xm.shape[1] if per_tensor else _BLOCK[t.mode]  # per-tensor: one group per row
