@@ -88,6 +88,24 @@ def test_recipe_from_a_recipes_path(capsys):
     assert "current_scaling_ref" in capsys.readouterr().out
 
 
+def test_inspect_writes_statistics_a_report_and_the_cost(tmp_path, capsys):
+    """--inspect with --inspect-every: statistics at each evaluation, the JSON lines, the PNG, the cost per step."""
+    (result,) = train_lib.main(["--recipe", "current", "--steps", "4", "--batch", "4", "--seq-len", "64",
+                                "--eval-every", "2", "--eval-batches", "1", "--data-bytes", str(1 << 20),
+                                "--no-progress", "--inspect", str(tmp_path), "--inspect-every", "2"])
+    inspection = result["inspect"]
+    lines = [json.loads(line) for line in Path(inspection["jsonl"]).read_text().splitlines()]
+    assert {r["step"] for r in lines} == {2, 4}  # the evaluation steps
+    assert {r["role"] for r in lines} >= {"linear_input", "linear_weight", "linear_grad_output"}
+    assert all(0 < r["rel_error"] < 0.2 for r in lines if r["role"] == "linear_input")
+    assert Path(inspection["report"]).stat().st_size > 0
+    assert inspection["step_ms"] > 0 and inspection["inspect_step_ms"] > 0
+    assert inspection["overhead"] == pytest.approx(inspection["inspect_step_ms"] / inspection["step_ms"] - 1)
+    assert "inspection costs" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--inspect-every needs --inspect"):
+        train_lib.main(["--inspect-every", "2"])
+
+
 def test_bad_recipe_and_mesh_say_what_to_do():
     with pytest.raises(ValueError, match="no recipe named"):
         train_lib.make_recipe("fp9")

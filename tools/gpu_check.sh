@@ -61,7 +61,7 @@ train_job() {  # recipe[+inspect[K]] preset [steps]
   $PY -c "import json, sys; r = json.load(open('$json'))[0]; print(json.dumps({k: r[k] for k in \
 ('recipe', 'preset', 'steps', 'final_train_loss', 'final_eval_loss', 'tokens_per_s')} | {'run': sys.argv[2], \
 'gpu': sys.argv[1], 'window_tokens_per_s': [round(v) for v in r['history']['window_tokens_per_s']]} | \
-{k: v for k, v in (r.get('inspection') or {}).items() if k in ('step_ms', 'inspect_step_ms', 'overhead')}))" \
+{k: v for k, v in (r.get('inspect') or {}).items() if k in ('step_ms', 'inspect_step_ms', 'overhead')}))" \
   "$CUDA_VISIBLE_DEVICES" "$1" >> "$OUT/train.log"
 }
 mesh_job() {
