@@ -7,9 +7,11 @@ Reads the trace with ``jax.profiler.ProfileData`` (no TensorBoard needed). On a
 GPU the kernels are the events of the device plane's stream lines; each names
 its HLO op (a fusion, a custom call, a GEMM) in its ``hlo_op`` stat. The
 summary gives the device time per step, the kernel count per step, and time
-per op *kind*: the op's name without its ``.N`` suffix (``loop_multiply_fusion``,
-``input_reduce_fusion``, ``custom-call``...), so two programs compare kind by kind
-even where XLA numbered their fusions differently.
+per op *kind*: the op's name without its ``.N`` / ``_N`` suffix (``loop_multiply_fusion``,
+``input_reduce_fusion``, ``command_buffer``...), so two programs compare kind by kind
+even where XLA numbered their ops differently. Kernels that run inside an XLA
+command buffer (CUDA graph) carry the command buffer's name, not their fusion's:
+profile with ``XLA_FLAGS=--xla_gpu_enable_command_buffer=`` to see the fusions.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ _DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "TensorFlow Ops", "Framewor
 
 
 def _kind(op: str) -> str:
-    return re.sub(r"(\.\d+)+$", "", op)
+    """``op`` without XLA's numbering (``fusion.12`` -> ``fusion``, ``command_buffer_1615`` -> ``command_buffer``)."""
+    return re.sub(r"([._]\d+)+$", "", op)
 
 
 def _device_events(data: ProfileData, seen_lines: list | None = None):
@@ -88,6 +91,7 @@ def profile_steps(step, state, batch, steps: int = 3, top: int = 25):
 
 
 def format_summary(name: str, s: dict, rows: int = 12) -> str:
+    """A few lines: device ms and kernels per step, then the ``rows`` op kinds that took longest."""
     lines = [f"{name}: {s['device_ms']:.2f} device ms/step, {s['kernels']:.0f} kernels/step"]
     lines += [f"  {k['ms']:9.3f} ms {k['kernels']:7.0f} x  {k['kind']}" for k in s["kinds"][:rows]]
     return "\n".join(lines)

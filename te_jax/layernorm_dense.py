@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -186,17 +186,18 @@ class GemmQuant:
     def has(self, field: str) -> bool:
         return getattr(self.q, field) is not None
 
-    def run(self, field: str, fn, reference=None):
+    def run(self, field: str, fn: Callable, reference: jax.Array | Callable[[slice], jax.Array] | None = None):
         """``fn(quantizer, state, key) -> (ScaledTensor, *extras)``, recording the amax for stateful roles.
 
         The ScaledTensor is named ``QUANTIZED`` before anything reads it (the
         state update too), so a remat policy that saves it never reruns ``fn``.
         When inspecting, the statistics compare the quantized tensor with
         ``reference``: the high-precision tensor itself, or, for a fused
-        kernel's output, ``rows -> its rows [rows]`` (float32, ``[M', N]``),
-        recomputed by the pure-JAX twin (bit-identical to the fused kernel)
-        for just the rows the statistics read, where XLA fuses it into their
-        reductions instead of writing and re-reading a float32 copy.
+        kernel's output, a function that takes a row slice and returns those
+        rows of the tensor (float32, ``[M', N]``), recomputed by the pure-JAX
+        twin (bit-identical to the fused kernel) for just the rows the
+        statistics read, where XLA fuses it into their reductions instead of
+        writing and re-reading a float32 copy.
         """
         role, qz = _ROLE_OF[field], getattr(self.q, field)
         key = None if self.key is None else jax.random.fold_in(self.key, ROLES.index(role))
@@ -255,7 +256,7 @@ def norm_input(norm: NormSpec | None, g: GemmQuant, x, gamma, beta, dtype, train
         return norm_ops.norm(x, gamma, beta, qz, st, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
                              epsilon=norm.epsilon, rowwise=True, colwise=training, key=key, out_dtype=dtype)
 
-    def reference(rows: slice):  # a norm is row by row: the rows asked for need only those rows of x
+    def reference(rows: slice) -> jax.Array:  # a norm is row by row: the rows asked for need only those rows of x
         return norm_ops.norm(x[rows], gamma, beta, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
                              epsilon=norm.epsilon, out_dtype=jnp.float32, backend="reference")[0]
 

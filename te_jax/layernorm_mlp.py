@@ -325,7 +325,7 @@ def _bwd(plan: _Plan, res, cts):
         return act_ops.activation_grad(da, hid, plan.activation, qz, s, dbias=has_b1, rowwise=True, colwise=True,
                                        key=k, out_dtype=None if qz is not None else plan.dtype)
 
-    def reference(rows: slice):
+    def reference(rows: slice) -> jax.Array:
         return act_ops.activation_grad(da[rows], hid[rows], plan.activation, out_dtype=jnp.float32,
                                        backend="reference")[0]
 

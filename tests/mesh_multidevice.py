@@ -16,15 +16,19 @@ types the all-gathers move, and a verdict:
 
 * ``exact``: loss, x gradient and parameter gradients within ``EXACT`` (1e-5)
   of one device (what the CPU tests require of every case);
-* ``within noise``: not exact, but each within ``NOISE_FACTOR`` times the
-  case's noise floor (``noise_floor``: what a ~1e-6 relative change of x does
-  to the one-device step). On GPUs a mesh's GEMMs sum in another order than one
-  device's (the high-precision program differs by a few 1e-7); an FP8 cast
-  turns such a difference next to a rounding boundary into a whole
-  quantization step, so a multi-layer FP8 model on a GPU mesh can only be
-  held to the size of that sensitivity, which this measures per case. The
-  partitioning itself is the same Python on every backend, and the CPU tests
-  hold it to ``EXACT``;
+* ``within noise`` (the ``stack`` model only): not exact, but each within
+  ``NOISE_FACTOR`` times the case's noise floor (``noise_floor``: what a
+  ~1e-6 relative change of x does to the one-device step). On GPUs a mesh's
+  GEMMs sum in another order than one device's (the high-precision program
+  differs by a few 1e-7); an FP8 cast turns such a difference next to a
+  rounding boundary into a whole quantization step, so a multi-layer FP8
+  model on a GPU mesh can only be held to the size of that sensitivity,
+  which this measures per case. That catches gross errors only: with the
+  floors measured on two H200s (loss 3e-3 to 4e-2, gradients 5e-2 to 1e-1),
+  a subtle fault such as current scaling with each device's own amax would
+  pass (on CPU it moves the loss 15x its floor; ``--inject-fault``). The
+  single-layer ``mlp`` cases must be exact everywhere, and the CPU tests hold
+  every case to ``EXACT``; the partitioning is the same Python on every backend;
 * ``mismatch``, or ``fp8 state differs between devices``.
 
 ``--check`` exits 1 unless every case is exact or within noise.
@@ -74,9 +78,10 @@ RECIPES = {"delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8C
            "hp": None}
 B, T, H, F, HEADS = 8, 32, 64, 256, 4
 EXACT = 1e-5
-# Chosen on 2026-11-30 from two H200s: tp2 stack errors were 0.4x-5x their three-draw floors; a
-# partitioning error (a missing reduction, a wrong amax) moves the loss by far more than 10x its floor.
-NOISE_FACTOR = 10.0
+# Chosen after seeing the runs of 2026-11-30 on two H200s: the tp2 stack's errors were 0.25x-2.3x
+# their eight-draw floors.
+NOISE_FACTOR = 4.0
+NOISE_JUDGED_MODELS = ("stack",)  # multi-layer models; a single layer must be exact on every backend
 JUDGED = ("loss", "x", "params")
 RESIDUAL = ("batch", "length", "hidden")
 
@@ -176,7 +181,10 @@ def noise_floor(step, variables, x, c, device, ref, trials: int = 8, eps: float 
 
 
 def verdict(errors: dict, floor: dict | None, fp8_same_everywhere: bool) -> str:
-    """"exact", "within noise", "mismatch" or "fp8 state differs between devices" (module docstring)."""
+    """"exact", "within noise", "mismatch" or "fp8 state differs between devices" (module docstring).
+
+    ``floor`` is None where no noise floor may excuse an error (single-layer models, SGD steps).
+    """
     if not fp8_same_everywhere:
         return "fp8 state differs between devices"
     if all(errors[k] <= EXACT for k in JUDGED if k in errors):
@@ -266,11 +274,12 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices, with_no
                             default=0.0)}
     # The floor is needed to judge any case that is not exact; --noise-floor reports it for all.
     floor = None
-    if with_noise_floor or any(errs[k] > EXACT for k in JUDGED):
+    if with_noise_floor or (model_name in NOISE_JUDGED_MODELS and any(errs[k] > EXACT for k in JUDGED)):
         floor = noise_floor(step, variables, x, c, one, (ref_loss, ref_grads))
     same = same_on_every_device(grads.get("fp8_meta", {}))
     return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs, noise_floor=floor,
-                verdict=verdict(errs, floor, same), fp8_same_everywhere=same, worst=worst,
+                verdict=verdict(errs, floor if model_name in NOISE_JUDGED_MODELS else None, same),
+                fp8_same_everywhere=same, worst=worst,
                 x_grad_spec=str(grads["x"].sharding.spec), partitioned_all_gathers=partitioned_all_gathers(before),
                 **collectives(hlo))
 
@@ -285,7 +294,14 @@ def main() -> int:
     p.add_argument("--noise-floor", action="store_true",
                    help="report the noise floor of every case (cases that are not exact always get one)")
     p.add_argument("--check", action="store_true", help="exit 1 unless every case is exact or within noise")
+    p.add_argument("--inject-fault", choices=("local-amax",),
+                   help="break the partitioning on purpose (to show the check fails): current scaling's split "
+                        "quantize skips the amax pmax, so each device scales by its own amax")
     args = p.parse_args()
+    if args.inject_fault == "local-amax":
+        from te_jax.ops import partition
+
+        partition.Shards.pmax = lambda self, amax: amax
     devices = jax.devices()
     print(json.dumps(dict(platform=devices[0].platform, devices=len(devices))), flush=True)
     failed = False

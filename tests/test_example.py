@@ -99,8 +99,8 @@ def test_inspect_writes_statistics_a_report_and_the_cost(tmp_path, capsys):
     assert {r["role"] for r in lines} >= {"linear_input", "linear_weight", "linear_grad_output"}
     assert all(0 < r["rel_error"] < 0.2 for r in lines if r["role"] == "linear_input")
     assert Path(inspection["report"]).stat().st_size > 0
-    assert inspection["step_ms"] > 0 and inspection["inspect_step_ms"] > 0
-    assert inspection["overhead"] == pytest.approx(inspection["inspect_step_ms"] / inspection["step_ms"] - 1)
+    # the statistics add work: on CPU the inspected step is not faster than half the plain one
+    assert inspection["inspect_step_ms"] >= 0.5 * inspection["step_ms"] > 0
     assert "inspection costs" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--inspect-every needs --inspect"):
         train_lib.main(["--inspect-every", "2"])

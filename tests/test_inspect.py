@@ -12,6 +12,7 @@ lines / table / report writers; the CLI on CPU.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -419,14 +420,15 @@ def test_sampled_statistics_are_those_of_the_sampled_rows(name, every):
         assert np.sum(amax_blocks > 0) < amax_blocks.size  # the zero block is left out
 
 
-@pytest.mark.parametrize("every", [1, 4, 5])
-def test_recomputed_reference_is_asked_for_the_sampled_rows_only(every):
+@pytest.mark.parametrize("name", ["current", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("every, stride", [(1, 1), (3, 2), (4, 4), (5, 5)])  # 40 rows: 2, 4 and 5 divide them
+def test_recomputed_reference_is_asked_for_the_sampled_rows_only(name, every, stride):
     """A fused kernel's output is recomputed for the rows the statistics read, with the same statistics."""
     x = jax.random.normal(jax.random.key(5), (40, 64)) * 3
-    t = CurrentScalingQuantizer().quantize(x, rowwise=True, colwise=False)
+    t = SAMPLED_QUANTIZERS[name].quantize(x, rowwise=True, colwise=False)
     asked = []
 
-    def rows_of_x(rows: slice):
+    def rows_of_x(rows: slice) -> jax.Array:
         asked.append(rows)
         return x[rows]
 
@@ -434,8 +436,27 @@ def test_recomputed_reference_is_asked_for_the_sampled_rows_only(every):
     got = S.tensor_stats(rows_of_x, t, "rowwise", sample)
     want = S.tensor_stats(x, t, "rowwise", sample)
     assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}
-    stride = {1: 1, 4: 4, 5: 5}[every]  # 40 rows: 4 and 5 divide them
-    assert asked == [slice(None, None, stride) if stride > 1 else slice(None)]
+    # the whole tensor's type is read for its sharding (traced, then dropped), then the sampled rows
+    assert asked == [slice(None)] + ([slice(None, None, stride)] if stride > 1 else [])
+
+
+@pytest.mark.parametrize("recipe", [R.Float8CurrentScaling(), R.MXFP8BlockScaling()], ids=["current", "mxfp8"])
+def test_layers_recompute_only_the_sampled_rows_with_the_same_statistics(recipe, monkeypatch):
+    """In the layers (fused norm, activation and its gradient), recomputing only the sampled rows gives
+    the statistics of recomputing the whole tensor and then sampling it (to float32 rounding: XLA may
+    sum a norm's row in another order for another shape)."""
+    LD = importlib.import_module("te_jax.layernorm_dense")  # the package's layernorm_dense is the function
+    x = jax.random.normal(jax.random.key(0), (96, 64))
+    _, rows_only = _train_grads(Block(), recipe, x, inspect=I.Sample(every=3))
+    whole_stats = LD.tensor_stats
+    monkeypatch.setattr(LD, "tensor_stats", lambda x, t, copy="rowwise", sample=None: whole_stats(
+        x(slice(None)) if callable(x) else x, t, copy, sample))
+    _, whole = _train_grads(Block(), recipe, x, inspect=I.Sample(every=3))
+    a, b = (I.to_rows(g[I.STATS_COLLECTION]) for g in (rows_only, whole))
+    assert len(a) == len(b) == 12  # 4 GEMMs x input, weight, grad_output
+    for got, want in zip(a, b):
+        assert (got["layer"], got["role"]) == (want["layer"], want["role"])
+        assert [got[k] for k in S.STAT_NAMES] == pytest.approx([want[k] for k in S.STAT_NAMES], rel=1e-6, abs=0)
 
 
 def test_sample_one_is_every_row_and_weights_are_read_whole():

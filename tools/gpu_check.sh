@@ -50,9 +50,10 @@ bench_job() {
   cd /tmp && $PY "$ROOT/benchmarks/bench_$1.py" --out "$OUT/bench_$1.json" --md "$OUT/bench_$1.md" "${args[@]}"
 }
 train_job() {  # recipe[+inspect[K]] preset [steps]
-  local json="/tmp/train_$GPU_JOB.json" extra=() recipe=${1%%+inspect*} every=${1##*+inspect}
+  local json="/tmp/train_$GPU_JOB.json" extra=() recipe=${1%%+inspect*} every
   [ -n "${3:-}" ] && extra=(--steps "$3")
   if [[ $1 == *+inspect* ]]; then
+    every=${1##*+inspect}
     extra+=(--inspect "/tmp/inspect_$GPU_JOB")
     [ -n "$every" ] && extra+=(--inspect-every "$every")
   fi
@@ -87,8 +88,10 @@ export -f tests_job bench_job train_job mesh_job scaling_job
 train_estimate() {  # rough seconds for a training run: compile and evaluation, then the steps
   awk -v recipe="$1" -v preset="$2" -v steps="$3" 'BEGIN {
     per_step = preset == "tiny" ? 0.05 : preset == "125m" ? 0.16 : 1.3
-    if (recipe ~ /^(mxfp8|nvfp4|flax-fp8)$/) per_step *= 1.5
-    printf "%d\n", 60 + steps * per_step }'
+    if (recipe ~ /^(mxfp8|nvfp4|flax-fp8)(\+|$)/) per_step *= 1.5
+    # --inspect: a second compile and the cost measurement at the end (2 x 31 steps)
+    extra = recipe ~ /\+inspect/ ? 40 + 62 * per_step : 0
+    printf "%d\n", 60 + extra + steps * per_step }'
 }
 preset_steps() { $PY -c "import sys; sys.path.insert(0, '$ROOT'); from examples.gpt.presets import PRESETS; print(PRESETS['$1'].steps)"; }
 

@@ -66,9 +66,10 @@ def main(out: pathlib.Path) -> None:
         if bench_md.exists():
             md += ["", f"## {path.stem}", "", bench_md.read_text().strip()]
     if summary["training"]:
-        md += ["", "## training", ""] + table(
-            summary["training"],
-            ["recipe", "run", "preset", "steps", "final_train_loss", "final_eval_loss", "tokens_per_s", "gpu"])
+        columns = ["recipe", "run", "preset", "steps", "final_train_loss", "final_eval_loss", "tokens_per_s", "gpu"]
+        if any("overhead" in row for row in summary["training"]):  # runs with --inspect: the example's timing
+            columns += ["step_ms", "inspect_step_ms", "overhead"]
+        md += ["", "## training", ""] + table(summary["training"], columns)
     if summary["multi_gpu"]:
         md += ["", "## multi-GPU", ""] + [json.dumps(row) for row in summary["multi_gpu"]]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))

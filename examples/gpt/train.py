@@ -453,9 +453,8 @@ def write_report(by_recipe: dict, path: Path) -> str | None:
 def inspect_overhead(train_step, inspect_step, state, shardings, tokens, iters: int = 10, trials: int = 3) -> dict:
     """Median ms per step without and with inspection, on a copy of ``state`` (the steps donate it).
 
-    Steps run back to back, as in training, with one wait after ``iters`` of them. (Waiting after
-    each step, as this did until 2026-11-30, measured 162-172 ms per plain 125m step on an H200,
-    against 97 ms back to back; why waiting costs that much is not yet known.)
+    Steps run back to back, as in training, with one wait after ``iters`` of them (docs/inspect.md:
+    waiting after each step measures far longer steps on a GPU).
     """
     import statistics
 

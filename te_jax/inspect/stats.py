@@ -259,16 +259,17 @@ def tensor_stats(x: jax.Array | Callable[[slice], jax.Array], t: ScaledTensor, c
     """
     if copy not in COPIES:
         raise ValueError(f"te_jax.inspect: copy must be one of {COPIES}, got {copy!r}")
-    # An array whose type carries the rows' sharding (a column-wise copy is read whole: any will do).
-    typed = x if not callable(x) else t.data if t.data is not None else t.colwise_data
-    explicit = explicit_axes(typed)
-    every = _sampled_rows(t, copy, sample, typed.reshape(t.matrix_shape[0], -1))
-    if callable(x):
-        # Only rows the statistics read are recomputed (outside Explicit axes, where a strided slice of
-        # a typed split dimension is left to the Auto-axes reduction below).
-        if every > 1 and not explicit:
-            return _tensor_stats(x(slice(None, None, every)), t, copy, every, presampled=True)
-        x = x(slice(None))
+    whole = x(slice(None)) if callable(x) else x
+    # The rows' sharding comes from the high-precision tensor's type: a custom call's outputs (t) carry
+    # no Explicit axes. When only sampled rows are recomputed below, the whole recompute traced here
+    # is dead code that XLA drops.
+    explicit = explicit_axes(whole)
+    every = _sampled_rows(t, copy, sample, whole.reshape(t.matrix_shape))
+    if callable(x) and every > 1 and not explicit:
+        # Only the rows the statistics read are recomputed (under Explicit axes the strided slice of a
+        # typed split dimension is left to the Auto-axes reduction below).
+        return _tensor_stats(x(slice(None, None, every)), t, copy, every, presampled=True)
+    x = whole
     if explicit:
         # Typed (Explicit) shardings give the variadic reductions no rule but gathering their operands
         # whole; as Auto axes, XLA partitions them like any reduction (per device, then the totals).
@@ -279,7 +280,7 @@ def tensor_stats(x: jax.Array | Callable[[slice], jax.Array], t: ScaledTensor, c
 
 def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int, presampled: bool = False) -> Stats:
     """The statistics of ``x`` (``t.matrix_shape``, or its rows 0, every, ... when ``presampled``)."""
-    xm = x.astype(jnp.float32).reshape(-1, t.matrix_shape[1])
+    xm = x.astype(jnp.float32).reshape((-1, t.matrix_shape[1]) if presampled else t.matrix_shape)
     # The pure-JAX dequantize (bit-identical to the custom call): XLA fuses it into the reductions
     # below, where the custom call would write and re-read a float32 copy of the tensor.
     if copy == "colwise":
