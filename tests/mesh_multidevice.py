@@ -16,7 +16,8 @@ types the all-gathers move, and a verdict:
 
 * ``exact``: loss, x gradient and parameter gradients within ``EXACT`` (1e-5)
   of one device (what the CPU tests require of every case);
-* ``within noise`` (the ``stack`` model only): not exact, but each within
+* ``within noise`` (the ``stack`` model, and recipes with Hopper's fast
+  accumulation, whose sums depend on how K is split): not exact, but each within
   ``NOISE_FACTOR`` times the case's noise floor (``noise_floor``: what a
   ~1e-6 relative change of x does to the one-device step). On GPUs a mesh's
   GEMMs sum in another order than one device's (the high-precision program
@@ -27,8 +28,9 @@ types the all-gathers move, and a verdict:
   floors measured on two H200s (loss 3e-3 to 4e-2, gradients 5e-2 to 1e-1),
   a subtle fault such as current scaling with each device's own amax would
   pass (on CPU it moves the loss 15x its floor; ``--inject-fault``). The
-  single-layer ``mlp`` cases must be exact everywhere, and the CPU tests hold
-  every case to ``EXACT``; the partitioning is the same Python on every backend;
+  single-layer ``mlp`` cases without fast accumulation must be exact
+  everywhere, and the CPU tests hold every case to ``EXACT``; the
+  partitioning is the same Python on every backend;
 * ``mismatch``, or ``fp8 state differs between devices``.
 
 ``--check`` exits 1 unless every case is exact or within noise.
@@ -81,7 +83,16 @@ EXACT = 1e-5
 # Chosen after seeing the runs of 2026-11-30 on two H200s: the tp2 stack's errors were 0.25x-2.3x
 # their eight-draw floors.
 NOISE_FACTOR = 4.0
-NOISE_JUDGED_MODELS = ("stack",)  # multi-layer models; a single layer must be exact on every backend
+NOISE_JUDGED_MODELS = ("stack",)  # multi-layer models
+# Hopper's fast accumulation rounds by how K is split, so a row-parallel GEMM's sum differs from one
+# device's beyond float32 order even in one layer; without it (the *_split recipes, hp) a single layer
+# must be exact on every backend (two H200s, 2026-11-30: 0 to 1.6e-7).
+FAST_ACCUMULATION_RECIPES = ("delayed", "current")
+
+
+def noise_judged(model_name: str, recipe_name: str) -> bool:
+    """Whether a case that is not exact may still pass within its noise floor."""
+    return model_name in NOISE_JUDGED_MODELS or recipe_name in FAST_ACCUMULATION_RECIPES
 JUDGED = ("loss", "x", "params")
 RESIDUAL = ("batch", "length", "hidden")
 
@@ -274,11 +285,12 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices, with_no
                             default=0.0)}
     # The floor is needed to judge any case that is not exact; --noise-floor reports it for all.
     floor = None
-    if with_noise_floor or (model_name in NOISE_JUDGED_MODELS and any(errs[k] > EXACT for k in JUDGED)):
+    judged = noise_judged(model_name, recipe_name)
+    if with_noise_floor or (judged and any(errs[k] > EXACT for k in JUDGED)):
         floor = noise_floor(step, variables, x, c, one, (ref_loss, ref_grads))
     same = same_on_every_device(grads.get("fp8_meta", {}))
     return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs, noise_floor=floor,
-                verdict=verdict(errs, floor if model_name in NOISE_JUDGED_MODELS else None, same),
+                verdict=verdict(errs, floor if judged else None, same),
                 fp8_same_everywhere=same, worst=worst,
                 x_grad_spec=str(grads["x"].sharding.spec), partitioned_all_gathers=partitioned_all_gathers(before),
                 **collectives(hlo))

@@ -120,12 +120,12 @@ def test_verdict_judges_against_the_noise_floor():
 
 
 def test_mesh_check_fails_a_broken_partitioning(tmp_path):
-    """Current scaling with each device's own amax (--inject-fault local-amax): the mesh check says mismatch.
+    """Current scaling with each device's own amax (--inject-fault local-amax): the check says mismatch.
 
     A single layer fails as inexact, the two-layer stack against its noise floor (on CPU: loss about
     15x its floor); the check passes without the fault (test_matches_one_device).
     """
-    lines = _run(["--models", "mlp,stack", "--meshes", "tp2", "--recipes", "current", "--check",
+    lines = _run(["--models", "mlp,stack", "--meshes", "tp2", "--recipes", "current_split", "--check",
                   "--inject-fault", "local-amax"], tmp_path, devices=2)
     verdicts = {r["model"]: r.get("verdict", r.get("error")) for r in lines if "model" in r}
     assert verdicts == {"mlp": "mismatch", "stack": "mismatch"}, lines
