@@ -84,17 +84,19 @@ EXACT = 1e-5
 # their eight-draw floors.
 NOISE_FACTOR = 4.0
 NOISE_JUDGED_MODELS = ("stack",)  # multi-layer models
-# Hopper's fast accumulation rounds by how K is split, so a row-parallel GEMM's sum differs from one
-# device's beyond float32 order even in one layer; without it (the *_split recipes, hp) a single layer
-# must be exact on every backend (two H200s, 2026-11-30: 0 to 1.6e-7).
-FAST_ACCUMULATION_RECIPES = ("delayed", "current")
+JUDGED = ("loss", "x", "params")
+RESIDUAL = ("batch", "length", "hidden")
 
 
 def noise_judged(model_name: str, recipe_name: str) -> bool:
-    """Whether a case that is not exact may still pass within its noise floor."""
-    return model_name in NOISE_JUDGED_MODELS or recipe_name in FAST_ACCUMULATION_RECIPES
-JUDGED = ("loss", "x", "params")
-RESIDUAL = ("batch", "length", "hidden")
+    """Whether a case that is not exact may still pass within its noise floor.
+
+    Hopper's fast accumulation rounds by how K is split, so a row-parallel GEMM's sum differs from one
+    device's beyond float32 order even in one layer; without it (the *_split recipes, hp) a single
+    layer must be exact on every backend (two H200s, 2026-11-30: 0 to 1.6e-7).
+    """
+    recipe = RECIPES[recipe_name]
+    return model_name in NOISE_JUDGED_MODELS or (recipe is not None and recipe.fast_accumulation)
 
 
 class MLP(nn.Module):
@@ -194,7 +196,7 @@ def noise_floor(step, variables, x, c, device, ref, trials: int = 8, eps: float 
 def verdict(errors: dict, floor: dict | None, fp8_same_everywhere: bool) -> str:
     """"exact", "within noise", "mismatch" or "fp8 state differs between devices" (module docstring).
 
-    ``floor`` is None where no noise floor may excuse an error (single-layer models, SGD steps).
+    ``floor`` is None where no noise floor may excuse an error (``noise_judged`` is False, SGD steps).
     """
     if not fp8_same_everywhere:
         return "fp8 state differs between devices"
