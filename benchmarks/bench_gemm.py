@@ -16,7 +16,9 @@ For each shape (M, N, K) it times ``out[M, N] = A[M, K] . B[N, K]^T`` as
 Operands are fresh normal random data, quantized with te_jax's quantizers
 outside the timed region. Each row: warm-up, then ``--trials`` runs of
 ``--iters`` back-to-back calls (alternating two input sets, ended by
-block_until_ready), median time per call. Reported: median ms, TFLOP/s,
+block_until_ready), median time per call. The trials of all the rows of one
+shape are interleaved round-robin, so that the GPU's clocks falling as it
+heats under its power cap cannot favour the row timed first. Reported: median ms, TFLOP/s,
 fraction of the 1979 TFLOP/s dense FP8 peak, speed-up vs bf16 and vs XLA FP8.
 
 Before timing, ``--check`` (on by default) runs every te_jax GEMM on small
@@ -42,6 +44,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +57,7 @@ from jax import lax
 
 import te_jax  # noqa: F401
 from te_jax.ops import gemm as gemm_ops
-from timing import time_call
+from timing import time_interleaved
 from te_jax.quantize import (CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 
 FP8_PEAK_TFLOPS = 1979.0
@@ -211,44 +214,37 @@ def xla_fp8_fns():
 
 
 def bench_shape(m, n, k, key, args) -> list[dict]:
+    """Every variant at one shape, timed with their trials interleaved (timing.time_interleaved)."""
     rows = []
     flops = 2.0 * m * n * k
     keys = jax.random.split(key, 4)
     bf16_sets = [(jax.random.normal(keys[2 * s], (m, k), jnp.bfloat16),
                   jax.random.normal(keys[2 * s + 1], (n, k), jnp.bfloat16)) for s in range(2)]
-
-    def add(name, fn, sets, note=""):
-        if args.only and not re.search(args.only, name):
-            return
-        try:
-            t = time_call(fn, sets, args.warmup, args.iters, args.trials)
-            rows.append(dict(shape=[m, n, k], name=name, ms=t * 1e3, tflops=flops / t / 1e12, note=note))
-        except Exception as err:  # noqa: BLE001
-            rows.append(dict(shape=[m, n, k], name=name, error=f"{type(err).__name__}: {str(err)[:300]}"))
-            if args.verbose:
-                traceback.print_exc()
-        r = rows[-1]
-        print(f"  {name:28s} " + (f"{r['ms']:.3f} ms  {r['tflops']:.0f} TFLOP/s {note}" if "ms" in r else r["error"]),
-              flush=True)
-
-    add("bf16 XLA", jax.jit(lambda a, b: lax.dot_general(a, b, NT)), bf16_sets)
-
-    fp8_sets = []
     wanted = lambda label: not args.only or re.search(args.only, label)  # noqa: E731
-    for a, b in bf16_sets:
-        fp8_args, _, _ = operands("fp8", a, b)
-        fp8_sets.append(fp8_args)
+    calls: dict[str, tuple] = {}  # name -> (fn, arg sets, note)
+
+    def error(name, err, stage=""):
+        rows.append(dict(shape=[m, n, k], name=name, error=f"{stage}{type(err).__name__}: {str(err)[:300]}"))
+        print(f"  {name:28s} {rows[-1]['error']}", flush=True)
+        if args.verbose:
+            traceback.print_exc()
+
+    if wanted("bf16 XLA"):
+        calls["bf16 XLA"] = (jax.jit(lambda a, b: lax.dot_general(a, b, NT)), bf16_sets, "")
+
+    fp8_sets = [operands("fp8", a, b)[0] for a, b in bf16_sets]
     for variant, fn in xla_fp8_fns().items():
         try:
             hlo = fn.lower(*fp8_sets[0]).compile().as_text()
             hit = F8_GEMM in hlo
         except Exception as err:  # noqa: BLE001
             hit, hlo = False, f"{type(err).__name__}: {err}"
-        if not wanted(f"fp8 XLA ({variant})"):
+        label = f"fp8 XLA ({variant})"
+        if not wanted(label):
             continue
         print(f"  XLA fp8 ({variant}): compiled HLO {'contains' if hit else 'does NOT contain'} {F8_GEMM}")
         if variant == "direct" or hit:
-            add(f"fp8 XLA ({variant})", fn, fp8_sets, note="" if hit else f"(no {F8_GEMM} in HLO)")
+            calls[label] = (fn, fp8_sets, "" if hit else f"(no {F8_GEMM} in HLO)")
 
     for mode, label, extra in [("fp8", "te fp8 fast_accum", dict(fast_accum=True)),
                                ("fp8", "te fp8 split_accum", dict(fast_accum=False)),
@@ -265,12 +261,28 @@ def bench_shape(m, n, k, key, args) -> list[dict]:
             kw = {**kw, **extra}
             fn = jax.jit(lambda *x, _m=mode, _kw=tuple(kw.items()): GEMMS[_m](*x, out_dtype=jnp.bfloat16, **dict(_kw)))
         except Exception as err:  # noqa: BLE001
-            rows.append(dict(shape=[m, n, k], name=label, error=f"quantize: {type(err).__name__}: {str(err)[:300]}"))
-            print(f"  {label:28s} {rows[-1]['error']}")
+            error(label, err, "quantize: ")
             continue
         note = "(bf16 emulation on sm_90)" if mode in ("mxfp8", "nvfp4") and _is_hopper() else ""
-        add(label, fn, sets, note)
-        del sets
+        calls[label] = (fn, sets, note)
+
+    # Compile and warm up each alone, so that a failing variant is reported and left out.
+    runnable = {}
+    for name, (fn, sets, note) in calls.items():
+        try:
+            for i in range(args.warmup):
+                jax.block_until_ready(fn(*sets[i % len(sets)]))
+            runnable[name] = (fn, sets)
+        except Exception as err:  # noqa: BLE001
+            error(name, err)
+    per_trial = time_interleaved(runnable, 1, args.iters, args.trials)
+    for name, times in per_trial.items():
+        t = statistics.median(times)
+        note = calls[name][2]
+        rows.append(dict(shape=[m, n, k], name=name, ms=t * 1e3, tflops=flops / t / 1e12, note=note,
+                         trial_ms=[x * 1e3 for x in times]))
+        print(f"  {name:28s} {t * 1e3:.3f} ms  {flops / t / 1e12:.0f} TFLOP/s "
+              f"(trials {min(times) * 1e3:.3f}-{max(times) * 1e3:.3f}) {note}", flush=True)
     return rows
 
 
@@ -325,7 +337,7 @@ def main() -> int:
     p.add_argument("--md", help="write the markdown table here")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--trials", type=int, default=9)
     p.add_argument("--shapes", default="", help="M,N,K;M,N,K;... (default: the four standard shapes)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
     p.add_argument("--autotune", choices=("on", "off", "verbose"), default="on",

@@ -6,9 +6,10 @@
 
 Each recipe's steps are the training example's own (``examples.gpt.train.build_run``:
 AdamW, fp8 state, jitted with the state's shardings over a one-device mesh),
-compiled under ``te_jax.autocast(recipe=...)`` and with ``inspect=True``;
-after ``--warmup`` steps each, ``--iters`` steps are timed back to back
-(``--trials`` times, median per step). The target is at most +10% on an H200
+compiled under ``te_jax.autocast(recipe=...)`` and with ``inspect=Sample(k)``
+for each ``--sample`` stride k; after ``--warmup`` steps each, ``--iters``
+steps of each variant are timed back to back, the variants taking turns
+(``--trials`` rounds, median per step). The target is at most +10% on an H200
 for the 125m preset. bf16 has no inspected step.
 
 ``--bare`` also times the same step jitted without shardings or mesh (the
@@ -59,6 +60,29 @@ def time_step(step, state, batch_for, warmup: int, iters: int, trials: int, sync
     return statistics.median(per_step)
 
 
+def time_steps_interleaved(steps: dict, fresh, batch, warmup: int, iters: int, trials: int) -> dict[str, float]:
+    """Median ms per step of each of ``steps`` (name -> step), their trials taken in turn (start rotating)."""
+    names = list(steps)
+    states = {}
+    for name in names:
+        state = fresh()
+        for _ in range(warmup):
+            state, metrics = steps[name](state, batch)
+        jax.block_until_ready(metrics)
+        states[name] = state
+    per_step = {name: [] for name in names}
+    for t in range(trials):
+        for name in names[t % len(names):] + names[:t % len(names)]:
+            state = states[name]
+            start = time.perf_counter()
+            for _ in range(iters):
+                state, metrics = steps[name](state, batch)
+            jax.block_until_ready(metrics)
+            per_step[name].append(1e3 * (time.perf_counter() - start) / iters)
+            states[name] = state
+    return {name: statistics.median(v) for name, v in per_step.items()}
+
+
 def bench(recipe_name: str, args, corpus) -> dict:
     cfg = gpt.RunConfig(preset=args.preset, recipe=recipe_name, batch=args.batch, seq_len=args.seq_len,
                         inspect="-").resolved()
@@ -68,18 +92,22 @@ def bench(recipe_name: str, args, corpus) -> dict:
     tokens = jax.device_put(data_lib.train_batch(corpus, 0, cfg.batch, cfg.seq_len, cfg.seed), run.batch_sharding)
     same = lambda i: tokens  # noqa: E731
     timing = (args.warmup, args.iters, args.trials)
-    out = {"recipe": recipe_name, "plain_ms": time_step(run.train_step, fresh(), same, *timing)}
+    # The plain step and every inspected variant, their trials taken in turns (a drift of the GPU or the
+    # host reaches all of them alike).
+    steps = {"plain": run.train_step}
+    if run.inspect_step is not None:
+        steps |= {every: run.jit_step(te_inspect.Sample(every)) for every in args.sample}
+    ms = time_steps_interleaved(steps, fresh, tokens, *timing)
+    out = {"recipe": recipe_name, "plain_ms": ms["plain"]}
     profiles = {}
     if args.profile:
         profiles["plain"] = profile_steps(run.train_step, fresh(), tokens)[1]
-    if run.inspect_step is not None:
-        for every in args.sample:
-            step = run.jit_step(te_inspect.Sample(every))
-            suffix = "" if every == 1 else f"_every{every}"
-            out["inspect_ms" + suffix] = ms = time_step(step, fresh(), same, *timing)
-            out["overhead" + suffix] = ms / out["plain_ms"] - 1
-            if args.profile:
-                profiles[f"inspect every {every}"] = profile_steps(step, fresh(), tokens)[1]
+    for every in [k for k in steps if k != "plain"]:
+        suffix = "" if every == 1 else f"_every{every}"
+        out["inspect_ms" + suffix] = ms[every]
+        out["overhead" + suffix] = ms[every] / ms["plain"] - 1
+        if args.profile:
+            profiles[f"inspect every {every}"] = profile_steps(steps[every], fresh(), tokens)[1]
     if profiles:
         out["profiles"] = profiles
         for name, summary in profiles.items():
@@ -115,7 +143,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--sample", default="1", type=lambda s: [int(k) for k in s.split(",")],
+    p.add_argument("--sample", default="1", type=lambda s: [int(k) for k in s.split(",") if k],
                    help="comma-separated row strides of te_jax.inspect.Sample to time (default 1: every row)")
     p.add_argument("--bare", action="store_true", help="also time the step jitted without shardings or mesh")
     p.add_argument("--loop", action="store_true", help="also time the example's training loop")

@@ -19,11 +19,21 @@ GEMMs are timed alone on operands quantized beforehand with the recipe's
 quantizers ("GEMM ms"); the rest of the step ("other ms" = total - GEMM) is
 casts, norm, activation, amax/state updates and the remaining elementwise work.
 
-Timing: warm-up, then ``--trials`` runs of ``--iters`` back-to-back steps
-(alternating two input sets), median per step. ``--quick`` uses small shapes
-and few iterations (a CPU smoke run).
+Timing: every variant of a section (and its GEMM-only function) is first
+built, initialized, compiled and run once; then all of them are timed
+together with ``timing.time_interleaved``: warm-up, then ``--trials`` rounds,
+each running ``--iters`` back-to-back steps (alternating two input sets) of
+every variant in turn, the starting variant rotating. The median per step is
+reported and every trial kept ("trial_ms", "gemm_trial_ms" in the JSON). So
+the GPU slowing as it heats under its power cap reaches every variant alike
+instead of favouring the one timed first. This holds all the section's
+variants in memory at once (a few GB each for the MLP at full size);
+``--sequential`` instead times each variant right after building it and frees
+it before the next (less memory, but exposed to that drift). ``--quick`` uses
+small shapes and few iterations (a CPU smoke run).
 
 Usage: python benchmarks/bench_layers.py [--out r.json] [--md r.md] [--quick] [--sections mlp,lndense,dense]
+       [--sequential]
 """
 
 from __future__ import annotations
@@ -31,9 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -45,7 +57,7 @@ import te_jax.flax as tf
 from te_jax import recipe as R
 from te_jax.dense import DenseQuantizers
 from te_jax.ops.gemm import gemm
-from timing import time_call
+from timing import time_interleaved
 
 BF16 = jnp.bfloat16
 RECIPES = {
@@ -177,67 +189,141 @@ def gemm_only_step(section: str, t: int, h: int, n: int, recipe, key):
     return jax.jit(run), sets
 
 
-
-
-def bench_section(section: str, t: int, h: int, n: int, args) -> list[dict]:
-    key = jax.random.key(0)
-    flops = (12.0 if section == "mlp" else 6.0) * t * h * n
-    sets = [(jax.random.normal(jax.random.fold_in(key, s), (t, h), jnp.float32).astype(BF16),
-             jax.random.normal(jax.random.fold_in(key, 10 + s), (t, h if section == "mlp" else n), jnp.float32))
-            for s in range(2)]
-    x0 = sets[0][0]
-    rows = []
+def _variants(section: str, only: str) -> list[tuple[str, str, object]]:
+    """The section's variants as (name, "flax" or "te", flax FP8 kind or recipe), those matching ``only``."""
     variants = [("bf16 flax", "flax", None), *((name, "flax", kind) for name, kind in FLAX_FP8.items()),
                 *((name, "te", r) for name, r in RECIPES.items()
                   if section == "mlp" or name in ("te delayed", "te current"))]
-    for name, impl, arg in variants:
-        if args.only and not re.search(args.only, name):
-            continue
+    return [v for v in variants if not only or re.search(only, v[0])]
+
+
+def _step_inputs(section: str, t: int, h: int, n: int, key) -> list[tuple[jax.Array, jax.Array]]:
+    """Two input sets ``(x, c)`` of a step: x [T, H] bfloat16 and the loss weights c (float32, y's shape)."""
+    return [(jax.random.normal(jax.random.fold_in(key, s), (t, h), jnp.float32).astype(BF16),
+             jax.random.normal(jax.random.fold_in(key, 10 + s), (t, h if section == "mlp" else n), jnp.float32))
+            for s in range(2)]
+
+
+def _build_step(row: dict, section: str, h: int, n: int, impl: str, arg, sets, args) -> CompiledStep:
+    """A variant's step, initialized, compiled and run once; records init_s and compile_s in ``row``.
+
+    Each phase is printed as it ends under ``--verbose``, so that a stall shows where it is.
+    """
+    name, x0 = row["name"], sets[0][0]
+    start = time.perf_counter()
+    if impl == "flax":
+        model, recipe = FlaxLayer(section, n, out_features=h, fp8=arg, bias=args.bias), None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            variables = jax.jit(model.init)(jax.random.key(1), x0)
+    else:
+        model, recipe = te_layer(section, h, n, args.bias), arg
+        with te_jax.autocast(recipe=recipe):
+            variables = jax.jit(model.init)(jax.random.key(1), x0)
+    jax.block_until_ready(variables)
+    init_s = time.perf_counter() - start
+    step = make_step(model, variables, recipe)
+    if args.verbose:
+        print(f"    {name}: init {init_s:.1f} s", flush=True)
+    compile_s = step.compile(*sets[0])
+    if args.verbose:
+        print(f"    {name}: compile {compile_s:.1f} s", flush=True)
+    start = time.perf_counter()
+    jax.block_until_ready(step(*sets[0]))
+    if args.verbose:
+        print(f"    {name}: first step {time.perf_counter() - start:.1f} s", flush=True)
+    row.update(init_s=init_s, compile_s=compile_s)
+    return step
+
+
+def _build_gemms(section: str, t: int, h: int, n: int, recipe, key) -> tuple[Callable, list]:
+    """The GEMM-only function and its inputs (``gemm_only_step``), compiled and run once."""
+    fn, gsets = gemm_only_step(section, t, h, n, recipe, key)
+    jax.block_until_ready(fn(*gsets[0]))
+    return fn, gsets
+
+
+def _error(row: dict, err: Exception, verbose: bool, stage: str = "") -> None:
+    """Records ``err`` in ``row`` (after any error already there); prints the traceback under ``--verbose``."""
+    msg = f"{stage}{type(err).__name__}: {str(err)[:300]}"
+    row["error"] = f"{row['error']}; {msg}" if "error" in row else msg
+    if verbose:
+        traceback.print_exc()
+
+
+def _record(row: dict, times: dict[str, list[float]], flops: float) -> None:
+    """Fills ``row`` from the seconds per trial of its step and, when timed, of its GEMM-only function."""
+    step_s = times[row["name"]]
+    sec = statistics.median(step_s)
+    row.update(ms=sec * 1e3, tflops=flops / sec / 1e12, trial_ms=[s * 1e3 for s in step_s])
+    gemm_s = times.get(f"{row['name']} [GEMMs]")
+    if gemm_s is not None:
+        row.update(gemm_ms=statistics.median(gemm_s) * 1e3, gemm_trial_ms=[s * 1e3 for s in gemm_s])
+        row["other_ms"] = row["ms"] - row["gemm_ms"]
+
+
+def _print_row(row: dict) -> None:
+    """One progress line: the row's times and breakdown, and its error if any."""
+    line = row.get("error", "")
+    if "ms" in row:
+        split = f"  (GEMMs {row['gemm_ms']:.3f} ms, other {row['other_ms']:.3f} ms)" if "gemm_ms" in row else ""
+        line = f"{row['ms']:.3f} ms  {row['tflops']:.3g} TFLOP/s{split}" + (f"  [{line}]" if line else "")
+    print(f"  {row['name']:32s} {line}", flush=True)
+
+
+def bench_section(section: str, t: int, h: int, n: int, args) -> list[dict]:
+    """One row per wanted variant of ``section``, their trials interleaved (one after another with --sequential).
+
+    A variant whose step fails to build, compile or run is reported with its error and not timed; one
+    whose GEMM-only function fails keeps its step's timing, the error recorded beside it.
+    """
+    key = jax.random.key(0)
+    flops = (12.0 if section == "mlp" else 6.0) * t * h * n
+    sets = _step_inputs(section, t, h, n, key)
+    rows: list[dict] = []
+    calls: dict[str, tuple[Callable, Sequence]] = {}
+    times: dict[str, list[float]] = {}
+
+    def add(label: str, fn: Callable, fn_sets: Sequence) -> None:
+        """Queues ``fn`` for the interleaved timing, or under --sequential times it now (and keeps no reference)."""
+        if args.sequential:
+            times.update(time_interleaved({label: (fn, fn_sets)}, args.warmup, args.iters, args.trials))
+        else:
+            calls[label] = (fn, fn_sets)
+
+    for name, impl, arg in _variants(section, args.only):
         row = dict(section=section, shape=dict(T=t, H=h, N=n), name=name)
-        try:
-            start = time.perf_counter()
-            if impl == "flax":
-                model = FlaxLayer(section, n, out_features=h, fp8=arg, bias=args.bias)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    variables = jax.jit(model.init)(jax.random.key(1), x0)
-                recipe = None
-            else:
-                model, recipe = te_layer(section, h, n, args.bias), arg
-                with te_jax.autocast(recipe=recipe):
-                    variables = jax.jit(model.init)(jax.random.key(1), x0)
-            jax.block_until_ready(variables)
-            init_s = time.perf_counter() - start
-            step = make_step(model, variables, recipe)
-            if args.verbose:  # each phase printed when it ends, so a stall shows where it is
-                print(f"    {name}: init {init_s:.1f} s", flush=True)
-            compile_s = step.compile(*sets[0])
-            if args.verbose:
-                print(f"    {name}: compile {compile_s:.1f} s", flush=True)
-            start = time.perf_counter()
-            jax.block_until_ready(step(*sets[0]))
-            if args.verbose:
-                print(f"    {name}: first step {time.perf_counter() - start:.1f} s", flush=True)
-            row.update(init_s=init_s, compile_s=compile_s)
-            sec = time_call(step, sets, args.warmup, args.iters, args.trials)
-            row.update(ms=sec * 1e3, tflops=flops / sec / 1e12)
-            del step, variables
-            if name == "bf16 flax" or impl == "te":
-                fn, gsets = gemm_only_step(section, t, h, n, None if name == "bf16 flax" else recipe,
-                                           jax.random.fold_in(key, 99))
-                row["gemm_ms"] = time_call(fn, gsets, args.warmup, args.iters, args.trials) * 1e3
-                row["other_ms"] = row["ms"] - row["gemm_ms"]
-                del fn, gsets
-            if impl == "te" and name in ("te mxfp8", "te nvfp4") and _is_hopper():
-                row["note"] = "bf16 GEMM emulation on sm_90"
-        except Exception as err:  # noqa: BLE001 (benchmark: report and continue)
-            row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
-            if args.verbose:
-                traceback.print_exc()
         rows.append(row)
-        print(f"  {name:32s} " + (f"{row['ms']:.3f} ms  {row['tflops']:.3g} TFLOP/s"
-                                  + (f"  (GEMMs {row['gemm_ms']:.3f} ms, other {row['other_ms']:.3f} ms)"
-                                     if "gemm_ms" in row else "") if "ms" in row else row["error"]), flush=True)
+        try:
+            add(name, _build_step(row, section, h, n, impl, arg, sets, args), sets)
+        except Exception as err:  # noqa: BLE001 (benchmark: report and continue)
+            _error(row, err, args.verbose)
+            _print_row(row)
+            continue
+        if name == "bf16 flax" or impl == "te":
+            try:
+                add(f"{name} [GEMMs]", *_build_gemms(section, t, h, n, arg if impl == "te" else None,
+                                                    jax.random.fold_in(key, 99)))
+            except Exception as err:  # noqa: BLE001
+                _error(row, err, args.verbose, "GEMM-only: ")
+        if impl == "te" and name in ("te mxfp8", "te nvfp4") and _is_hopper():
+            row["note"] = "bf16 GEMM emulation on sm_90"
+        if args.sequential:
+            _record(row, times, flops)
+            _print_row(row)
+    timed = [r for r in rows if r["name"] in calls]  # empty under --sequential
+    if timed:
+        if args.verbose:
+            print(f"    timing {len(calls)} functions, their trials interleaved", flush=True)
+        try:
+            times.update(time_interleaved(calls, args.warmup, args.iters, args.trials))
+        except Exception as err:  # noqa: BLE001
+            for row in timed:
+                _error(row, err, args.verbose, "interleaved timing (--sequential needs less memory): ")
+        for row in timed:
+            if row["name"] in times:
+                _record(row, times, flops)
+            _print_row(row)
     return rows
 
 
@@ -270,8 +356,9 @@ def table(rows: list[dict]) -> str:
             vs_bf16 = f"{base / ms:.2f}x" if base else "-"
             vs_flax = f"{flax8 / ms:.2f}x" if flax8 else "-"
             split = (f"{g:.3f} | {r['other_ms']:.3f} | {g / ms:.0%}" if g is not None else "- | - | -")
+            note = "; ".join(filter(None, (r.get("note"), r.get("error", "")[:120])))
             lines.append(f"| {label} | {r['name']} | {ms:.3f} | {r['tflops']:.3g} | {vs_bf16} | {vs_flax} | {split} | "
-                         f"{r.get('note', '')} |")
+                         f"{note} |")
     return "\n".join(lines)
 
 
@@ -306,6 +393,9 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--only", default="", help="time only the variants whose name matches this regex")
+    p.add_argument("--sequential", action="store_true",
+                   help="time each variant right after building it and free it before the next (less memory; "
+                        "default: build all, then time them with their trials interleaved)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
     t, h, n = args.tokens, args.hidden, args.ffn

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable, Sequence
 
 import jax
 
@@ -26,6 +27,34 @@ def time_call(fn, arg_sets, warmup: int, iters: int, trials: int) -> float:
         jax.block_until_ready(out)
         per_call.append((time.perf_counter() - start) / iters)
     return statistics.median(per_call)
+
+
+def time_interleaved(calls: dict[str, tuple[Callable, Sequence]], warmup: int, iters: int,
+                     trials: int) -> dict[str, list[float]]:
+    """Seconds per call of each ``fn(*args)`` per trial, the variants' trials interleaved.
+
+    ``calls`` maps a name to ``(fn, arg_sets)``. Every variant is warmed up,
+    then each round times ``iters`` back-to-back calls of every variant, the
+    starting variant rotating from round to round. So a slow drift of the
+    GPU (clocks falling as it heats under a power cap) reaches every variant
+    alike, instead of favouring whichever was timed first.
+    """
+    names = list(calls)
+    for name in names:
+        fn, sets = calls[name]
+        for i in range(warmup):
+            jax.block_until_ready(fn(*sets[i % len(sets)]))
+    per_call: dict[str, list[float]] = {name: [] for name in names}
+    for t in range(trials):
+        for name in names[t % len(names):] + names[:t % len(names)]:
+            fn, sets = calls[name]
+            start = time.perf_counter()
+            out = None
+            for i in range(iters):
+                out = fn(*sets[i % len(sets)])
+            jax.block_until_ready(out)
+            per_call[name].append((time.perf_counter() - start) / iters)
+    return per_call
 
 
 def time_fn(fn, inputs, iters: int, trials: int, warmup: int = 3) -> float:

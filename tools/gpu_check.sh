@@ -14,7 +14,8 @@
 # Jobs start in this order: the tests (or where --tests stands), then --bench/--multi-gpu/--train in
 # the order given (all the benchmarks last when --bench is not given). Each takes one GPU except the multi-GPU ones.
 # --bench=NAME,...  benchmarks/bench_NAME.py; extra arguments from $BENCH_<NAME>_ARGS
-#                   (e.g. BENCH_LAYERS_ARGS="--sections mlp --trials 3").
+#                   (e.g. BENCH_LAYERS_ARGS="--sections mlp --trials 3"). NAME@base runs it again with
+#                   the CUDA module (kernels) of the wheel $BASELINE_WHEEL, for a before/after in one call.
 # --multi-gpu[=mesh,scaling]  (2 or more GPUs; default both) "mesh": the layer mesh checks of
 #                   tests/mesh_multidevice.py, dp and tp over two GPUs against one, NCCL collectives
 #                   (models from $MESH_MODELS, meshes from $MESH_MESHES, recipes from $MESH_RECIPES;
@@ -44,10 +45,23 @@ tests_job() {
   cd "$ROOT/tests" && XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -p no:cacheprovider \
     --junitxml="$OUT/junit.xml" --maxfail=30 -n 8 "$@"
 }
-bench_job() {
-  local var="BENCH_${1^^}_ARGS" args=()
+bench_job() {  # NAME, or NAME@base: the same benchmark with the CUDA module of $BASELINE_WHEEL
+  local name=${1%@base} var args=() tag=$1 pypath=${PYTHONPATH:-}
+  var="BENCH_${name^^}_ARGS"
   eval "args=(${!var:-})"
-  cd /tmp && $PY "$ROOT/benchmarks/bench_$1.py" --out "$OUT/bench_$1.json" --md "$OUT/bench_$1.md" "${args[@]}"
+  if [[ $1 == *@base ]]; then
+    tag=${name}_base
+    local base=/tmp/te_base_$GPU_JOB site
+    site=$(cd /tmp && $PY -c "import te_jax, os; print(os.path.dirname(os.path.dirname(te_jax.__file__)))")
+    rm -rf "$base" && mkdir -p "$base" && cp -r "$site/te_jax" "$base/" || return 1
+    $PY -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
+z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('te_jax/_te_jax_cuda')])" \
+      "$BASELINE_WHEEL" "$base" || return 1
+    echo "bench $name with the CUDA module of $(basename "$BASELINE_WHEEL")"
+    pypath=$base${pypath:+:$pypath}
+  fi
+  cd /tmp && PYTHONPATH=$pypath $PY "$ROOT/benchmarks/bench_$name.py" --out "$OUT/bench_$tag.json" \
+    --md "$OUT/bench_$tag.md" "${args[@]}"
 }
 train_job() {  # recipe[+inspect[K]] preset [steps]
   local json="/tmp/train_$GPU_JOB.json" extra=() recipe=${1%%+inspect*} every
@@ -158,8 +172,27 @@ fi
 
 printf '%s\n' "${jobs[@]}" > "$LOGS/jobs.txt"
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)
+# SM clock, power and temperature every 2 s while the jobs run (a power-capped GPU slows as it heats).
+nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits \
+  -lms 2000 > "$LOGS/gpu_clocks.csv" 2>&1 &
+clock_pid=$!
 $PY "$ROOT/tools/gpu_jobs.py" "$LOGS/jobs.txt" --gpus "$gpus" --log "$OUT/jobs.log" --logs "$LOGS" \
   --deadline-s $(( deadline - ($(date +%s) - script_start) ))
+kill $clock_pid 2>/dev/null
+$PY - "$LOGS/gpu_clocks.csv" <<'PYEOF' || true
+import collections, statistics, sys
+by_gpu = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    try:
+        by_gpu[f[1]].append((float(f[2]), float(f[3]), float(f[4])))
+    except (IndexError, ValueError):
+        continue
+for gpu, v in sorted(by_gpu.items()):
+    clk, pw, temp = zip(*v)
+    print(f"gpu_check: GPU {gpu} over {len(v)} samples: SM clock min/median/max {min(clk):.0f}/"
+          f"{statistics.median(clk):.0f}/{max(clk):.0f} MHz, power max {max(pw):.0f} W, temperature max {max(temp):.0f} C")
+PYEOF
 $PY "$ROOT/tools/gpu_summary.py" "$OUT"
 for f in train.log multi_gpu.log; do [ -f "$OUT/$f" ] && mv "$OUT/$f" "$LOGS/"; done
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .
