@@ -32,7 +32,9 @@ and keep the fastest; ``--autotune off`` sets ``TE_JAX_GEMM_AUTOTUNE=0`` (the
 heuristic's first algorithm), ``verbose`` logs each decision to stderr.
 ``--compare-heuristic`` re-times the per-tensor te_jax rows in a subprocess
 with autotuning off and adds them as "... [heuristic #0]" rows, so both
-appear in one table from one machine.
+appear in one table from one machine. ``--xla-heuristic`` adds XLA's FP8
+GEMM compiled with XLA's autotuning off; the algorithm index XLA's autotuner
+chose is printed from the compiled HLO.
 
 Usage: python benchmarks/bench_gemm.py [--out r.json] [--md r.md] [--no-check]
        [--autotune on|off|verbose] [--compare-heuristic] [--only REGEX]
@@ -242,9 +244,16 @@ def bench_shape(m, n, k, key, args) -> list[dict]:
         label = f"fp8 XLA ({variant})"
         if not wanted(label):
             continue
-        print(f"  XLA fp8 ({variant}): compiled HLO {'contains' if hit else 'does NOT contain'} {F8_GEMM}")
+        algo = re.findall(r'"selected_algorithm":"?(-?\d+)', hlo)
+        print(f"  XLA fp8 ({variant}): compiled HLO {'contains' if hit else 'does NOT contain'} {F8_GEMM}"
+              + (f", cuBLASLt algorithm index {algo[0]} (XLA's autotuning)" if algo else ""))
         if variant == "direct" or hit:
             calls[label] = (fn, fp8_sets, "" if hit else f"(no {F8_GEMM} in HLO)")
+        if variant == "direct" and hit and args.xla_heuristic and wanted("fp8 XLA (direct, autotune off)"):
+            # XLA's own GEMM with its autotuning off: the heuristic's first algorithm. Against the row above,
+            # how much XLA's algorithm choice is worth.
+            fixed = fn.lower(*fp8_sets[0]).compile(compiler_options={"xla_gpu_autotune_level": 0})
+            calls["fp8 XLA (direct, autotune off)"] = (fixed, fp8_sets, "")
 
     for mode, label, extra in [("fp8", "te fp8 fast_accum", dict(fast_accum=True)),
                                ("fp8", "te fp8 split_accum", dict(fast_accum=False)),
@@ -344,6 +353,8 @@ def main() -> int:
                    help="te_jax's cuBLASLt autotuning (TE_JAX_GEMM_AUTOTUNE), read when the first GEMM runs")
     p.add_argument("--compare-heuristic", action="store_true",
                    help="also time the te fp8 rows with autotuning off (in a subprocess)")
+    p.add_argument("--xla-heuristic", action="store_true",
+                   help="also time XLA's FP8 GEMM compiled with its autotuning off (xla_gpu_autotune_level=0)")
     p.add_argument("--only", default="", help="time only the GEMMs whose label matches this regex")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()

@@ -63,6 +63,8 @@ BF16 = jnp.bfloat16
 RECIPES = {
     "te delayed": R.DelayedScaling(),
     "te current": R.Float8CurrentScaling(),
+    "te delayed, fast-accumulating backward": R.DelayedScaling(backward_fast_accumulation=True),
+    "te current, fast-accumulating backward": R.Float8CurrentScaling(backward_fast_accumulation=True),
     "te block": R.Float8BlockScaling(),
     "te mxfp8": R.MXFP8BlockScaling(),
     "te nvfp4": R.NVFP4BlockScaling(),
@@ -148,7 +150,7 @@ class CompiledStep:
 
 
 def gemm_plan(section: str, t: int, h: int, n: int):
-    """The GEMMs of one step: (lhs name, rhs name, contracting dims, fast_accum), and tensor shapes."""
+    """The GEMMs of one step: (lhs name, rhs name, contracting dims, forward?), and tensor shapes."""
     shapes = {"x": (t, h), "w1": (h, n), "dy1": (t, n)}
     gemms = [("x", "w1", ((1,), (0,)), True), ("dy1", "w1", ((1,), (1,)), False), ("x", "dy1", ((0,), (0,)), False)]
     if section == "mlp":
@@ -179,10 +181,11 @@ def gemm_only_step(section: str, t: int, h: int, n: int, recipe, key):
 
     def run(ops):
         outs = []
-        for lhs, rhs, dims, fast in gemms:
+        for lhs, rhs, dims, forward in gemms:
             if q is None:
                 outs.append(lax.dot_general(ops[lhs], ops[rhs], (dims, ((), ()))))
             else:
+                fast = q.fast_accum if forward else q.backward_fast_accum  # as the layers take it from the recipe
                 outs.append(gemm(ops[lhs], ops[rhs], dims, out_dtype=BF16, fast_accum=fast))
         return outs
 
@@ -193,7 +196,7 @@ def _variants(section: str, only: str) -> list[tuple[str, str, object]]:
     """The section's variants as (name, "flax" or "te", flax FP8 kind or recipe), those matching ``only``."""
     variants = [("bf16 flax", "flax", None), *((name, "flax", kind) for name, kind in FLAX_FP8.items()),
                 *((name, "te", r) for name, r in RECIPES.items()
-                  if section == "mlp" or name in ("te delayed", "te current"))]
+                  if section == "mlp" or name.startswith(("te delayed", "te current")))]
     return [v for v in variants if not only or re.search(only, v[0])]
 
 

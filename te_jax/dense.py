@@ -76,7 +76,9 @@ class DenseQuantizers:
         roles "linear_input", "linear_weight", "linear_output",
         "linear_grad_output", "linear_grad_input".
       fast_accum: the forward GEMM's FP8 fast accumulation (the recipe's
-        ``fast_accumulation``); the backward GEMMs always split it.
+        ``fast_accumulation``).
+      backward_fast_accum: the same for the two backward GEMMs (the recipe's
+        ``backward_fast_accumulation``; default: split accumulation).
     """
 
     input: Any = None
@@ -85,6 +87,7 @@ class DenseQuantizers:
     grad_output: Any = None
     grad_input: Any = None
     fast_accum: bool = True
+    backward_fast_accum: bool = False
 
     @classmethod
     def from_recipe(cls, recipe: Recipe | None, path: tuple[str, ...] | str = ()) -> DenseQuantizers:
@@ -92,7 +95,8 @@ class DenseQuantizers:
         if recipe is None:
             return cls()
         return cls(**{f: recipe.quantizer(Role(r, path)) for f, r in _ROLE_OF.items()},
-                   fast_accum=recipe.fast_accumulation)
+                   fast_accum=recipe.fast_accumulation,
+                   backward_fast_accum=recipe.backward_fast_accumulation)
 
     @classmethod
     def from_mapping(cls, quantizers: Mapping[str, Any]) -> DenseQuantizers:
@@ -365,12 +369,12 @@ def _dense_bwd(plan, res, cotangents):
                                         stats=stats)
     dy_n = tuple(range(plan.nb, plan.nb + plan.nn))
     k_n = tuple(range(plan.nk, plan.nk + plan.nn))
-    # Backward GEMMs accumulate without Hopper's fast FP8 accumulation (more exact gradients).
-    dx = gemm(_either(dyq, dy), k_res, (dy_n, k_n), out_dtype=plan.x_dtype, fast_accum=False)
+    # Backward GEMMs split their accumulation unless the recipe asks otherwise (more exact gradients).
+    dx = gemm(_either(dyq, dy), k_res, (dy_n, k_n), out_dtype=plan.x_dtype, fast_accum=q.backward_fast_accum)
     if q.grad_input is not None:
         dx, _, grads[r[4]] = _qdq(plan, r[4], dx, st.get(r[4]), key, plan.nb, stats)
     batch = tuple(range(plan.nb))
-    dk = gemm(x_res, _either(dyq, dy), (batch, batch), out_dtype=plan.k_dtype, fast_accum=False)
+    dk = gemm(x_res, _either(dyq, dy), (batch, batch), out_dtype=plan.k_dtype, fast_accum=q.backward_fast_accum)
     dbias = None
     if plan.bias_dtype is not None:
         dbias = jnp.sum(dy.astype(jnp.float32), axis=batch).astype(plan.bias_dtype)

@@ -447,8 +447,9 @@ def _bwd(plan: _Plan, res, cts):
     g = GemmQuant(plan.q, st, key, plan.mesh_resource, plan.inspect)
     dyq = g.quantize("grad_output", dy, rowwise=True, colwise=True)
     # Backward GEMMs accumulate without Hopper's fast FP8 accumulation, as te_jax.dense does.
-    dln = g.qdq("grad_input", gemm(dyq, kq, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=False))
-    dk = gemm(ln, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=False)
+    fast = plan.q.backward_fast_accum
+    dln = g.qdq("grad_input", gemm(dyq, kq, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast))
+    dk = gemm(ln, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast)
     db = None if plan.bias_dtype is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(plan.bias_dtype)
     dx, dgamma, dbeta = norm_backward(plan.norm, dln, x, gamma, beta, stats, plan.x_dtype)
     u = plan.all_vary

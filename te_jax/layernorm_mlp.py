@@ -313,8 +313,9 @@ def _bwd(plan: _Plan, res, cts):
     go = GemmQuant(plan.q.wo, st["wo"], ko, plan.mesh_resource, plan.inspect)
     # Second GEMM. Backward GEMMs accumulate without Hopper's fast FP8 accumulation, as te_jax.dense does.
     dyq = go.quantize("grad_output", dy, rowwise=True, colwise=True)
-    da = go.qdq("grad_input", gemm(dyq, k2q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=False))
-    dk2 = gemm(a, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=False)
+    fast_wo = plan.q.wo.backward_fast_accum
+    da = go.qdq("grad_input", gemm(dyq, k2q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wo))
+    dk2 = gemm(a, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wo)
     db2 = None if plan.b2_dtype is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(plan.b2_dtype)
     if mask is not None:
         da = da * mask
@@ -332,8 +333,9 @@ def _bwd(plan: _Plan, res, cts):
     dh, db1 = gi.run("grad_output", act_grad, reference) if gi.has("grad_output") else act_grad(None, None, None)
     db1 = None if not has_b1 else db1.astype(plan.b1_dtype)
     # First GEMM and the norm.
-    dln = gi.qdq("grad_input", gemm(dh, k1q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=False))
-    dk1 = gemm(ln, dh, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=False)
+    fast_wi = plan.q.wi.backward_fast_accum
+    dln = gi.qdq("grad_input", gemm(dh, k1q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wi))
+    dk1 = gemm(ln, dh, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wi)
     dx, dgamma, dbeta = norm_backward(plan.norm, dln, x, gamma, beta, stats, plan.x_dtype)
     u = plan.all_vary
     vx, vg, vb, vk1, vb1, vk2, vb2, vm = plan.vary

@@ -144,14 +144,22 @@ class Recipe:
     Attributes:
       fast_accumulation: (keyword only, every recipe) the forward GEMMs use
         Hopper's FP8 fast accumulation; False gives them split accumulation
-        too (slower, closer to float32 sums). The two backward GEMMs always
-        split their accumulation.
+        too (slower, closer to float32 sums).
+      backward_fast_accumulation: (keyword only, every recipe) the two
+        backward GEMMs (dgrad, wgrad) use fast accumulation too. Off by
+        default: gradients are summed with split accumulation. On, the
+        backward pass is faster and its sums less exact, as in
+        TransformerEngine-JAX's current scaling, which uses fast
+        accumulation for all three GEMMs (per-tensor FP8 only: the
+        block-scaled kernels and the MXFP8/NVFP4 emulation ignore it).
     """
 
     fast_accumulation: bool = dataclasses.field(default=True, kw_only=True)
+    backward_fast_accumulation: bool = dataclasses.field(default=False, kw_only=True)
 
     def __post_init__(self):
         _bool(type(self).__name__, "fast_accumulation", self.fast_accumulation)
+        _bool(type(self).__name__, "backward_fast_accumulation", self.backward_fast_accumulation)
 
     def quantizer(self, role: str) -> Any:
         raise NotImplementedError

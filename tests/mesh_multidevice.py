@@ -96,7 +96,8 @@ def noise_judged(model_name: str, recipe_name: str) -> bool:
     layer must be exact on every backend (two H200s, 2026-11-30: 0 to 1.6e-7).
     """
     recipe = RECIPES[recipe_name]
-    return model_name in NOISE_JUDGED_MODELS or (recipe is not None and recipe.fast_accumulation)
+    return model_name in NOISE_JUDGED_MODELS or (recipe is not None and (recipe.fast_accumulation
+                                                                       or recipe.backward_fast_accumulation))
 
 
 class MLP(nn.Module):

@@ -611,3 +611,32 @@ def test_flax_fp8_dot_general_passes_through_unquantized_layers():
     with te_jax.autocast(recipe=te_jax.recipe.DelayedScaling()):
         with pytest.raises(ValueError, match="dot_general_cls cannot be combined"):
             m.init(jax.random.key(0), x)
+
+
+@pytest.mark.parametrize("layer,gemms", [("dense", 3), ("ln_dense", 3), ("ln_mlp", 6)])
+@pytest.mark.parametrize("forward,backward", [(True, False), (True, True), (False, True), (False, False)])
+def test_fast_accumulation_of_forward_and_backward_gemms(layer, gemms, forward, backward):
+    """The recipe's fast_accumulation reaches the forward GEMMs, backward_fast_accumulation dgrad and wgrad."""
+    make = {"dense": lambda: tf.DenseGeneral(64), "ln_dense": lambda: tf.LayerNormDenseGeneral(64),
+            "ln_mlp": lambda: tf.LayerNormMLP(96)}[layer]
+    recipe = R.Float8CurrentScaling(fast_accumulation=forward, backward_fast_accumulation=backward)
+    x = _x((16, 32))
+    model = make()
+    with te_jax.autocast(recipe=recipe):
+        variables = model.init(jax.random.key(1), x)
+
+        def loss(params, x):
+            y, _ = model.apply({**variables, "params": params}, x, mutable=["fp8_meta"])
+            return jnp.sum((y[0] if isinstance(y, tuple) else y) ** 2)
+
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(variables["params"], x))
+    flags = re.findall(r"\('fast_accum', (True|False)\)", jaxpr)
+    forward_gemms = gemms // 3  # dgrad and wgrad per forward GEMM
+    want_fast = forward * forward_gemms + backward * 2 * forward_gemms
+    assert flags and len(flags) % gemms == 0  # each GEMM appears the same number of times in the jaxpr
+    assert flags.count("True") * gemms == len(flags) * want_fast
+
+
+def test_backward_fast_accumulation_must_be_a_bool():
+    with pytest.raises(ValueError, match="backward_fast_accumulation"):
+        R.DelayedScaling(backward_fast_accumulation=1)

@@ -29,14 +29,16 @@ FORWARD = ("linear_input", "linear_weight")
 
 
 def _defaults(cls):
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.name != "fast_accumulation"}
+    accumulation = ("fast_accumulation", "backward_fast_accumulation")  # every recipe's, checked apart
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.name not in accumulation}
 
 
 def test_fields_and_defaults_are_the_issues():
     for rec in (R.DelayedScaling, R.Float8CurrentScaling, R.MXFP8BlockScaling, R.NVFP4BlockScaling,
                 R.Float8BlockScaling, R.CustomRecipe):  # every recipe's keyword-only field, from the base
-        field = {f.name: f for f in dataclasses.fields(rec)}.pop("fast_accumulation")
-        assert field.kw_only and field.default is True
+        fields = {f.name: f for f in dataclasses.fields(rec)}
+        assert fields["fast_accumulation"].kw_only and fields["fast_accumulation"].default is True
+        assert fields["backward_fast_accumulation"].kw_only and fields["backward_fast_accumulation"].default is False
     assert _defaults(R.DelayedScaling) == dict(
         margin=0, fp8_format=R.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max",
         scaling_factor_compute_algo=None, reduce_amax=True, amax_reduction="max")
@@ -48,7 +50,8 @@ def test_fields_and_defaults_are_the_issues():
     assert _defaults(R.Float8BlockScaling) == dict(fp8_format=R.Format.E4M3, x_block_scaling_dim=1,
                                                    w_block_scaling_dim=2, grad_block_scaling_dim=1,
                                                    use_f32_scales=False)
-    assert [f.name for f in dataclasses.fields(R.CustomRecipe)] == ["fast_accumulation", "qfactory"]
+    assert [f.name for f in dataclasses.fields(R.CustomRecipe)] == ["fast_accumulation", "backward_fast_accumulation",
+                                                                    "qfactory"]
     assert {f.name for f in R.Format} == {"E4M3", "E5M2", "HYBRID"}
 
 
