@@ -27,6 +27,8 @@
 #                   "flax-fp8" is the same model through flax.linen's Fp8DotGeneral; RECIPE+inspect
 #                   adds --inspect (statistics at each evaluation step), RECIPE+inspectK also
 #                   --inspect-every K (every K-th row).
+# --lt-probe=M,N,K  tools/lt_probe.cu: every cuBLASLt candidate of the per-tensor FP8 GEMM, te_jax's and XLA's
+#                   descriptors, with and without workspace, timed in turns at the power cap.
 # --deadline=S      every job ends within S seconds of the script's start (default 570).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,7 +99,17 @@ scaling_job() {  # the 125m GPT on the first GPU at batch 32, then on all of the
       >> "$OUT/multi_gpu.log"
   done
 }
-export -f tests_job bench_job train_job mesh_job scaling_job
+lt_probe_job() {  # M N K: tools/lt_probe.cu against the cuBLASLt that te_jax's CUDA module loads
+  local so lib
+  so=$(cd /tmp && $PY -c "import glob, os, te_jax; print(glob.glob(os.path.join(os.path.dirname(te_jax.__file__), \
+'_te_jax_cuda*.so'))[0])") || return 1
+  lib=$(ldd "$so" | awk '/libcublasLt/ {print $3}')
+  [ -f "$lib" ] || { echo "lt_probe: libcublasLt not found from $so"; return 1; }
+  nvcc -O2 -std=c++17 -arch=sm_90a -I"$(dirname "$lib")/../include" "$ROOT/tools/lt_probe.cu" "$lib" \
+    -Xlinker -rpath -Xlinker "$(dirname "$lib")" -o /tmp/lt_probe || return 1
+  /tmp/lt_probe "$@" | tee "$OUT/lt_probe_${1}x${2}x${3}.txt"
+}
+export -f tests_job bench_job train_job mesh_job scaling_job lt_probe_job
 
 train_estimate() {  # rough seconds for a training run: compile and evaluation, then the steps
   awk -v recipe="$1" -v preset="$2" -v steps="$3" 'BEGIN {
@@ -118,7 +130,7 @@ for arg in "$@"; do
     --no-bench) run_bench=0 ;;
     --deadline=*) deadline=${arg#--deadline=} ;;
     --bench=*) bench_given=1; ordered+=("$arg") ;;
-    --multi-gpu|--multi-gpu=*|--train=*|--tests) ordered+=("$arg") ;;
+    --multi-gpu|--multi-gpu=*|--train=*|--tests|--lt-probe=*) ordered+=("$arg") ;;
     *) pytest_args+=("$arg") ;;
   esac
 done
@@ -134,6 +146,7 @@ for arg in "${ordered[@]}"; do
       IFS=, read -ra names <<< "${arg#--bench=}"
       for b in "${names[@]}"; do jobs+=("bench_$b|120|1|bench_job $b"); done ;;
     --tests) [ $run_tests -eq 1 ] && jobs+=("$tests_line") ;;
+    --lt-probe=*) IFS=, read -r pm pn pk <<< "${arg#--lt-probe=}"; jobs+=("lt_probe|150|1|lt_probe_job $pm $pn $pk") ;;
     --multi-gpu) jobs+=("mesh|200|2|mesh_job" "dp_scaling|150|2|scaling_job") ;;
     --multi-gpu=*)
       [[ ,${arg#--multi-gpu=}, == *,mesh,* ]] && jobs+=("mesh|200|2|mesh_job")

@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "../common/ffi_common.h"
+#include "lt_algo_config.h"
 #include "gemm_cublaslt.cuh"
 
 namespace te_jax {
@@ -282,36 +283,6 @@ class Events {
  private:
   std::vector<cudaEvent_t> events_;
 };
-
-// "id=.. tile=.. stages=.. splitk=.. swizzle=.. cluster=.. custom=.." of a cuBLASLt algorithm (verbose autotuning).
-std::string AlgoConfig(const cublasLtMatmulAlgo_t& algo) {
-  struct Field {
-    const char* name;
-    cublasLtMatmulAlgoConfigAttributes_t attr;
-  };
-  constexpr Field kFields[] = {{"id", CUBLASLT_ALGO_CONFIG_ID},
-                               {"tile", CUBLASLT_ALGO_CONFIG_TILE_ID},
-                               {"stages", CUBLASLT_ALGO_CONFIG_STAGES_ID},
-                               {"splitk", CUBLASLT_ALGO_CONFIG_SPLITK_NUM},
-                               {"reduction", CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME},
-                               {"swizzle", CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING},
-                               {"cluster", CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID},
-                               {"inner", CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID},
-                               {"custom", CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION}};
-  std::string out;
-  for (const Field& f : kFields) {
-    // The size must match the attribute's (16 or 32 bits): ask for it first.
-    size_t size = 0;
-    uint64_t value = 0;  // little-endian: a narrower attribute lands in the low bytes
-    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, f.attr, nullptr, 0, &size) != CUBLAS_STATUS_SUCCESS ||
-        size > sizeof(value) ||
-        cublasLtMatmulAlgoConfigGetAttribute(&algo, f.attr, &value, size, &size) != CUBLAS_STATUS_SUCCESS) {
-      continue;
-    }
-    out += std::string(out.empty() ? "" : " ") + f.name + "=" + std::to_string(value);
-  }
-  return out;
-}
 
 // Times every candidate on `stream` (the pointer attributes are set) and
 // returns the index of the one to keep (see "Autotuning" above).
