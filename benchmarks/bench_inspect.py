@@ -8,9 +8,9 @@ Each recipe's steps are the training example's own (``examples.gpt.train.build_r
 AdamW, fp8 state, jitted with the state's shardings over a one-device mesh),
 compiled under ``te_jax.autocast(recipe=...)`` and with ``inspect=Sample(k)``
 for each ``--sample`` stride k; after ``--warmup`` steps each, ``--iters``
-steps of each variant are timed back to back, the variants taking turns
-(``--trials`` rounds, median per step). The target is at most +10% on an H200
-for the 125m preset. bf16 has no inspected step.
+steps of each variant are timed back to back, the variants taking turns in
+an order shuffled each round (``--trials`` rounds, median per step). The
+target is at most +10% on an H200 for the 125m preset. bf16 has no inspected step.
 
 ``--bare`` also times the same step jitted without shardings or mesh (the
 example's sharding machinery should cost nothing on one device); ``--loop``
@@ -37,6 +37,7 @@ from examples.gpt import data as data_lib  # noqa: E402
 from examples.gpt import train as gpt  # noqa: E402
 from examples.gpt.presets import PRESETS  # noqa: E402
 from benchmarks.device_profile import format_summary, profile_steps  # noqa: E402
+from benchmarks.timing import round_orders  # noqa: E402
 from te_jax import inspect as te_inspect  # noqa: E402
 
 
@@ -61,18 +62,18 @@ def time_step(step, state, batch_for, warmup: int, iters: int, trials: int, sync
 
 
 def time_steps_interleaved(steps: dict, fresh, batch, warmup: int, iters: int, trials: int) -> dict[str, float]:
-    """Median ms per step of each of ``steps`` (name -> step), their trials taken in turn (start rotating)."""
+    """Median ms per step of each of ``steps`` (name -> step), their trials taken in turns (shuffled each round)."""
     names = list(steps)
     states = {}
     for name in names:
         state = fresh()
-        for _ in range(warmup):
+        for _ in range(max(1, warmup)):
             state, metrics = steps[name](state, batch)
         jax.block_until_ready(metrics)
         states[name] = state
     per_step = {name: [] for name in names}
-    for t in range(trials):
-        for name in names[t % len(names):] + names[:t % len(names)]:
+    for order in round_orders(names, trials):
+        for name in order:
             state = states[name]
             start = time.perf_counter()
             for _ in range(iters):

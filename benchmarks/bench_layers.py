@@ -23,7 +23,7 @@ Timing: every variant of a section (and its GEMM-only function) is first
 built, initialized, compiled and run once; then all of them are timed
 together with ``timing.time_interleaved``: warm-up, then ``--trials`` rounds,
 each running ``--iters`` back-to-back steps (alternating two input sets) of
-every variant in turn, the starting variant rotating. The median per step is
+every variant in turn, in an order shuffled each round. The median per step is
 reported and every trial kept ("trial_ms", "gemm_trial_ms" in the JSON). So
 the GPU slowing as it heats under its power cap reaches every variant alike
 instead of favouring the one timed first. This holds all the section's
@@ -271,7 +271,7 @@ def _print_row(row: dict) -> None:
     if "ms" in row:
         split = f"  (GEMMs {row['gemm_ms']:.3f} ms, other {row['other_ms']:.3f} ms)" if "gemm_ms" in row else ""
         line = f"{row['ms']:.3f} ms  {row['tflops']:.3g} TFLOP/s{split}" + (f"  [{line}]" if line else "")
-    print(f"  {row['name']:32s} {line}", flush=True)
+    print(f"  {row['name']:40s} {line}", flush=True)
 
 
 def bench_section(section: str, t: int, h: int, n: int, args) -> list[dict]:

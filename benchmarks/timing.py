@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -29,24 +30,38 @@ def time_call(fn, arg_sets, warmup: int, iters: int, trials: int) -> float:
     return statistics.median(per_call)
 
 
+def round_orders(names: Sequence, rounds: int, seed: int = 0) -> list[list]:
+    """``rounds`` orders of ``names``, each a seeded shuffle (for timing variants in turns)."""
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(names)
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
 def time_interleaved(calls: dict[str, tuple[Callable, Sequence]], warmup: int, iters: int,
                      trials: int) -> dict[str, list[float]]:
     """Seconds per call of each ``fn(*args)`` per trial, the variants' trials interleaved.
 
     ``calls`` maps a name to ``(fn, arg_sets)``. Every variant is warmed up,
-    then each round times ``iters`` back-to-back calls of every variant, the
-    starting variant rotating from round to round. So a slow drift of the
-    GPU (clocks falling as it heats under a power cap) reaches every variant
-    alike, instead of favouring whichever was timed first.
+    then each round times ``iters`` back-to-back calls of every variant, in
+    an order shuffled anew each round (seeded: the same orders every run). So
+    a slow drift of the GPU (clocks falling as it heats under a power cap)
+    reaches every variant alike, instead of favouring whichever was timed
+    first, and no variant always follows the same other one.
     """
     names = list(calls)
+    if not names:
+        return {}
     for name in names:
         fn, sets = calls[name]
         for i in range(warmup):
             jax.block_until_ready(fn(*sets[i % len(sets)]))
     per_call: dict[str, list[float]] = {name: [] for name in names}
-    for t in range(trials):
-        for name in names[t % len(names):] + names[:t % len(names)]:
+    for order in round_orders(names, trials):
+        for name in order:
             fn, sets = calls[name]
             start = time.perf_counter()
             out = None

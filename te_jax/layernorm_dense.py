@@ -446,7 +446,7 @@ def _bwd(plan: _Plan, res, cts):
         check_key(plan.q, ("grad_output", "grad_input"), "layernorm_dense")
     g = GemmQuant(plan.q, st, key, plan.mesh_resource, plan.inspect)
     dyq = g.quantize("grad_output", dy, rowwise=True, colwise=True)
-    # Backward GEMMs accumulate without Hopper's fast FP8 accumulation, as te_jax.dense does.
+    # Backward GEMMs split their accumulation unless the recipe asks otherwise, as te_jax.dense does.
     fast = plan.q.backward_fast_accum
     dln = g.qdq("grad_input", gemm(dyq, kq, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast))
     dk = gemm(ln, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast)

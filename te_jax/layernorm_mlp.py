@@ -311,7 +311,7 @@ def _bwd(plan: _Plan, res, cts):
     ki, ko = _keys(key)
     gi = GemmQuant(plan.q.wi, st["wi"], ki, plan.mesh_resource, plan.inspect)
     go = GemmQuant(plan.q.wo, st["wo"], ko, plan.mesh_resource, plan.inspect)
-    # Second GEMM. Backward GEMMs accumulate without Hopper's fast FP8 accumulation, as te_jax.dense does.
+    # Second GEMM. Backward GEMMs split their accumulation unless the recipe asks otherwise, as te_jax.dense does.
     dyq = go.quantize("grad_output", dy, rowwise=True, colwise=True)
     fast_wo = plan.q.wo.backward_fast_accum
     da = go.qdq("grad_input", gemm(dyq, k2q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wo))

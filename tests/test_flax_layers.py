@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -613,9 +614,14 @@ def test_flax_fp8_dot_general_passes_through_unquantized_layers():
             m.init(jax.random.key(0), x)
 
 
-@pytest.mark.parametrize("layer,gemms", [("dense", 3), ("ln_dense", 3), ("ln_mlp", 6)])
+def _gemm_fast_accum_flags(fn, *args) -> list[bool]:
+    """The fast_accum attribute of each te_jax GEMM in the lowered program of ``fn``, in program order."""
+    return [f == "true" for f in re.findall(r"fast_accum = (true|false)", jax.jit(fn).lower(*args).as_text())]
+
+
+@pytest.mark.parametrize("layer,forward_gemms", [("dense", 1), ("ln_dense", 1), ("ln_mlp", 2)])
 @pytest.mark.parametrize("forward,backward", [(True, False), (True, True), (False, True), (False, False)])
-def test_fast_accumulation_of_forward_and_backward_gemms(layer, gemms, forward, backward):
+def test_fast_accumulation_of_forward_and_backward_gemms(layer, forward_gemms, forward, backward):
     """The recipe's fast_accumulation reaches the forward GEMMs, backward_fast_accumulation dgrad and wgrad."""
     make = {"dense": lambda: tf.DenseGeneral(64), "ln_dense": lambda: tf.LayerNormDenseGeneral(64),
             "ln_mlp": lambda: tf.LayerNormMLP(96)}[layer]
@@ -629,12 +635,25 @@ def test_fast_accumulation_of_forward_and_backward_gemms(layer, gemms, forward, 
             y, _ = model.apply({**variables, "params": params}, x, mutable=["fp8_meta"])
             return jnp.sum((y[0] if isinstance(y, tuple) else y) ** 2)
 
-        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(variables["params"], x))
-    flags = re.findall(r"\('fast_accum', (True|False)\)", jaxpr)
-    forward_gemms = gemms // 3  # dgrad and wgrad per forward GEMM
-    want_fast = forward * forward_gemms + backward * 2 * forward_gemms
-    assert flags and len(flags) % gemms == 0  # each GEMM appears the same number of times in the jaxpr
-    assert flags.count("True") * gemms == len(flags) * want_fast
+        flags = _gemm_fast_accum_flags(jax.grad(loss, argnums=(0, 1)), variables["params"], x)
+    # The forward GEMMs come first, then dgrad and wgrad of each (the second GEMM's first).
+    assert flags == [forward] * forward_gemms + [backward] * 2 * forward_gemms
+
+
+def test_layernorm_mlp_backward_fast_accumulation_per_gemm():
+    """Each of the MLP's GEMMs takes its own quantizers' flags: the second GEMM's backward is not the first's."""
+    x, w1, w2 = _x((16, 32)), _x((32, 96), 1) / 6, _x((96, 32), 2) / 10
+    gamma, beta = jnp.ones((32,)), jnp.zeros((32,))
+    current = R.Float8CurrentScaling()
+    wi = dataclasses.replace(DenseQuantizers.from_recipe(current), fast_accum=False, backward_fast_accum=True)
+    wo = dataclasses.replace(DenseQuantizers.from_recipe(current), fast_accum=True, backward_fast_accum=False)
+
+    def loss(x, w1, w2):
+        y = layernorm_mlp(x, gamma, beta, w1, None, w2, quantizers=MLPQuantizers(wi, wo))[0]
+        return jnp.sum(y ** 2)
+
+    flags = _gemm_fast_accum_flags(jax.grad(loss, argnums=(0, 1, 2)), x, w1, w2)
+    assert flags == [False, True, False, False, True, True]  # forward wi, wo; backward wo (dgrad, wgrad), wi
 
 
 def test_backward_fast_accumulation_must_be_a_bool():

@@ -15,7 +15,8 @@
 # the order given (all the benchmarks last when --bench is not given). Each takes one GPU except the multi-GPU ones.
 # --bench=NAME,...  benchmarks/bench_NAME.py; extra arguments from $BENCH_<NAME>_ARGS
 #                   (e.g. BENCH_LAYERS_ARGS="--sections mlp --trials 3"). NAME@base runs it again with
-#                   the CUDA module (kernels) of the wheel $BASELINE_WHEEL, for a before/after in one call.
+#                   the CUDA module (kernels) of the wheel $BASELINE_WHEEL (a path from the repository root),
+#                   for a before/after in one call.
 # --multi-gpu[=mesh,scaling]  (2 or more GPUs; default both) "mesh": the layer mesh checks of
 #                   tests/mesh_multidevice.py, dp and tp over two GPUs against one, NCCL collectives
 #                   (models from $MESH_MODELS, meshes from $MESH_MESHES, recipes from $MESH_RECIPES;
@@ -52,14 +53,17 @@ bench_job() {  # NAME, or NAME@base: the same benchmark with the CUDA module of 
   var="BENCH_${name^^}_ARGS"
   eval "args=(${!var:-})"
   if [[ $1 == *@base ]]; then
+    [ -n "${BASELINE_WHEEL:-}" ] || { echo "bench $1: set BASELINE_WHEEL (a path from the repository root)"; return 1; }
     tag=${name}_base
-    local base=/tmp/te_base_$GPU_JOB site
+    local base=/tmp/te_base_$GPU_JOB site wheel_path=$BASELINE_WHEEL
+    [[ $wheel_path == /* ]] || wheel_path=$ROOT/$wheel_path
     site=$(cd /tmp && $PY -c "import te_jax, os; print(os.path.dirname(os.path.dirname(te_jax.__file__)))")
     rm -rf "$base" && mkdir -p "$base" && cp -r "$site/te_jax" "$base/" || return 1
+    rm -f "$base"/te_jax/_te_jax_cuda*  # the baseline's module replaces the built one, whatever its file name
     $PY -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); \
-z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith('te_jax/_te_jax_cuda')])" \
-      "$BASELINE_WHEEL" "$base" || return 1
-    echo "bench $name with the CUDA module of $(basename "$BASELINE_WHEEL")"
+m = [n for n in z.namelist() if n.startswith('te_jax/_te_jax_cuda')]; \
+sys.exit(f'{sys.argv[1]}: expected one CUDA module, found {m}') if len(m) != 1 else z.extractall(sys.argv[2], m); \
+print('bench with the CUDA module', m[0], 'of', sys.argv[1])" "$wheel_path" "$base" || return 1
     pypath=$base${pypath:+:$pypath}
   fi
   cd /tmp && PYTHONPATH=$pypath $PY "$ROOT/benchmarks/bench_$name.py" --out "$OUT/bench_$tag.json" \
@@ -82,6 +86,7 @@ train_job() {  # recipe[+inspect[K]] preset [steps]
   "$CUDA_VISIBLE_DEVICES" "$1" >> "$OUT/train.log"
 }
 mesh_job() {
+  set -o pipefail  # the job's status is the check's, not tee's or grep's
   cd "$ROOT/tests" && $PY mesh_multidevice.py --models "${MESH_MODELS:-mlp,stack}" --meshes "${MESH_MESHES:-dp2,tp2}" \
     --recipes "${MESH_RECIPES:-delayed,current,delayed_split,current_split}" --check ${MESH_NOISE_FLOOR:+--noise-floor} \
     ${MESH_BACKEND:+--backend "$MESH_BACKEND"} | tee /dev/stderr | grep '^{' >> "$OUT/multi_gpu.log"
@@ -100,14 +105,15 @@ scaling_job() {  # the 125m GPT on the first GPU at batch 32, then on all of the
   done
 }
 lt_probe_job() {  # M N K: tools/lt_probe.cu against the cuBLASLt that te_jax's CUDA module loads
-  local so lib
+  local so lib exe=/tmp/lt_probe_$GPU_JOB
   so=$(cd /tmp && $PY -c "import glob, os, te_jax; print(glob.glob(os.path.join(os.path.dirname(te_jax.__file__), \
 '_te_jax_cuda*.so'))[0])") || return 1
   lib=$(ldd "$so" | awk '/libcublasLt/ {print $3}')
   [ -f "$lib" ] || { echo "lt_probe: libcublasLt not found from $so"; return 1; }
   nvcc -O2 -std=c++17 -arch=sm_90a -I"$(dirname "$lib")/../include" "$ROOT/tools/lt_probe.cu" "$lib" \
-    -Xlinker -rpath -Xlinker "$(dirname "$lib")" -o /tmp/lt_probe || return 1
-  /tmp/lt_probe "$@" | tee "$OUT/lt_probe_${1}x${2}x${3}.txt"
+    -Xlinker -rpath -Xlinker "$(dirname "$lib")" -o "$exe" || return 1
+  "$exe" "$@" | tee "$OUT/lt_probe_${1}x${2}x${3}.txt"
+  return "${PIPESTATUS[0]}"
 }
 export -f tests_job bench_job train_job mesh_job scaling_job lt_probe_job
 
@@ -146,7 +152,11 @@ for arg in "${ordered[@]}"; do
       IFS=, read -ra names <<< "${arg#--bench=}"
       for b in "${names[@]}"; do jobs+=("bench_$b|120|1|bench_job $b"); done ;;
     --tests) [ $run_tests -eq 1 ] && jobs+=("$tests_line") ;;
-    --lt-probe=*) IFS=, read -r pm pn pk <<< "${arg#--lt-probe=}"; jobs+=("lt_probe|150|1|lt_probe_job $pm $pn $pk") ;;
+    --lt-probe=*)
+      IFS=, read -ra dims <<< "${arg#--lt-probe=}"
+      [[ ${#dims[@]} -eq 3 && "${dims[*]}" =~ ^[0-9]+\ [0-9]+\ [0-9]+$ ]] \
+        || { echo "gpu_check: --lt-probe takes M,N,K (three integers), got ${arg#--lt-probe=}"; exit 2; }
+      jobs+=("lt_probe_${dims[0]}x${dims[1]}x${dims[2]}|150|1|lt_probe_job ${dims[*]}") ;;
     --multi-gpu) jobs+=("mesh|200|2|mesh_job" "dp_scaling|150|2|scaling_job") ;;
     --multi-gpu=*)
       [[ ,${arg#--multi-gpu=}, == *,mesh,* ]] && jobs+=("mesh|200|2|mesh_job")
