@@ -37,7 +37,7 @@ from examples.gpt import data as data_lib  # noqa: E402
 from examples.gpt import train as gpt  # noqa: E402
 from examples.gpt.presets import PRESETS  # noqa: E402
 from benchmarks.device_profile import format_summary, profile_steps  # noqa: E402
-from benchmarks.timing import round_orders  # noqa: E402
+from benchmarks.timing import time_interleaved  # noqa: E402
 from te_jax import inspect as te_inspect  # noqa: E402
 
 
@@ -62,26 +62,21 @@ def time_step(step, state, batch_for, warmup: int, iters: int, trials: int, sync
 
 
 def time_steps_interleaved(steps: dict, fresh, batch, warmup: int, iters: int, trials: int) -> dict[str, float]:
-    """Median ms per step of each of ``steps`` (name -> step), their trials taken in turns (shuffled each round)."""
-    names = list(steps)
-    states = {}
-    for name in names:
+    """Median ms per step of each of ``steps`` (name -> step), their trials taken in turns (shuffled each round).
+
+    Each step runs on its own copy of the state (``fresh()``), threaded from call to call: the steps donate it.
+    """
+    def threaded(step):
         state = fresh()
-        for _ in range(max(1, warmup)):
-            state, metrics = steps[name](state, batch)
-        jax.block_until_ready(metrics)
-        states[name] = state
-    per_step = {name: [] for name in names}
-    for order in round_orders(names, trials):
-        for name in order:
-            state = states[name]
-            start = time.perf_counter()
-            for _ in range(iters):
-                state, metrics = steps[name](state, batch)
-            jax.block_until_ready(metrics)
-            per_step[name].append(1e3 * (time.perf_counter() - start) / iters)
-            states[name] = state
-    return {name: statistics.median(v) for name, v in per_step.items()}
+
+        def call():
+            nonlocal state
+            state, metrics = step(state, batch)
+            return metrics
+        return call
+
+    per_call = time_interleaved({name: (threaded(step), [()]) for name, step in steps.items()}, warmup, iters, trials)
+    return {name: 1e3 * statistics.median(v) for name, v in per_call.items()}
 
 
 def bench(recipe_name: str, args, corpus) -> dict:
@@ -91,7 +86,6 @@ def bench(recipe_name: str, args, corpus) -> dict:
     host = jax.device_get(run.state)
     fresh = lambda: jax.device_put(host, run.shardings)  # noqa: E731  (each timing gets its own copy: donated)
     tokens = jax.device_put(data_lib.train_batch(corpus, 0, cfg.batch, cfg.seq_len, cfg.seed), run.batch_sharding)
-    same = lambda i: tokens  # noqa: E731
     timing = (args.warmup, args.iters, args.trials)
     # The plain step and every inspected variant, their trials taken in turns (a drift of the GPU or the
     # host reaches all of them alike).

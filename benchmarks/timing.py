@@ -17,17 +17,7 @@ def time_call(fn, arg_sets, warmup: int, iters: int, trials: int) -> float:
     Each trial runs ``iters`` calls back to back and waits for the last result,
     so launch gaps overlap as they do in a training step.
     """
-    for i in range(warmup):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    per_call = []
-    for _ in range(trials):
-        start = time.perf_counter()
-        out = None
-        for i in range(iters):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        per_call.append((time.perf_counter() - start) / iters)
-    return statistics.median(per_call)
+    return statistics.median(time_interleaved({"fn": (fn, arg_sets)}, warmup, iters, trials)["fn"])
 
 
 def round_orders(names: Sequence, rounds: int, seed: int = 0) -> list[list]:
