@@ -110,7 +110,8 @@ lt_probe_job() {  # M N K: tools/lt_probe.cu against the cuBLASLt that te_jax's 
 '_te_jax_cuda*.so'))[0])") || return 1
   lib=$(ldd "$so" | awk '/libcublasLt/ {print $3}')
   [ -f "$lib" ] || { echo "lt_probe: libcublasLt not found from $so"; return 1; }
-  nvcc -O2 -std=c++17 -arch=sm_90a -I"$(dirname "$lib")/../include" "$ROOT/tools/lt_probe.cu" "$lib" \
+  nvcc -O2 -std=c++17 -arch=sm_90a -I"$(dirname "$lib")/../include" "$ROOT/tools/lt_probe.cu" \
+    -L"$(dirname "$lib")" -l:"$(basename "$lib")" \
     -Xlinker -rpath -Xlinker "$(dirname "$lib")" -o "$exe" || return 1
   "$exe" "$@" | tee "$OUT/lt_probe_${1}x${2}x${3}.txt"
   return "${PIPESTATUS[0]}"

@@ -196,7 +196,13 @@ int main(int argc, char** argv) {
   // Refused candidates are dropped before timing.
   std::vector<Runner> usable;
   for (const Runner& r : runners) {
-    if (run(r) == CUBLAS_STATUS_SUCCESS) usable.push_back(r);
+    const cublasStatus_t st = run(r);
+    if (st == CUBLAS_STATUS_SUCCESS) {
+      usable.push_back(r);
+    } else {
+      std::fprintf(stderr, "%-13s #%d refused: %s (%d)\n", variants[r.variant].name, r.candidate,
+                   cublasLtGetStatusString(st), int(st));
+    }
   }
   CHECK_CUDA(cudaStreamSynchronize(stream));
   if (usable.empty()) {
