@@ -7,17 +7,18 @@
 // kMaxCandidates algorithms that fit the workspace. Unless autotuning is off
 // (environment variable TE_JAX_GEMM_AUTOTUNE=0, read once per process), only
 // one candidate is usable, or the call's stream is being captured into a CUDA
-// graph (cudaStreamIsCapturing), each candidate runs once as a warm-up and then
-// kTimedRuns times between CUDA events on the call's own stream, with the
-// call's real operands, scales, bias and alpha, writing the first matmul's D
-// and the cuBLASLt workspace: both belong to this GEMM (its output or staging
-// buffer, its scratch), and the real matmuls are enqueued afterwards, so they
-// overwrite whatever the candidates wrote; the scratch regions the handlers
-// filled before (converted scales, dequantized operands) are never touched.
-// The host waits for each candidate's last event (a one-time stall of the
-// stream's host-side dispatch per configuration). A candidate's time is its
-// fastest run; the heuristic's order wins ties within kMargin, so timing noise
-// on small problems does not flip the choice between runs. Candidates that
+// graph (cudaStreamIsCapturing), the candidates are timed on the call's own
+// stream (TimeCandidates: after a warm-up that brings the GPU to its power
+// cap, kRounds rounds of samples of back-to-back calls, the median sample per
+// candidate), with the call's real operands, scales, bias and alpha, writing
+// the first matmul's D and the cuBLASLt workspace: both belong to this GEMM
+// (its output or staging buffer, its scratch), and the real matmuls are
+// enqueued afterwards, so they overwrite whatever the candidates wrote; the
+// scratch regions the handlers filled before (converted scales, dequantized
+// operands) are never touched. The host waits for each round (a one-time
+// stall of the stream's host-side dispatch per configuration). The
+// heuristic's order wins ties within kMargin, so timing noise on small
+// problems does not flip the choice between runs. Candidates that
 // cuBLASLt refuses are skipped (if all are refused, the first one's error is
 // returned). TE_JAX_GEMM_AUTOTUNE=verbose prints each decision to stderr.
 //
@@ -27,7 +28,11 @@
 // keeps it for the process, like every plan keeps its algorithm, so a
 // configuration never changes algorithm (and result bits) once chosen. The
 // steady state (a built plan) neither allocates nor synchronises.
+#include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -46,7 +51,6 @@ namespace gemm {
 namespace {
 
 constexpr int kMaxCandidates = 16;  // heuristic results considered by the autotuner
-constexpr int kTimedRuns = 5;       // timed runs per candidate (after one warm-up)
 constexpr float kMargin = 0.02f;    // a later candidate must be this much faster to win
 
 // Everything that selects a descriptor, layouts or algorithm.
@@ -284,65 +288,122 @@ class Events {
   std::vector<cudaEvent_t> events_;
 };
 
+// Timing of autotuning candidates (see "Autotuning" above).
+constexpr int kRounds = 5;              // every candidate is sampled once per round
+constexpr float kWarmMs = 200.0f;       // GPU time of back-to-back calls before the first sample
+constexpr float kSampleMs = 2.0f;       // a sample is at least this much GPU time of back-to-back calls
+constexpr int kMaxRunsPerSample = 64;
+constexpr double kStillWarmSeconds = 1.0;  // a plan built this soon after the last one skips the warm-up
+
+// Host time (seconds, steady clock) when the last autotuning ended.
+std::atomic<double>& LastAutotuneEnd() {
+  static std::atomic<double> t{-1e9};
+  return t;
+}
+
+double NowSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Runs `runs` calls of `algo` between events `start` and `stop`; the cuBLASLt status of the first refusal.
+cublasStatus_t TimedCalls(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
+                          const cublasLtMatmulAlgo_t& algo, int runs, cudaEvent_t start, cudaEvent_t stop,
+                          cudaStream_t stream, cudaError_t* cuda_status) {
+  *cuda_status = cudaEventRecord(start, stream);
+  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
+  for (int r = 0; r < runs && *cuda_status == cudaSuccess && status == CUBLAS_STATUS_SUCCESS; ++r) {
+    status = Enqueue(plan, s, p, algo, stream);
+  }
+  if (*cuda_status == cudaSuccess) *cuda_status = cudaEventRecord(stop, stream);
+  return status;
+}
+
+float ElapsedMs(cudaEvent_t start, cudaEvent_t stop) {
+  float t = std::numeric_limits<float>::infinity();
+  if (cudaEventElapsedTime(&t, start, stop) != cudaSuccess) {
+    cudaGetLastError();  // ours, and not sticky: do not leave it for the next launch check
+    return std::numeric_limits<float>::infinity();
+  }
+  return t;
+}
+
 // Times every candidate on `stream` (the pointer attributes are set) and
-// returns the index of the one to keep (see "Autotuning" above).
+// returns the index of the one to keep. An H200 under FP8 GEMMs slows down
+// within tens of milliseconds as it reaches its power cap, and candidates
+// rank differently before and after; so the GPU is first kept busy for
+// kWarmMs, then every candidate is sampled in kRounds rounds (the first
+// candidate of a round rotating), each sample kSampleMs or more of back-to-
+// back calls, and a candidate's time is its median sample.
 ffi::ErrorOr<size_t> TimeCandidates(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
                                     const std::vector<cublasLtMatmulAlgo_t>& candidates, int64_t calls,
                                     cudaStream_t stream) {
+  const size_t n = candidates.size();
   Events ev;
-  cudaError_t cuda_status = ev.Create(kTimedRuns + 1);
+  cudaError_t cuda_status = ev.Create(static_cast<int>(2 * n));
   if (cuda_status != cudaSuccess) {  // cannot time: keep the heuristic's first algorithm
     cudaGetLastError();
     return size_t{0};
   }
+  auto broken = [&](cudaError_t status) {  // a failed launch or a broken context: not a candidate's fault
+    cudaGetLastError();
+    return ffi::Unexpected(CudaError("GEMM autotuning", status, ShapeString(s)));
+  };
   constexpr float kNever = std::numeric_limits<float>::infinity();
-  std::vector<float> ms(candidates.size(), kNever);
+  // One call of each candidate: finds the refusals and sizes the samples.
+  std::vector<int> runs(n, 0);  // 0: refused
   cublasStatus_t first_refusal = CUBLAS_STATUS_SUCCESS;
-  for (size_t c = 0; c < candidates.size(); ++c) {
-    cublasStatus_t status = Enqueue(plan, s, p, candidates[c], stream);  // warm-up, and may refuse
-    for (int r = 0; r < kTimedRuns && status == CUBLAS_STATUS_SUCCESS; ++r) {
-      if (r == 0) cuda_status = cudaEventRecord(ev[0], stream);
-      if (cuda_status == cudaSuccess) status = Enqueue(plan, s, p, candidates[c], stream);
-      if (cuda_status == cudaSuccess && status == CUBLAS_STATUS_SUCCESS) {
-        cuda_status = cudaEventRecord(ev[r + 1], stream);
-      }
-      if (cuda_status != cudaSuccess) break;
-    }
-    if (cuda_status == cudaSuccess && status == CUBLAS_STATUS_SUCCESS) {
-      cuda_status = cudaEventSynchronize(ev[kTimedRuns]);
-    }
-    if (cuda_status != cudaSuccess) {  // a failed launch or a broken context: not a candidate's fault
-      cudaGetLastError();
-      return ffi::Unexpected(CudaError("GEMM autotuning", cuda_status, ShapeString(s)));
-    }
+  for (size_t c = 0; c < n; ++c) {
+    const cublasStatus_t status = TimedCalls(plan, s, p, candidates[c], 1, ev[0], ev[1], stream, &cuda_status);
+    if (cuda_status == cudaSuccess) cuda_status = cudaEventSynchronize(ev[1]);
+    if (cuda_status != cudaSuccess) return broken(cuda_status);
     if (status != CUBLAS_STATUS_SUCCESS) {  // cuBLASLt refused this algorithm for these operands
       if (first_refusal == CUBLAS_STATUS_SUCCESS) first_refusal = status;
       continue;
     }
-    for (int r = 0; r < kTimedRuns; ++r) {
-      float t = kNever;
-      if (cudaEventElapsedTime(&t, ev[r], ev[r + 1]) != cudaSuccess) {
-        cudaGetLastError();  // ours, and not sticky: do not leave it for the next launch check
-      } else if (t < ms[c]) {
-        ms[c] = t;
-      }
+    const float once = std::max(ElapsedMs(ev[0], ev[1]), 1e-3f);
+    runs[c] = std::clamp(static_cast<int>(std::ceil(kSampleMs / once)), 1, kMaxRunsPerSample);
+  }
+  std::vector<size_t> usable;
+  for (size_t c = 0; c < n; ++c) {
+    if (runs[c] > 0) usable.push_back(c);
+  }
+  if (usable.empty()) return ffi::Unexpected(LtError("cublasLtMatmul (every autotuning candidate)", first_refusal, s));
+  if (NowSeconds() - LastAutotuneEnd().load() > kStillWarmSeconds) {
+    const size_t c = usable[0];
+    const int warm_runs = std::max(1, static_cast<int>(std::ceil(kWarmMs / kSampleMs)) * runs[c]);
+    TimedCalls(plan, s, p, candidates[c], warm_runs, ev[0], ev[1], stream, &cuda_status);
+    if (cuda_status != cudaSuccess) return broken(cuda_status);
+  }
+  std::vector<std::vector<float>> samples(n);
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t j = 0; j < usable.size(); ++j) {
+      const size_t c = usable[(j + round) % usable.size()];
+      TimedCalls(plan, s, p, candidates[c], runs[c], ev[2 * c], ev[2 * c + 1], stream, &cuda_status);
+      if (cuda_status != cudaSuccess) return broken(cuda_status);
     }
+    cuda_status = cudaStreamSynchronize(stream);
+    if (cuda_status != cudaSuccess) return broken(cuda_status);
+    for (size_t c : usable) samples[c].push_back(ElapsedMs(ev[2 * c], ev[2 * c + 1]) / static_cast<float>(runs[c]));
   }
-  size_t best = candidates.size();
-  for (size_t c = 0; c < candidates.size(); ++c) {
+  LastAutotuneEnd().store(NowSeconds());
+  std::vector<float> ms(n, kNever);
+  for (size_t c : usable) {
+    std::sort(samples[c].begin(), samples[c].end());
+    ms[c] = samples[c][samples[c].size() / 2];
+  }
+  size_t best = n;
+  for (size_t c = 0; c < n; ++c) {  // the heuristic's order wins within kMargin
     if (ms[c] == kNever) continue;
-    if (best == candidates.size() || ms[c] < ms[best] * (1.0f - kMargin)) best = c;
+    if (best == n || ms[c] < ms[best] * (1.0f - kMargin)) best = c;
   }
-  if (best == candidates.size()) {
-    if (first_refusal == CUBLAS_STATUS_SUCCESS) return size_t{0};  // ran, but no timing came back
-    return ffi::Unexpected(LtError("cublasLtMatmul (every autotuning candidate)", first_refusal, s));
-  }
+  if (best == n) return size_t{0};  // ran, but no timing came back
   if (AutotuneMode() == Autotune::kVerbose) {
     std::fprintf(stderr, "te_jax GEMM autotune %s: %zu candidates, heuristic #0 %.4f ms, chose #%zu %.4f ms\n",
-                 Describe(s, calls).c_str(), candidates.size(), static_cast<double>(ms[0]), best,
+                 Describe(s, calls).c_str(), n, static_cast<double>(ms[0]), best,
                  static_cast<double>(ms[best]));  // "inf" for #0: cuBLASLt refused it
-    for (size_t c = 0; c < candidates.size(); ++c) {
-      std::fprintf(stderr, "  #%zu %.4f ms %s\n", c, static_cast<double>(ms[c]), AlgoConfig(candidates[c]).c_str());
+    for (size_t c = 0; c < n; ++c) {
+      std::fprintf(stderr, "  #%zu %.4f ms (%d calls per sample) %s\n", c, static_cast<double>(ms[c]), runs[c],
+                   AlgoConfig(candidates[c]).c_str());
     }
   }
   return best;

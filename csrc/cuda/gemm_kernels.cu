@@ -7,6 +7,7 @@
 // NVFP4 and for MXFP8 inside bfloat16's range).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <algorithm>
 
@@ -68,6 +69,19 @@ __device__ __forceinline__ uint32_t PackBf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Two FP8 codes as floats: one conversion instruction to half2 on sm_89 and
+// later (E4M3 and E5M2 values are all exact in float16), then two widenings;
+// the same floats as numerics.h Fp8ToFloat, except NaN payloads.
+__device__ __forceinline__ float2 Fp8PairToFloat2(uint8_t lo, uint8_t hi, const Fp8Format& fmt) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const auto two = static_cast<__nv_fp8x2_storage_t>(lo | (static_cast<uint16_t>(hi) << 8));
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(two, fmt.mant_bits == 2 ? __NV_E5M2 : __NV_E4M3);
+  return __half22float2(__half2(h));
+#else
+  return make_float2(Fp8ToFloat(lo, fmt), Fp8ToFloat(hi, fmt));
+#endif
+}
+
 // 16 elements per thread: 16 FP8 codes (one 16-byte load when aligned) -> 16
 // bfloat16 (two 16-byte stores). k % 32 == 0, so a chunk has one E8M0 scale.
 __global__ void DequantMxfp8Kernel(const uint8_t* q, const uint8_t* s, bool e5m2, uint16_t* out, int64_t rows,
@@ -86,7 +100,8 @@ __global__ void DequantMxfp8Kernel(const uint8_t* q, const uint8_t* s, bool e5m2
     uint32_t packed[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      packed[j] = PackBf16(Fp8ToFloat(codes[2 * j], fmt) * scale, Fp8ToFloat(codes[2 * j + 1], fmt) * scale);
+      const float2 f = Fp8PairToFloat2(codes[2 * j], codes[2 * j + 1], fmt);
+      packed[j] = PackBf16(f.x * scale, f.y * scale);
     }
     if (vector_io) {
       reinterpret_cast<uint4*>(out)[2 * c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
