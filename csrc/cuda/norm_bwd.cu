@@ -6,12 +6,16 @@
 //
 // Row kernel (H % 8 == 0, H <= 16384, aligned): the grid is (row groups,
 // batch); a thread block takes the rows of its group one after another (a warp
-// per row for H <= 1024), keeps each row in registers, writes dx, and
-// accumulates dgamma/dbeta for its columns in registers. Each group's partial
-// sums go to the workspace ([2, B, G, H] float32, sized by the Python op), and
-// a second kernel adds the G partials in order: deterministic, no atomics.
+// per row for H <= 1024), writes dx, and accumulates dgamma/dbeta for its
+// columns in registers. The rows pass through a ring of up to 3 rows in shared
+// memory filled by cp.async, so the next rows' loads overlap this row's work.
+// Each group's partial sums go to the workspace ([2, B, G, H] float32, sized by
+// the Python op), and a second kernel adds the G partials in order:
+// deterministic, no atomics.
 // Other widths: a generic dx kernel and a generic column kernel.
 #include <cuda_bf16.h>
+
+#include <algorithm>
 
 #include "norm_act_cast.cuh"
 #include "../common/bindings.h"
@@ -69,19 +73,39 @@ __device__ __forceinline__ void StoreT1(T* p, float v) {
   }
 }
 
-// Sum over the threads of one row (a warp, or the block); every thread calls it.
-__device__ __forceinline__ float RowSum(float v, bool warp_per_row, float* red) {
+// Sums of u and v over the threads of one row (a warp, or the block); every
+// thread calls it. One barrier: the caller must not reuse `red` before the next.
+__device__ __forceinline__ void RowSum2(float& u, float& v, bool warp_per_row, float (*red)[kThreads / 32]) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = AddRn(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if (warp_per_row) return v;
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x / 32] = v;
+  for (int o = 16; o > 0; o >>= 1) {
+    u = AddRn(u, __shfl_xor_sync(0xffffffffu, u, o));
+    v = AddRn(v, __shfl_xor_sync(0xffffffffu, v, o));
+  }
+  if (warp_per_row) return;
+  if ((threadIdx.x & 31) == 0) red[0][threadIdx.x / 32] = u, red[1][threadIdx.x / 32] = v;
   __syncthreads();
-  float s = red[0];
+  u = red[0][0], v = red[1][0];
 #pragma unroll
-  for (int w = 1; w < kThreads / 32; ++w) s = AddRn(s, red[w]);
-  __syncthreads();
-  return s;
+  for (int w = 1; w < kThreads / 32; ++w) u = AddRn(u, red[0][w]), v = AddRn(v, red[1][w]);
 }
+
+__device__ __forceinline__ void CpAsync16(uint4* dst, const void* src) {
+  const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
+
+// Two blocks per SM when the accumulators leave room (all 256 groups of a
+// large M resident at once); the ring takes up to 192 KiB of shared memory per SM.
+template <typename T, int kVec>
+constexpr int kRowMinBlocks = kVec * sizeof(T) <= 8 ? 2 : 1;
+template <typename T, int kVec>
+constexpr int64_t kStageBytes = int64_t{2} * kVec * kThreads * sizeof(Raw8<T>);  // one row of dy and x
+template <typename T, int kVec>
+constexpr int kStages =
+    std::max<int64_t>(1, std::min<int64_t>(3, (192 << 10) / kRowMinBlocks<T, kVec> / kStageBytes<T, kVec>));
 
 __device__ __forceinline__ float DxOf(float g, float xhat, float mg, float mgx, float rs, bool rms) {
   const float c = rms ? g : SubRn(g, mg);
@@ -89,9 +113,12 @@ __device__ __forceinline__ float DxOf(float g, float xhat, float mg, float mgx, 
 }
 
 template <typename T, int kVec>
-__global__ void __launch_bounds__(kThreads) NormBwdRowKernel(BwdArgs a) {
-  extern __shared__ float part[];  // warp_per_row: [8][H] partial sums
-  __shared__ float red[kThreads / 32];
+__global__ void __launch_bounds__(kThreads, kRowMinBlocks<T, kVec>) NormBwdRowKernel(BwdArgs a) {
+  // kStages rows of dy and x, as 16-byte words [stage][dy, x][j][word][thread];
+  // warp_per_row: after the loop, [8][H] float partial sums.
+  extern __shared__ uint4 ring[];
+  __shared__ float red[2][2][kThreads / 32];  // RowSum2's, alternating by row
+  constexpr int kS = kStages<T, kVec>, kW = sizeof(T) / 2;
   const int64_t g = blockIdx.x, b = blockIdx.y;
   const int64_t per = (a.rows + a.groups - 1) / a.groups;
   const int64_t r_begin = g * per, r_end = min(a.rows, r_begin + per);
@@ -108,29 +135,63 @@ __global__ void __launch_bounds__(kThreads) NormBwdRowKernel(BwdArgs a) {
     for (int k = 0; k < 8; ++k) dg[j][k] = db[j][k] = 0.0f;
   }
 
-  const int64_t step = a.warp_per_row ? kThreads / 32 : 1;
-  for (int64_t r = r_begin + (a.warp_per_row ? warp : 0); r < r_end; r += step) {
-    const int64_t row = b * a.rows + r;
-    const T* dyr = static_cast<const T*>(a.dy) + row * H;
-    const T* xr = static_cast<const T*>(a.x) + row * H;
-    Raw8<T> rd[kVec], rx[kVec];
+  // A thread copies and later reads only its own slots, so the ring needs no block barrier.
+  const auto slot = [&](int stage, int which, int j, int k) {
+    return ring + (((stage * 2 + which) * kVec + j) * kW + k) * kThreads + threadIdx.x;
+  };
+  // One commit group per call, empty past the group's last row.
+  const auto fetch = [&](int64_t r, int stage) {
+    if (r < r_end) {
+      const int64_t row = b * a.rows + r;
+      const T* src[2] = {static_cast<const T*>(a.dy) + row * H, static_cast<const T*>(a.x) + row * H};
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
-      const bool valid = c0 < H;
-      rd[j] = valid ? LoadRaw8(dyr + c0) : ZeroRaw8<T>();
-      rx[j] = valid ? LoadRaw8(xr + c0) : ZeroRaw8<T>();
+      for (int j = 0; j < kVec; ++j) {
+        const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
+        if (c0 >= H) continue;
+#pragma unroll
+        for (int which = 0; which < 2; ++which) {
+          const uint4* p = reinterpret_cast<const uint4*>(src[which] + c0);
+#pragma unroll
+          for (int k = 0; k < kW; ++k) CpAsync16(slot(stage, which, j, k), p + k);
+        }
+      }
     }
-    const float mu = a.rms ? 0.0f : a.mean[row];
-    const float rs = a.rsigma[row];
+    CpAsyncCommit();
+  };
+  const auto unpack = [&](int stage, int which, int j, float (&f)[8]) {
+    Raw8<T> raw;
+#pragma unroll
+    for (int k = 0; k < kW; ++k) raw.w[k] = *slot(stage, which, j, k);
+    Unpack8(raw, f);
+  };
+
+  const int64_t step = a.warp_per_row ? kThreads / 32 : 1;
+  const int64_t r0 = r_begin + (a.warp_per_row ? warp : 0);
+#pragma unroll
+  for (int s = 0; s + 1 < kS; ++s) fetch(r0 + s * step, s);
+  float mu_next = 0.0f, rs_next = 0.0f;  // the row's mean and rsigma, loaded a row ahead
+  if (r0 < r_end) {
+    mu_next = a.rms ? 0.0f : a.mean[b * a.rows + r0];
+    rs_next = a.rsigma[b * a.rows + r0];
+  }
+  int stage = 0, parity = 0;
+  for (int64_t r = r0; r < r_end; r += step) {
+    fetch(r + (kS - 1) * step, stage == 0 ? kS - 1 : stage - 1);  // the stage the previous row used
+    const int64_t row = b * a.rows + r;
+    const float mu = mu_next, rs = rs_next;
+    if (r + step < r_end) {
+      mu_next = a.rms ? 0.0f : a.mean[row + step];
+      rs_next = a.rsigma[row + step];
+    }
+    CpAsyncWait<kS - 1>();  // this row's group has landed
     float sg = 0.0f, sgx = 0.0f;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
       if (c0 >= H) continue;
       float d[8], v[8], w[8];
-      Unpack8(rd[j], d);
-      Unpack8(rx[j], v);
+      unpack(stage, 0, j, d);
+      unpack(stage, 1, j, v);
       Load8F(gam + c0, w);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -142,16 +203,17 @@ __global__ void __launch_bounds__(kThreads) NormBwdRowKernel(BwdArgs a) {
         db[j][k] = AddRn(db[j][k], d[k]);
       }
     }
-    const float mg = a.rms ? 0.0f : DivRn(RowSum(sg, a.warp_per_row, red), hf);
-    const float mgx = DivRn(RowSum(sgx, a.warp_per_row, red), hf);
+    RowSum2(sg, sgx, a.warp_per_row, red[parity]);
+    const float mg = a.rms ? 0.0f : DivRn(sg, hf);
+    const float mgx = DivRn(sgx, hf);
     T* dxr = static_cast<T*>(a.dx) + row * H;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
       if (c0 >= H) continue;
       float d[8], v[8], w[8], o[8];
-      Unpack8(rd[j], d);
-      Unpack8(rx[j], v);
+      unpack(stage, 0, j, d);
+      unpack(stage, 1, j, v);
       Load8F(gam + c0, w);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -160,6 +222,8 @@ __global__ void __launch_bounds__(kThreads) NormBwdRowKernel(BwdArgs a) {
       }
       StoreT8(dxr + c0, o);
     }
+    stage = stage + 1 == kS ? 0 : stage + 1;
+    parity ^= 1;
   }
 
   // Partial sums of this group: [2, B, G, H].
@@ -179,6 +243,9 @@ __global__ void __launch_bounds__(kThreads) NormBwdRowKernel(BwdArgs a) {
     return;
   }
   // A warp per row: the 8 warps' sums for the same columns, added in warp order.
+  float* part = reinterpret_cast<float*>(ring);
+  CpAsyncWait<0>();
+  __syncthreads();  // part overlays the ring other warps may still be reading
   for (int which = 0; which < 2; ++which) {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
@@ -201,7 +268,7 @@ __global__ void __launch_bounds__(kThreads) NormBwdRowKernel(BwdArgs a) {
 // dx for any width: a thread block per row, two passes over global memory.
 template <typename T>
 __global__ void __launch_bounds__(kThreads) NormBwdGenericRowKernel(BwdArgs a) {
-  __shared__ float red[kThreads / 32];
+  __shared__ float red[2][kThreads / 32];
   const int64_t row = blockIdx.x;
   const int64_t b = row / a.rows;
   const int64_t H = a.cols;
@@ -218,8 +285,9 @@ __global__ void __launch_bounds__(kThreads) NormBwdGenericRowKernel(BwdArgs a) {
     sgx = AddRn(sgx, MulRn(gk, xhat));
   }
   const float hf = static_cast<float>(H);
-  const float mg = a.rms ? 0.0f : DivRn(RowSum(sg, false, red), hf);
-  const float mgx = DivRn(RowSum(sgx, false, red), hf);
+  RowSum2(sg, sgx, false, red);
+  const float mg = a.rms ? 0.0f : DivRn(sg, hf);
+  const float mgx = DivRn(sgx, hf);
   T* dxr = static_cast<T*>(a.dx) + row * H;
   for (int64_t c = threadIdx.x; c < H; c += kThreads) {
     const float xhat = NormXhat(ToF(xr[c]), mu, rs, a.rms);
@@ -281,6 +349,19 @@ int RowConfig(int64_t h, bool* warp_per_row) {
   return 0;
 }
 
+template <typename T, int kVec>
+ffi::Error LaunchRow(cudaStream_t stream, const BwdArgs& a, dim3 grid) {
+  const int64_t part = a.warp_per_row ? int64_t{sizeof(float)} * (kThreads / 32) * a.cols : 0;
+  const int smem = static_cast<int>(std::max(kStages<T, kVec> * kStageBytes<T, kVec>, part));
+  auto kernel = NormBwdRowKernel<T, kVec>;
+  if (smem > 48 * 1024) {
+    TE_RETURN_IF_ERROR(CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                                 "cudaFuncSetAttribute"));
+  }
+  kernel<<<grid, kThreads, smem, stream>>>(a);
+  return LaunchError("NormBwdRowKernel");
+}
+
 template <typename T>
 ffi::Error RunNormBwd(cudaStream_t stream, BwdArgs a, float* dgamma, float* dbeta) {
   const int64_t H = a.cols;
@@ -291,14 +372,11 @@ ffi::Error RunNormBwd(cudaStream_t stream, BwdArgs a, float* dgamma, float* dbet
   if (a.groups > 65535 || a.batch > 65535) return ffi::Error::Internal("te_jax CUDA: norm backward grid too large");
   if (vec > 0) {
     const dim3 grid(static_cast<unsigned>(a.groups), static_cast<unsigned>(a.batch));
-    const int smem = warp_per_row ? static_cast<int>(sizeof(float) * (kThreads / 32) * H) : 0;
-    switch (vec) {
-      case 1: NormBwdRowKernel<T, 1><<<grid, kThreads, smem, stream>>>(a); break;
-      case 2: NormBwdRowKernel<T, 2><<<grid, kThreads, smem, stream>>>(a); break;
-      case 4: NormBwdRowKernel<T, 4><<<grid, kThreads, smem, stream>>>(a); break;
-      default: NormBwdRowKernel<T, 8><<<grid, kThreads, smem, stream>>>(a); break;
-    }
-    TE_RETURN_IF_ERROR(LaunchError("NormBwdRowKernel"));
+    auto launch = vec == 1 ? LaunchRow<T, 1>
+                  : vec == 2 ? LaunchRow<T, 2>
+                  : vec == 4 ? LaunchRow<T, 4>
+                             : LaunchRow<T, 8>;
+    TE_RETURN_IF_ERROR(launch(stream, a, grid));
   } else {
     dim3 grid;
     TE_RETURN_IF_ERROR(GridOf(a.batch * a.rows, &grid));
