@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax  # noqa: F401
-from timing import bandwidth_main, time_fn
+from timing import bandwidth_main, selected, time_fn
 from te_jax.ops import activation as aops
 from te_jax.ops import norm as nops
 from te_jax.ops.fused_cast import CastSpec
@@ -163,7 +163,7 @@ def run_bench(args) -> dict:
     copy_gbs = 4 * el / copy_ms * 1e-6
     print(f"device copy: {copy_ms:.4f} ms -> {copy_gbs:.0f} GB/s")
     rows = []
-    for label, ours, base, nbytes in cases(m, n):
+    for label, ours, base, nbytes in selected(cases(m, n), args.only):
         entry = {"case": label, "bytes": nbytes}
         for who, fn in (("ours", ours), ("base", base)):
             try:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax  # noqa: F401
-from timing import bandwidth_main, time_fn
+from timing import bandwidth_main, selected, time_fn
 from te_jax.ops import quantize as qops
 from te_jax.quantize import reference as ref
 
@@ -115,7 +115,7 @@ def run_bench(args) -> dict:
     print(f"device copy: {copy_ms:.4f} ms, x*2: {scale_ms:.4f} ms -> copy bandwidth {copy_gbs:.0f} GB/s")
 
     rows = []
-    for group, ours, base, base_label, nbytes in cases(m, n):
+    for group, ours, base, base_label, nbytes in selected(cases(m, n), args.only):
         entry = {"case": group, "bytes": nbytes}
         for who, fn in (("ours", ours), ("base", base)):
             try:

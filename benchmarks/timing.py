@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -78,7 +79,13 @@ def bandwidth_parser(description: str, out_default: str) -> argparse.ArgumentPar
     p.add_argument("--out", default=out_default)
     p.add_argument("--md", default=None)
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--only", default="", help="time only the cases whose label matches this regex")
     return p
+
+
+def selected(cases, only: str):
+    """The cases (tuples whose first item is the label) whose label matches the regex ``only`` (all if empty)."""
+    return [c for c in cases if not only or re.search(only, c[0])]
 
 
 def bandwidth_main(description: str, out_default: str, check, run_bench, markdown) -> int:

@@ -186,10 +186,14 @@ def _ref_loss(kind, zero_centered, eps):
     return loss
 
 
+# The CUDA row kernel's paths: a warp per row (H <= 1024), a block per row with 2, 4 or 8 vectors per
+# thread (several rows per group, so its shared-memory ring wraps around), the generic kernels (odd H,
+# H > 16384), float32 with the smallest ring.
 BWD_PARAMS = [(k, jnp.bfloat16, s) for k in KINDS
-              for s in [(200, 256), (37, 100), (2, 40, 1024), (130, 4096), (24, 16392)]] + [
+              for s in [(200, 256), (37, 100), (2, 40, 1024), (130, 4096), (300, 8192), (70, 16384),
+                        (24, 16392)]] + [
     (k, d, (64, 256)) for k in KINDS for d in (jnp.float32, jnp.float16)
-]
+] + [(k, jnp.float32, s) for k in KINDS for s in [(90, 8192), (40, 16384)]]
 
 
 @pytest.mark.parametrize("kind,dtype,shape", BWD_PARAMS,
