@@ -63,8 +63,9 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 constexpr int kMaxCandidates = 32;
-// Each scale pointer gets its own 256-byte slot: with both in one 8-byte allocation every
-// candidate was refused (CUBLAS_STATUS_NOT_SUPPORTED) at run time, though the heuristic offered it.
+// Each scale pointer gets its own 256-byte slot. With both in one 8-byte allocation every
+// candidate was refused (CUBLAS_STATUS_NOT_SUPPORTED) at run time, though the heuristic offered
+// it; the misaligned second pointer is the suspected cause (this version has not run yet).
 constexpr int kScaleSlot = 64;
 
 // Roughly normal values (sum of four uniforms from a hash), times `scale`, as saturated e4m3.
