@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import te_jax  # noqa: F401
-from timing import bandwidth_main, selected, time_fn
+from timing import bandwidth_main, selected, time_call, time_fn
 from te_jax.ops import activation as aops
 from te_jax.ops import norm as nops
 from te_jax.ops.fused_cast import CastSpec
@@ -91,7 +91,7 @@ def xla_mxfp8(y):
 
 
 def cases(m: int, n: int):
-    """(label, ours, baseline, bytes moved): each fn takes x [m, n] bf16."""
+    """(label, ours, baseline, bytes moved): each fn takes x and dy [m, n] bf16 (forward cases ignore dy)."""
     el = m * n
     g = jnp.linspace(0.5, 1.5, n, dtype=F32)
     b = jnp.linspace(-0.1, 0.1, n, dtype=F32)
@@ -110,27 +110,30 @@ def cases(m: int, n: int):
     mean = jnp.zeros((m,), F32)
     rsigma = jnp.ones((m,), F32)
 
-    def ln_bwd(x):
-        return nops.norm_bwd(x, x, mean, rsigma, g)
+    def ln_bwd(x, dy):
+        return nops.norm_bwd(dy, x, mean, rsigma, g)
 
-    def xla_ln_bwd(x):
-        xf, dy = x.astype(F32), x.astype(F32)
+    def xla_ln_bwd(x, dy):
+        xf, dy = x.astype(F32), dy.astype(F32)
         xhat = (xf - mean[:, None]) * rsigma[:, None]
         gy = dy * g
         dx = rsigma[:, None] * (gy - jnp.mean(gy, -1, keepdims=True) - xhat * jnp.mean(gy * xhat, -1, keepdims=True))
         return dx.astype(x.dtype), jnp.sum(dy * xhat, 0), jnp.sum(dy, 0)
 
-    def gelu_bwd(x):
-        return aops.act_bwd(x, x, act="gelu", spec=dgrad, scale=scale, dbias=True)
+    def gelu_bwd(x, dy):
+        return aops.act_bwd(dy, x, act="gelu", spec=dgrad, scale=scale, dbias=True)
 
-    def xla_gelu_bwd(x):
-        _, vjp = jax.vjp(lambda v: jax.nn.gelu(v.astype(F32)), x)
-        dx = vjp(x.astype(F32))[0].astype(F32)
+    def xla_gelu_bwd(x, dy):
+        _, vjp = jax.vjp(jax.nn.gelu, x.astype(F32))  # a float32 dx, as te_jax's (no bf16 rounding first)
+        dx = vjp(dy.astype(F32))[0]
         q = xla_cast(dx, sc, E5M2)
         return q, q.T, jnp.max(jnp.abs(dx)), jnp.sum(dx, 0)
 
+    def fwd(f):
+        return lambda x, dy: f(x)
+
     half = n // 2
-    return [
+    forward = [
         ("LayerNorm + FP8 current scaling, row+col", ln(cur),
          lambda x: xla_current(xla_layernorm(x, g, b)), 2 * el + 2 * el),
         ("LayerNorm + FP8 delayed, row+col", ln(dly, scale=scale),
@@ -141,7 +144,6 @@ def cases(m: int, n: int):
          lambda x: xla_layernorm(x, g, b).astype(jnp.bfloat16), 2 * el + 2 * el),
         ("RMSNorm + MXFP8, row+col", lambda x: nops.norm_fwd(x, g, kind="rmsnorm", epsilon=EPS, spec=mx),
          lambda x: xla_mxfp8(xla_rmsnorm(x, g)), 2 * el + 2 * el + 2 * el // 32),
-        ("LayerNorm backward given mean/rsigma (dy=x)", ln_bwd, xla_ln_bwd, 2 * el + 2 * el + 2 * el),
         ("gelu + FP8 current scaling, row+col", lambda x: aops.act_fwd(x, act="gelu", spec=cur),
          lambda x: xla_current(jax.nn.gelu(x.astype(F32))), 2 * el + 2 * el),
         ("gelu + FP8 delayed, row+col", lambda x: aops.act_fwd(x, act="gelu", spec=dly, scale=scale),
@@ -149,15 +151,20 @@ def cases(m: int, n: int):
         ("swiglu [M, 2F] + FP8 delayed, row+col", lambda x: aops.act_fwd(x, act="swiglu", spec=dly, scale=scale),
          lambda x: xla_delayed(jax.nn.silu(x[:, :half].astype(F32)) * x[:, half:].astype(F32), sc),
          2 * el + el),
-        ("gelu backward + E5M2 delayed row+col + dbias (dy=x)", gelu_bwd, xla_gelu_bwd, 2 * 2 * el + 2 * el),
     ]
+    backward = [
+        ("LayerNorm backward given mean/rsigma", ln_bwd, xla_ln_bwd, 2 * el + 2 * el + 2 * el),
+        ("gelu backward + E5M2 delayed row+col + dbias", gelu_bwd, xla_gelu_bwd, 2 * 2 * el + 2 * el),
+    ]
+    return [(label, fwd(ours), fwd(base), nbytes) for label, ours, base, nbytes in forward] + backward
 
 
 def run_bench(args) -> dict:
     m, n = args.m, args.n
-    keys = jax.random.split(jax.random.key(0), args.nbuf)
-    xs = [jax.random.normal(k, (m, n), jnp.bfloat16) for k in keys]
-    jax.block_until_ready(xs)
+    keys = jax.random.split(jax.random.key(0), 2 * args.nbuf)
+    xs = [jax.random.normal(k, (m, n), jnp.bfloat16) for k in keys[:args.nbuf]]
+    dys = [jax.random.normal(k, (m, n), jnp.bfloat16) for k in keys[args.nbuf:]]  # distinct from every x
+    jax.block_until_ready((xs, dys))
     el = m * n
     copy_ms = time_fn(jax.jit(jnp.copy), xs, args.iters, args.trials)
     copy_gbs = 4 * el / copy_ms * 1e-6
@@ -167,7 +174,7 @@ def run_bench(args) -> dict:
         entry = {"case": label, "bytes": nbytes}
         for who, fn in (("ours", ours), ("base", base)):
             try:
-                ms = time_fn(jax.jit(fn), xs, args.iters, args.trials)
+                ms = 1e3 * time_call(jax.jit(fn), list(zip(xs, dys)), 3, args.iters, args.trials)
                 entry[who] = {"ms": ms, "gbs": nbytes / ms * 1e-6, "pct_copy": 100 * nbytes / ms * 1e-6 / copy_gbs}
             except Exception as err:  # noqa: BLE001  (benchmark: report and continue)
                 entry[who] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
@@ -211,10 +218,11 @@ def check(m: int = 256, n: int = 1024) -> list[str]:
     """te_jax vs the XLA versions on a small shape (values, not bits: XLA's math differs by ulps)."""
     failures = []
     x = jax.random.normal(jax.random.key(1), (m, n), jnp.bfloat16)
+    dy = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
     for label, ours, base, _ in cases(m, n):
         try:
-            o = jax.tree.leaves(jax.jit(ours)(x))
-            r = jax.tree.leaves(jax.jit(base)(x))
+            o = jax.tree.leaves(jax.jit(ours)(x, dy))
+            r = jax.tree.leaves(jax.jit(base)(x, dy))
             o_main = np.asarray(o[0]).astype(np.float32)
             r_main = np.asarray(r[0]).astype(np.float32)
             if o_main.shape != r_main.shape:
