@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import time
 import traceback
@@ -57,7 +56,7 @@ import te_jax.flax as tf
 from te_jax import recipe as R
 from te_jax.dense import DenseQuantizers
 from te_jax.ops.gemm import gemm
-from timing import time_interleaved
+from timing import selected, time_interleaved
 
 BF16 = jnp.bfloat16
 RECIPES = {
@@ -197,7 +196,7 @@ def _variants(section: str, only: str) -> list[tuple[str, str, object]]:
     variants = [("bf16 flax", "flax", None), *((name, "flax", kind) for name, kind in FLAX_FP8.items()),
                 *((name, "te", r) for name, r in RECIPES.items()
                   if section == "mlp" or name.startswith(("te delayed", "te current")))]
-    return [v for v in variants if not only or re.search(only, v[0])]
+    return selected(variants, only)
 
 
 def _step_inputs(section: str, t: int, h: int, n: int, key) -> list[tuple[jax.Array, jax.Array]]:
