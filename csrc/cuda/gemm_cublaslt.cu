@@ -8,15 +8,18 @@
 // (environment variable TE_JAX_GEMM_AUTOTUNE=0, read once per process), only
 // one candidate is usable, or the call's stream is being captured into a CUDA
 // graph (cudaStreamIsCapturing), the candidates are timed on the call's own
-// stream (TimeCandidates: after a warm-up that brings the GPU to its power
-// cap, kRounds rounds of samples of back-to-back calls, the median sample per
+// stream (TimeCandidates: each candidate's second call sizes its samples;
+// a warm-up of kWarmMs brings the GPU to its power cap, unless this device
+// finished a long enough autotuning less than kStillWarmSeconds ago; then
+// kRounds rounds of samples of back-to-back calls, the median sample per
 // candidate), with the call's real operands, scales, bias and alpha, writing
 // the first matmul's D and the cuBLASLt workspace: both belong to this GEMM
 // (its output or staging buffer, its scratch), and the real matmuls are
 // enqueued afterwards, so they overwrite whatever the candidates wrote; the
 // scratch regions the handlers filled before (converted scales, dequantized
-// operands) are never touched. The host waits for each round (a one-time
-// stall of the stream's host-side dispatch per configuration). The
+// operands) are never touched. The host waits after each sizing call and
+// each round (a one-time stall of the stream's host-side dispatch per
+// configuration). The
 // heuristic's order wins ties within kMargin, so timing noise on small
 // problems does not flip the choice between runs. Candidates that
 // cuBLASLt refuses are skipped (if all are refused, the first one's error is
@@ -293,16 +296,25 @@ constexpr int kRounds = 5;              // every candidate is sampled once per r
 constexpr float kWarmMs = 200.0f;       // GPU time of back-to-back calls before the first sample
 constexpr float kSampleMs = 2.0f;       // a sample is at least this much GPU time of back-to-back calls
 constexpr int kMaxRunsPerSample = 64;
-constexpr double kStillWarmSeconds = 1.0;  // a plan built this soon after the last one skips the warm-up
+constexpr int kMaxWarmRuns = 1 << 15;
+constexpr double kStillWarmSeconds = 1.0;  // a plan built this soon after a hot one skips the warm-up
+constexpr int kMaxDevices = 64;
 
-// Host time (seconds, steady clock) when the last autotuning ended.
-std::atomic<double>& LastAutotuneEnd() {
-  static std::atomic<double> t{-1e9};
-  return t;
+// Host time (microseconds, steady clock; 0: never) when the last autotuning
+// that kept the device busy for kWarmMs or more ended, per device.
+std::atomic<int64_t>& LastHotAutotuneEndUs(int device) {
+  static std::array<std::atomic<int64_t>, kMaxDevices> t{};
+  return t[static_cast<size_t>(device) % kMaxDevices];
 }
 
-double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+int64_t NowUs() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+bool DeviceStillHot(int device) {
+  const int64_t last = LastHotAutotuneEndUs(device).load();
+  return last != 0 && NowUs() - last <= static_cast<int64_t>(kStillWarmSeconds * 1e6);
 }
 
 // Runs `runs` calls of `algo` between events `start` and `stop`; the cuBLASLt status of the first refusal.
@@ -328,12 +340,12 @@ float ElapsedMs(cudaEvent_t start, cudaEvent_t stop) {
 }
 
 // Times every candidate on `stream` (the pointer attributes are set) and
-// returns the index of the one to keep. An H200 under FP8 GEMMs slows down
-// within tens of milliseconds as it reaches its power cap, and candidates
-// rank differently before and after; so the GPU is first kept busy for
-// kWarmMs, then every candidate is sampled in kRounds rounds (the first
-// candidate of a round rotating), each sample kSampleMs or more of back-to-
-// back calls, and a candidate's time is its median sample.
+// returns the index of the one to keep. An H200 under FP8 GEMMs runs at its
+// power cap with lower clocks, and candidates may rank differently in a short
+// burst; so the GPU is first kept busy for kWarmMs, then every candidate is
+// sampled in kRounds rounds (the first candidate of a round rotating), each
+// sample kSampleMs of back-to-back calls (fewer for GEMMs under
+// kSampleMs / kMaxRunsPerSample), and a candidate's time is its median sample.
 ffi::ErrorOr<size_t> TimeCandidates(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
                                     const std::vector<cublasLtMatmulAlgo_t>& candidates, int64_t calls,
                                     cudaStream_t stream) {
@@ -349,45 +361,77 @@ ffi::ErrorOr<size_t> TimeCandidates(const Plan& plan, const MatmulSpec& s, const
     return ffi::Unexpected(CudaError("GEMM autotuning", status, ShapeString(s)));
   };
   constexpr float kNever = std::numeric_limits<float>::infinity();
-  // One call of each candidate: finds the refusals and sizes the samples.
+  // Two calls of each candidate: the first finds the refusals (and pays for
+  // loading the kernel), the second, timed, sizes the samples.
   std::vector<int> runs(n, 0);  // 0: refused
+  std::vector<float> once(n, kNever);
   cublasStatus_t first_refusal = CUBLAS_STATUS_SUCCESS;
   for (size_t c = 0; c < n; ++c) {
-    const cublasStatus_t status = TimedCalls(plan, s, p, candidates[c], 1, ev[0], ev[1], stream, &cuda_status);
-    if (cuda_status == cudaSuccess) cuda_status = cudaEventSynchronize(ev[1]);
+    cublasStatus_t status = Enqueue(plan, s, p, candidates[c], stream);
+    if (status == CUBLAS_STATUS_SUCCESS) {
+      status = TimedCalls(plan, s, p, candidates[c], 1, ev[0], ev[1], stream, &cuda_status);
+    }
+    if (cuda_status == cudaSuccess) cuda_status = cudaStreamSynchronize(stream);
     if (cuda_status != cudaSuccess) return broken(cuda_status);
     if (status != CUBLAS_STATUS_SUCCESS) {  // cuBLASLt refused this algorithm for these operands
       if (first_refusal == CUBLAS_STATUS_SUCCESS) first_refusal = status;
       continue;
     }
-    const float once = std::max(ElapsedMs(ev[0], ev[1]), 1e-3f);
-    runs[c] = std::clamp(static_cast<int>(std::ceil(kSampleMs / once)), 1, kMaxRunsPerSample);
+    once[c] = std::max(ElapsedMs(ev[0], ev[1]), 1e-3f);
+    runs[c] = std::clamp(static_cast<int>(std::ceil(kSampleMs / once[c])), 1, kMaxRunsPerSample);
   }
-  std::vector<size_t> usable;
-  for (size_t c = 0; c < n; ++c) {
-    if (runs[c] > 0) usable.push_back(c);
-  }
+  // A candidate refused later (it ran before, so unexpected) is dropped like one refused at once.
+  auto refuse = [&](size_t c, cublasStatus_t status) {
+    runs[c] = 0;
+    if (first_refusal == CUBLAS_STATUS_SUCCESS) first_refusal = status;
+  };
+  auto usable_now = [&] {
+    std::vector<size_t> u;
+    for (size_t c = 0; c < n; ++c) {
+      if (runs[c] > 0) u.push_back(c);
+    }
+    return u;
+  };
+  std::vector<size_t> usable = usable_now();
   if (usable.empty()) return ffi::Unexpected(LtError("cublasLtMatmul (every autotuning candidate)", first_refusal, s));
-  if (NowSeconds() - LastAutotuneEnd().load() > kStillWarmSeconds) {
+  float busy_ms = 0.0f;  // GPU time of this autotuning's warm-up and samples
+  if (!DeviceStillHot(s.device)) {
     const size_t c = usable[0];
-    const int warm_runs = std::max(1, static_cast<int>(std::ceil(kWarmMs / kSampleMs)) * runs[c]);
-    TimedCalls(plan, s, p, candidates[c], warm_runs, ev[0], ev[1], stream, &cuda_status);
+    const int warm_runs = std::clamp(static_cast<int>(std::ceil(kWarmMs / once[c])), 1, kMaxWarmRuns);
+    const cublasStatus_t status = TimedCalls(plan, s, p, candidates[c], warm_runs, ev[0], ev[1], stream, &cuda_status);
+    if (cuda_status == cudaSuccess) cuda_status = cudaStreamSynchronize(stream);
     if (cuda_status != cudaSuccess) return broken(cuda_status);
+    if (status != CUBLAS_STATUS_SUCCESS) refuse(c, status);
+    busy_ms += std::isfinite(ElapsedMs(ev[0], ev[1])) ? ElapsedMs(ev[0], ev[1]) : 0.0f;
   }
   std::vector<std::vector<float>> samples(n);
   for (int round = 0; round < kRounds; ++round) {
+    usable = usable_now();
+    if (usable.empty()) {
+      return ffi::Unexpected(LtError("cublasLtMatmul (every autotuning candidate)", first_refusal, s));
+    }
+    std::vector<cublasStatus_t> status(n, CUBLAS_STATUS_SUCCESS);
     for (size_t j = 0; j < usable.size(); ++j) {
       const size_t c = usable[(j + round) % usable.size()];
-      TimedCalls(plan, s, p, candidates[c], runs[c], ev[2 * c], ev[2 * c + 1], stream, &cuda_status);
+      status[c] = TimedCalls(plan, s, p, candidates[c], runs[c], ev[2 * c], ev[2 * c + 1], stream, &cuda_status);
       if (cuda_status != cudaSuccess) return broken(cuda_status);
     }
     cuda_status = cudaStreamSynchronize(stream);
     if (cuda_status != cudaSuccess) return broken(cuda_status);
-    for (size_t c : usable) samples[c].push_back(ElapsedMs(ev[2 * c], ev[2 * c + 1]) / static_cast<float>(runs[c]));
+    for (size_t c : usable) {
+      if (status[c] != CUBLAS_STATUS_SUCCESS) {
+        refuse(c, status[c]);
+        continue;
+      }
+      const float t = ElapsedMs(ev[2 * c], ev[2 * c + 1]);
+      samples[c].push_back(t / static_cast<float>(runs[c]));
+      if (std::isfinite(t)) busy_ms += t;
+    }
   }
-  LastAutotuneEnd().store(NowSeconds());
+  if (busy_ms >= kWarmMs) LastHotAutotuneEndUs(s.device).store(NowUs());
   std::vector<float> ms(n, kNever);
-  for (size_t c : usable) {
+  for (size_t c = 0; c < n; ++c) {
+    if (runs[c] == 0 || samples[c].empty()) continue;
     std::sort(samples[c].begin(), samples[c].end());
     ms[c] = samples[c][samples[c].size() / 2];
   }
