@@ -170,7 +170,10 @@ def test_act_bwd_matches_grad(act):
     assert_close(dx, twin[0].q.reshape(x.shape), rtol=2.0**-19, scale_tol=0, atol=tol, what="dx vs twin")
     want_db = np.asarray(dx, np.float64).reshape(-1, x.shape[-1]).sum(0)
     assert_close(db, want_db, rtol=2.0**-18, scale_tol=2.0**-20, what="dbias vs float64 sum of dx")
-    assert_close(db, twin[1], rtol=2.0**-18, scale_tol=2.0**-20, what="dbias vs twin")
+    # dbias is the column sum of dx, and each dx may be tol away from the twin's (the GPU's gelu and silu
+    # are not the CPU's formulas: docs/norm_act.md), so the twin's dbias is within the summed tol.
+    db_tol = np.broadcast_to(tol, x.shape).reshape(-1, x.shape[-1]).sum(0)
+    assert_close(db, twin[1], rtol=2.0**-18, scale_tol=2.0**-20, atol=db_tol, what="dbias vs twin")
 
 
 @pytest.mark.parametrize("shape", [(17, 96), (130, 200), (16, 20)], ids=str)
