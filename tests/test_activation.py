@@ -170,7 +170,10 @@ def test_act_bwd_matches_grad(act):
     assert_close(dx, twin[0].q.reshape(x.shape), rtol=2.0**-19, scale_tol=0, atol=tol, what="dx vs twin")
     want_db = np.asarray(dx, np.float64).reshape(-1, x.shape[-1]).sum(0)
     assert_close(db, want_db, rtol=2.0**-18, scale_tol=2.0**-20, what="dbias vs float64 sum of dx")
-    assert_close(db, twin[1], rtol=2.0**-18, scale_tol=2.0**-20, what="dbias vs twin")
+    # dbias is the column sum of dx, and each dx may be tol away from the twin's (the GPU's gelu and silu
+    # are not the CPU's formulas: docs/norm_act.md), so the twin's dbias is within the summed tol.
+    db_tol = np.broadcast_to(tol, x.shape).reshape(-1, x.shape[-1]).sum(0)
+    assert_close(db, twin[1], rtol=2.0**-18, scale_tol=2.0**-20, atol=db_tol, what="dbias vs twin")
 
 
 @pytest.mark.parametrize("shape", [(17, 96), (130, 200), (16, 20)], ids=str)
@@ -185,6 +188,28 @@ def test_act_bwd_odd_shapes_and_dbias(shape):
         assert_same_bits(db2, db, "dbias")
     _, none_db = kernel(aops.act_bwd, dy, x, act="swiglu", spec=F32_NONE)
     assert none_db is None
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu", "geglu"])
+@pytest.mark.parametrize("shape", [(48, 144), (2, 160, 80)], ids=str)
+def test_per_tensor_casts_of_partial_tiles(act, shape):
+    """Per-tensor casts of shapes in 16s that leave 128x128 tiles partial (the CUDA cast-transpose
+    pass): forward, and backward with dbias, each against the op's own float32 output."""
+    x = act_input(12, shape)
+    n_out = shape[-1] // 2 if act in rna.GATED else shape[-1]
+    dy = random_input(13, (*shape[:-1], n_out), jnp.bfloat16, spread=1.0)
+    base = kernel(aops.act_fwd, x, act=act, spec=F32_NONE)
+    base_dx, base_db = kernel(aops.act_bwd, dy, x, act=act, spec=F32_NONE, dbias=True)
+    for spec in [CastSpec("fp8_tensor", E4M3, True, True), CastSpec("fp8_current", E5M2, True, True),
+                 CastSpec("fp8_tensor", E5M2, False, True)]:
+        assert_cast_follows_spec(kernel(aops.act_fwd, x, act=act, spec=spec, scale=SCALE), base.q, spec)
+        dx, db = kernel(aops.act_bwd, dy, x, act=act, spec=spec, scale=SCALE, dbias=True)
+        assert_cast_follows_spec(dx, base_dx.q, spec)
+        if jax.default_backend() == "cpu":
+            assert_same_bits(db, base_db, "dbias does not depend on the mode")
+        else:  # the CUDA kernels sum dbias's partials in different orders
+            np.testing.assert_allclose(np.asarray(db), np.asarray(base_db), rtol=1e-5,
+                                       atol=1e-6 * float(np.abs(np.asarray(base_db)).max()))
 
 
 @pytest.mark.parametrize("act", ["gelu", "swiglu"])

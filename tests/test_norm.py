@@ -26,7 +26,7 @@ from te_jax.quantize import (
 )
 from te_jax.quantize import ref_norm_act as rna
 from norm_act_util import (
-    CASE_IDS, CASE_SPECS, E4M3, F32_NONE, HP, KEY, SCALE, assert_cast_follows_spec, assert_close, kernel,
+    CASE_IDS, CASE_SPECS, E4M3, E5M2, F32_NONE, HP, KEY, SCALE, assert_cast_follows_spec, assert_close, kernel,
     random_input, reference, with_rows,
 )
 from qtest_util import assert_same_bits, on_cpu
@@ -108,6 +108,19 @@ def test_norm_fwd_odd_row_counts(shape, case):
     base = kernel(nops.norm_fwd, x, gamma, beta, spec=F32_NONE)
     got = kernel(nops.norm_fwd, x, gamma, beta, spec=spec, scale=SCALE, key=KEY)
     assert_cast_follows_spec(got.cast, base.cast.q, spec)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", [(48, 144), (2, 32, 80)], ids=str)
+def test_norm_fwd_per_tensor_partial_tiles(kind, shape):
+    """Shapes in 16s that leave the 128x128 tiles of the CUDA cast-transpose pass partial."""
+    x = random_input(6, shape, jnp.bfloat16)
+    gamma, beta = params(shape[-1], kind)
+    base = kernel(nops.norm_fwd, x, gamma, beta, kind=kind, spec=F32_NONE)
+    for spec in [CastSpec("fp8_tensor", E4M3, True, True), CastSpec("fp8_current", E5M2, True, True),
+                 CastSpec("fp8_tensor", E4M3, False, True)]:
+        got = kernel(nops.norm_fwd, x, gamma, beta, kind=kind, spec=spec, scale=SCALE)
+        assert_cast_follows_spec(got.cast, base.cast.q, spec)
 
 
 # Hidden sizes for every CUDA path: a warp per row (1, 2, 4 vectors per

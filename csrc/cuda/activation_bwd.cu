@@ -43,18 +43,20 @@ struct ActBwdProducer {
     float d[8], a[8];
     Unpack8(raw.d, d);
     Unpack8(raw.a, a);
-    if (!gated) {
+    float g[8];
+    if (gated && c0 < F) Unpack8(raw.g, g);
+    WithActKind(act, [&](auto kind) {
+      if (!gated) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) f[k] = ActGradPlain(act, d[k], a[k]);
-    } else if (c0 < F) {
-      float g[8];
-      Unpack8(raw.g, g);
+        for (int k = 0; k < 8; ++k) f[k] = ActGradPlain(kind.value, d[k], a[k]);
+      } else if (c0 < F) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) f[k] = ActGradGatedA(act, d[k], a[k], g[k]);
-    } else {
+        for (int k = 0; k < 8; ++k) f[k] = ActGradGatedA(kind.value, d[k], a[k], g[k]);
+      } else {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) f[k] = ActGradGatedG(act, d[k], a[k]);
-    }
+        for (int k = 0; k < 8; ++k) f[k] = ActGradGatedG(kind.value, d[k], a[k]);
+      }
+    });
   }
 
   __device__ __forceinline__ float Load1(int64_t b, int64_t r, int64_t c) const {

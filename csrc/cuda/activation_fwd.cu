@@ -37,14 +37,16 @@ struct ActFwdProducer {
   __device__ __forceinline__ void Compute(const Raw& raw, int64_t, int64_t, int64_t, float (&f)[8]) const {
     float a[8], g[8];
     Unpack8(raw.a, a);
-    if (gated) {
-      Unpack8(raw.g, g);
+    if (gated) Unpack8(raw.g, g);
+    WithActKind(act, [&](auto kind) {
+      if (gated) {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) f[k] = ActForwardGated(act, a[k], g[k]);
-    } else {
+        for (int k = 0; k < 8; ++k) f[k] = ActForwardGated(kind.value, a[k], g[k]);
+      } else {
 #pragma unroll
-      for (int k = 0; k < 8; ++k) f[k] = ActValue(act, a[k]);
-    }
+        for (int k = 0; k < 8; ++k) f[k] = ActValue(kind.value, a[k]);
+      }
+    });
   }
 
   __device__ __forceinline__ float Load1(int64_t b, int64_t r, int64_t c) const {

@@ -6,6 +6,12 @@
 // registers and the codes into shared memory, then writes the columnwise
 // (transposed) codes as 16-byte stores after a 4x4 byte transpose in
 // registers. Needs rows and cols multiples of 16 and 16-byte aligned buffers.
+//
+// The values come from a producer: the input itself (PlainInput, the plain
+// quantize) or a fused op's output computed from its inputs on the fly (a
+// norm, an activation or its gradient: norm_act_kernels.cuh describes the
+// interface), for the per-tensor cast pass of the fused ops, with the
+// activation gradient's dbias partials.
 #pragma once
 
 #include "cuda_common.cuh"
@@ -23,7 +29,7 @@ enum class CtScale {
 };
 
 struct CtArgs {
-  const void* x;
+  const void* x;        // the plain quantize's input (LaunchFp8CastTranspose wraps it in a PlainInput)
   int64_t rows, cols;
   int tiles_m, tiles_n;
   const float* scale_src;
@@ -35,14 +41,54 @@ struct CtArgs {
   float* scale_out;     // kCurrent
   float* scale_inv_out; // kGiven/kCurrent: [batch]; kBlock2d: s [batch, tiles_m, tiles_n] or nullptr
   float* s_t_out;       // kBlock2d: [batch, tiles_n, tiles_m] or nullptr
+  float* dbias_ws;      // with kDbias: column sums per 64 rows [batch, ceil(rows / 64), cols]
 };
 
-template <typename T, bool E5, CtScale kMode>
-__global__ void __launch_bounds__(kCtThreads) Fp8CastTransposeKernel(CtArgs a) {
+constexpr int kCtDbiasRows = 64;
+
+// The input itself as the values to cast (the plain quantize). A producer
+// (norm_act_kernels.cuh) computes 8 float32 values of row r, columns c0.. of
+// batch element b from the 16-byte loads Fetch issued.
+template <typename T>
+struct PlainInput {
+  const T* x;
+  int64_t rows, cols;
+  using Raw = Raw8<T>;
+  __device__ __forceinline__ Raw Fetch(int64_t b, int64_t r, int64_t c0) const {
+    return LoadRaw8(x + (b * rows + r) * cols + c0);
+  }
+  __device__ __forceinline__ void Compute(const Raw& raw, int64_t, int64_t, int64_t, float (&f)[8]) const {
+    Unpack8(raw, f);
+  }
+};
+
+template <class P>
+struct IsPlainInput : std::false_type {};
+template <typename T>
+struct IsPlainInput<PlainInput<T>> : std::true_type {};
+
+// Resident blocks per SM the kernel is compiled for (256 threads each): the
+// plain cast of 2-byte inputs fits 64 registers (4 blocks), 128x128 blocks
+// keep the whole tile's inputs (one block fewer); a producer's math (a norm's
+// gamma and beta, an activation) needs 80 (3 blocks).
+template <class P, CtScale kMode>
+constexpr int CtMinBlocks() {
+  if constexpr (IsPlainInput<P>::value) {
+    return (sizeof(typename P::Raw) <= 16 ? 4 : 3) - (kMode == CtScale::kBlock2d ? 1 : 0);
+  }
+  return 3;
+}
+
+// kDbias: also the column sums of the values, per 64-row group, into
+// a.dbias_ws (rows past the matrix count as zeros).
+template <class P, bool E5, CtScale kMode, bool kDbias>
+__global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTransposeKernel(P prod, CtArgs a) {
   // Codes of the tile, row r at byte r * 128; its 16-byte chunk c sits at
   // chunk c ^ ((r >> 4) & 7) so the column reads below are conflict-free.
   __shared__ uint4 tile_mem[kCtTile * kCtTile / 16];
   __shared__ uint32_t scratch[kCtThreads / 32];
+  constexpr int kWarps = kCtThreads / 32;
+  __shared__ float dbias_part[kDbias ? kWarps * 2 * kCtTile : 1];  // [warp][64-row group][column]
   uint8_t* tile = reinterpret_cast<uint8_t*>(tile_mem);
   const int tid = threadIdx.x;
   const int64_t tiles = int64_t{a.tiles_m} * a.tiles_n;
@@ -51,68 +97,114 @@ __global__ void __launch_bounds__(kCtThreads) Fp8CastTransposeKernel(CtArgs a) {
   const int tm = t_in / a.tiles_n, tn = t_in % a.tiles_n;
   const int64_t size = a.rows * a.cols;
   const int64_t row0 = int64_t{tm} * kCtTile, col0 = int64_t{tn} * kCtTile;
-  const T* x = static_cast<const T*>(a.x) + b * size;
 
-  // Each thread: 8 vectors of 8 elements; a warp covers 2 rows of 128.
+  // Each thread: 8 vectors of 8 values (rows tid / 16 + 16 i, columns
+  // (tid % 16) * 8..); a warp covers 2 rows of 128. Loads are issued a batch
+  // at a time: the plain cast of 2-byte inputs, and 128x128 blocks (the scale
+  // needs the whole tile), take all 8 at once; otherwise 4 vectors (inputs of
+  // up to 32 bytes each) or 2, which leaves a producer registers for its math.
   constexpr int kVpt = kCtTile * kCtTile / 8 / kCtThreads;
-  Raw8<T> raw[kVpt];
-#pragma unroll
-  for (int i = 0; i < kVpt; ++i) {
-    const int v = tid + kCtThreads * i, r = v >> 4, cv = v & 15;
-    const int64_t gr = row0 + r, gc = col0 + cv * 8;
-    raw[i] = (gr < a.rows && gc < a.cols) ? LoadRaw8(x + gr * a.cols + gc) : ZeroRaw8<T>();
-  }
-  uint32_t m = 0;
-  if constexpr (kMode != CtScale::kCurrent) {
-#pragma unroll
-    for (int i = 0; i < kVpt; ++i) {
-      float f[8];
-      Unpack8(raw[i], f);
-      m = max(m, AbsMaxBits8(f));
-    }
-  }
-  float scale;
-  if constexpr (kMode == CtScale::kBlock2d) {
-    m = WarpMax(m);
-    if ((tid & 31) == 0) scratch[tid / 32] = m;
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kCtThreads / 32; ++w) m = max(m, scratch[w]);
-    scale = ScaleFromAmax(BitsFloat(m), Fp8MaxOf<E5>(), 0.0f, a.power_2);
-    if (tid == 0 && a.scale_inv_out) a.scale_inv_out[b * tiles + int64_t{tm} * a.tiles_n + tn] = 1.0f / scale;
-    if (tid == 0 && a.s_t_out) a.s_t_out[b * tiles + int64_t{tn} * a.tiles_m + tm] = 1.0f / scale;
-  } else {
-    scale = kMode == CtScale::kGiven ? a.scale_src[b]
-                                      : ScaleFromAmax(a.scale_src[b], Fp8MaxOf<E5>(), a.epsilon, a.power_2);
-    if (t_in == 0 && tid == 0) {
-      a.scale_inv_out[b] = 1.0f / scale;
-      if constexpr (kMode == CtScale::kCurrent) a.scale_out[b] = scale;
-    }
-  }
-
+  constexpr int kRawBytes = static_cast<int>(sizeof(typename P::Raw));
+  constexpr int kBatch = (kMode == CtScale::kBlock2d || (IsPlainInput<P>::value && kRawBytes <= 16))
+                             ? kVpt
+                             : (kRawBytes <= 32 ? kVpt / 2 : kVpt / 4);
+  float scale = 1.0f;
   uint8_t* q = a.q ? a.q + b * size : nullptr;
+  uint32_t m = 0;
+  float dsum[2][8];
 #pragma unroll
-  for (int i = 0; i < kVpt; ++i) {
-    const int v = tid + kCtThreads * i, r = v >> 4, cv = v & 15;
-    const int64_t gr = row0 + r, gc = col0 + cv * 8;
-    float f[8];
-    Unpack8(raw[i], f);
-    const uint2 c = Fp8x8<E5>(f, scale);
-    if (q && gr < a.rows && gc < a.cols) *reinterpret_cast<uint2*>(q + gr * a.cols + gc) = c;
-    const int chunk = (cv >> 1) ^ ((r >> 4) & 7);
-    *reinterpret_cast<uint2*>(tile + r * kCtTile + chunk * 16 + (cv & 1) * 8) = c;
+  for (int k = 0; k < 8; ++k) dsum[0][k] = dsum[1][k] = 0.0f;
+#pragma unroll
+  for (int i0 = 0; i0 < kVpt; i0 += kBatch) {
+    typename P::Raw raw[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int v = tid + kCtThreads * (i0 + i), r = v >> 4, cv = v & 15;
+      const int64_t gr = row0 + r, gc = col0 + cv * 8;
+      raw[i] = (gr < a.rows && gc < a.cols) ? prod.Fetch(b, gr, gc) : typename P::Raw{};
+    }
+    if constexpr (kMode == CtScale::kBlock2d) {  // one scale per tile, from the tile's amax
+#pragma unroll
+      for (int i = 0; i < kVpt; ++i) {
+        const int v = tid + kCtThreads * i;
+        float f[8];
+        prod.Compute(raw[i], b, row0 + (v >> 4), col0 + (v & 15) * 8, f);
+        if (row0 + (v >> 4) < a.rows && col0 + (v & 15) * 8 < a.cols) m = max(m, AbsMaxBits8(f));
+      }
+      m = WarpMax(m);
+      if ((tid & 31) == 0) scratch[tid / 32] = m;
+      __syncthreads();
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) m = max(m, scratch[w]);
+      scale = ScaleFromAmax(BitsFloat(m), Fp8MaxOf<E5>(), 0.0f, a.power_2);
+      if (tid == 0 && a.scale_inv_out) a.scale_inv_out[b * tiles + int64_t{tm} * a.tiles_n + tn] = 1.0f / scale;
+      if (tid == 0 && a.s_t_out) a.s_t_out[b * tiles + int64_t{tn} * a.tiles_m + tm] = 1.0f / scale;
+    } else if (i0 == 0) {  // after the first loads are issued (fewer live registers)
+      scale = kMode == CtScale::kGiven ? a.scale_src[b]
+                                       : ScaleFromAmax(a.scale_src[b], Fp8MaxOf<E5>(), a.epsilon, a.power_2);
+      if (t_in == 0 && tid == 0) {
+        if (a.scale_inv_out) a.scale_inv_out[b] = 1.0f / scale;
+        if constexpr (kMode == CtScale::kCurrent) {
+          if (a.scale_out) a.scale_out[b] = scale;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int v = tid + kCtThreads * (i0 + i), r = v >> 4, cv = v & 15;
+      const int64_t gr = row0 + r, gc = col0 + cv * 8;
+      const bool valid = gr < a.rows && gc < a.cols;
+      float f[8];
+      prod.Compute(raw[i], b, gr, gc, f);
+      if (!valid) {  // a producer's value of zero inputs need not be zero (a norm's beta)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) f[k] = 0.0f;
+      }
+      if constexpr (kMode == CtScale::kGiven) m = max(m, AbsMaxBits8(f));
+      if constexpr (kDbias) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) dsum[(i0 + i) / (kVpt / 2)][k] += f[k];
+      }
+      const uint2 c = Fp8x8<E5>(f, scale);
+      if (q && valid) *reinterpret_cast<uint2*>(q + gr * a.cols + gc) = c;
+      const int chunk = (cv >> 1) ^ ((r >> 4) & 7);
+      *reinterpret_cast<uint2*>(tile + r * kCtTile + chunk * 16 + (cv & 1) * 8) = c;
+    }
   }
   if constexpr (kMode == CtScale::kGiven) {
     m = WarpMax(m);
     if ((tid & 31) == 0) scratch[tid / 32] = m;
+  }
+  if constexpr (kDbias) {
+    // Lanes l and l + 16 hold rows 2w and 2w + 1 of the same columns.
+    const int warp = tid / 32, lane = tid & 31;
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float s = dsum[g][k] + __shfl_xor_sync(0xffffffffu, dsum[g][k], 16);
+        if (lane < 16) dbias_part[(warp * 2 + g) * kCtTile + lane * 8 + k] = s;
+      }
+    }
   }
   __syncthreads();
   if constexpr (kMode == CtScale::kGiven) {
-    if (tid == 0) {
+    if (tid == 0 && a.amax_out) {
       uint32_t mm = 0;
 #pragma unroll
-      for (int w = 0; w < kCtThreads / 32; ++w) mm = max(mm, scratch[w]);
+      for (int w = 0; w < kWarps; ++w) mm = max(mm, scratch[w]);
       atomicMax(reinterpret_cast<unsigned int*>(a.amax_out + b), mm);
+    }
+  }
+  if constexpr (kDbias) {
+    // One thread per (64-row group, column): the warps' partial sums in order.
+    const int g = tid / kCtTile, c = tid % kCtTile;
+    const int64_t groups = (a.rows + kCtDbiasRows - 1) / kCtDbiasRows, gg = row0 / kCtDbiasRows + g;
+    if (col0 + c < a.cols && gg < groups) {
+      float s = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += dbias_part[(w * 2 + g) * kCtTile + c];
+      a.dbias_ws[(b * groups + gg) * a.cols + col0 + c] = s;
     }
   }
   if (a.q_t == nullptr) return;
@@ -143,13 +235,37 @@ __global__ void __launch_bounds__(kCtThreads) Fp8CastTransposeKernel(CtArgs a) {
   }
 }
 
+inline ffi::Error CtGrid(CtArgs& a, int64_t batch, dim3* grid) {
+  a.tiles_m = static_cast<int>(CeilDiv(a.rows, kCtTile));
+  a.tiles_n = static_cast<int>(CeilDiv(a.cols, kCtTile));
+  return GridOf(int64_t{a.tiles_m} * a.tiles_n * batch, grid);
+}
+
+// The cast-transpose of producer `prod`'s values over a batch of [rows, cols]
+// matrices (rows and cols multiples of 16; q, q_t 16-byte aligned), with
+// dbias partials when a.dbias_ws is set.
+template <class P, bool E5, CtScale kMode>
+ffi::Error LaunchCastTranspose(cudaStream_t stream, const P& prod, int64_t batch, CtArgs a) {
+  static_assert(kMode != CtScale::kBlock2d, "the fused casts are per-tensor");
+  dim3 grid;
+  TE_RETURN_IF_ERROR(CtGrid(a, batch, &grid));
+  if (a.dbias_ws != nullptr) {
+    Fp8CastTransposeKernel<P, E5, kMode, true><<<grid, kCtThreads, 0, stream>>>(prod, a);
+  } else {
+    Fp8CastTransposeKernel<P, E5, kMode, false><<<grid, kCtThreads, 0, stream>>>(prod, a);
+  }
+  return LaunchError("Fp8CastTransposeKernel");
+}
+
+// The plain quantize of a.x.
 template <typename T, bool E5, CtScale kMode>
 ffi::Error LaunchFp8CastTranspose(cudaStream_t stream, const MatrixBatch& mb, CtArgs a) {
-  a.tiles_m = static_cast<int>(CeilDiv(mb.rows, kCtTile));
-  a.tiles_n = static_cast<int>(CeilDiv(mb.cols, kCtTile));
+  a.rows = mb.rows;
+  a.cols = mb.cols;
   dim3 grid;
-  TE_RETURN_IF_ERROR(GridOf(int64_t{a.tiles_m} * a.tiles_n * mb.batch, &grid));
-  Fp8CastTransposeKernel<T, E5, kMode><<<grid, kCtThreads, 0, stream>>>(a);
+  TE_RETURN_IF_ERROR(CtGrid(a, mb.batch, &grid));
+  const PlainInput<T> prod{static_cast<const T*>(a.x), mb.rows, mb.cols};
+  Fp8CastTransposeKernel<PlainInput<T>, E5, kMode, false><<<grid, kCtThreads, 0, stream>>>(prod, a);
   return LaunchError("Fp8CastTransposeKernel");
 }
 

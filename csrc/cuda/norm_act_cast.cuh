@@ -3,6 +3,7 @@
 // launching them, the cast's buffers and arguments, the dbias reduction.
 #pragma once
 
+#include "fp8_cast_transpose.cuh"
 #include "norm_act_kernels.cuh"
 
 namespace te_jax {
@@ -92,11 +93,45 @@ ffi::Error LaunchGeneric(cudaStream_t stream, const P& prod, const CastArgs& a, 
   return ffi::Error::Success();
 }
 
-// One pass of `mode` over the producer's output: the tile kernel when the
-// producer can vector-load, else the generic kernels.
+// Whether a per-tensor cast pass can take the 128x128 cast-transpose kernel
+// (fp8_cast_transpose.cuh): 16-row and 16-column multiples, aligned outputs.
+template <class P>
+bool CastTransposeFitsPass(const P& prod, const CastArgs& a) {
+  return prod.vec_ok && a.rows % 16 == 0 && a.cols % 16 == 0 && Aligned16(a.q) && Aligned16(a.q_t);
+}
+
+// A per-tensor cast pass (given scale, or current scaling from a.amax_in)
+// through the cast-transpose kernel: the codes go through shared memory as
+// bytes (the tile kernel stages float32 values) and convert four at a time.
+template <class P>
+ffi::Error LaunchTensorCastTranspose(cudaStream_t stream, const P& prod, const CastArgs& a, int64_t batch) {
+  CtArgs c{};
+  c.rows = a.rows;
+  c.cols = a.cols;
+  c.epsilon = a.epsilon;
+  c.power_2 = a.power_2;
+  c.q = static_cast<uint8_t*>(a.q);
+  c.q_t = static_cast<uint8_t*>(a.q_t);
+  c.scale_inv_out = a.scale_inv_out;
+  c.dbias_ws = a.dbias_ws;
+  const bool given = a.scale_in != nullptr;
+  c.scale_src = given ? a.scale_in : a.amax_in;
+  c.amax_out = given ? a.amax_out : nullptr;
+  c.scale_out = given ? nullptr : a.scale_out;
+  return DispatchBool(a.e5, [&](auto e5c) {
+    constexpr bool E5 = decltype(e5c)::value;
+    return given ? LaunchCastTranspose<P, E5, CtScale::kGiven>(stream, prod, batch, c)
+                 : LaunchCastTranspose<P, E5, CtScale::kCurrent>(stream, prod, batch, c);
+  });
+}
+
+// One pass of `mode` over the producer's output: the cast-transpose kernel
+// for per-tensor casts that fit it, the tile kernel when the producer can
+// vector-load, else the generic kernels.
 template <class P>
 ffi::Error LaunchPass(cudaStream_t stream, const P& prod, const CastArgs& a, int64_t batch, int mode) {
   if (a.rows == 0 || a.cols == 0 || batch == 0) return ffi::Error::Success();
+  if (mode == kModeTensor && CastTransposeFitsPass(prod, a)) return LaunchTensorCastTranspose(stream, prod, a, batch);
   if (prod.vec_ok && a.cols % 8 == 0) return LaunchTileMode(stream, prod, a, batch, mode);
   return LaunchGeneric(stream, prod, a, batch, mode);
 }

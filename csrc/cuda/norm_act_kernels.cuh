@@ -267,11 +267,20 @@ inline bool NeedsColumnPhase(const CastArgs& a) {
   return a.q_t != nullptr || a.dbias_ws != nullptr || (a.rht && a.amax_t_acc != nullptr);
 }
 
+// dbias's summation order, shared with the cast-transpose kernel
+// (fp8_cast_transpose.cuh) so that a column's dbias has the same bits
+// whichever kernel wrote the cast: per 64-row group, with
+// s(a) = ((y[a] + y[a + 16]) + y[a + 32]) + y[a + 48] (y[r] the group's row r,
+// starting from 0.0f) and S_w = s(2w) + s(2w + 1), the partial is
+// S_0 + S_1 + ... + S_7 summed left to right (from 0.0f).
+constexpr int kDbiasPairs = 8;  // the S_w of a group
+
 template <int kMode>
 inline int TileSmemBytes(const CastArgs& a) {
   using G = TileGeom<kMode>;
   if (!NeedsColumnPhase(a)) return 0;
-  return (G::kTM * G::kTN + 2 * G::kSegs * G::kTN) * static_cast<int>(sizeof(float));
+  const int dbias_floats = a.dbias_ws ? kDbiasPairs * (G::kTM / kDbiasRows) * G::kTN : 0;
+  return (G::kTM * G::kTN + G::kSegs * G::kTN + dbias_floats) * static_cast<int>(sizeof(float));
 }
 
 template <class P, int kMode>
@@ -326,8 +335,8 @@ __global__ void __launch_bounds__(kThreads) CastTileKernel(P prod, CastArgs a) {
 
   // Column phase: thread (c, seg) owns rows seg*kSegRows.. of column c.
   constexpr int kSegRows = G::kSegRows, kSegs = G::kSegs;
-  float* part = smem + kTM * kTN;   // [kSegs][kTN]: per-segment amax (as bits) or sums
-  float* part2 = part + kSegs * kTN;
+  float* part = smem + kTM * kTN;   // [kSegs][kTN]: per-segment amax (as bits)
+  float* pairs = part + kSegs * kTN;  // dbias: [kTM / 64][kDbiasPairs][kTN], the S_w above
   const int c = tid % kTN, seg = tid / kTN;
   const int64_t gc = col0 + c;
   const int64_t gr0 = row0 + seg * kSegRows;
@@ -335,9 +344,18 @@ __global__ void __launch_bounds__(kThreads) CastTileKernel(P prod, CastArgs a) {
   const float* col = smem + seg * kSegRows * kTN + c;  // element i at col[i * kTN]
 
   if (a.dbias_ws) {
-    float sum = 0.0f;
-    for (int i = 0; i < kSegRows; ++i) sum += col[i * kTN];
-    part2[seg * kTN + c] = sum;
+    constexpr int kItems = (kTM / kDbiasRows) * kDbiasPairs * kTN;
+    for (int it = tid; it < kItems; it += kThreads) {
+      const int cc = it % kTN, w = (it / kTN) % kDbiasPairs, g = it / (kTN * kDbiasPairs);
+      const float* y = smem + g * kDbiasRows * kTN + cc;
+      float s2[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int a0 = 2 * w + h;
+        s2[h] = (((0.0f + y[a0 * kTN]) + y[(a0 + 16) * kTN]) + y[(a0 + 32) * kTN]) + y[(a0 + 48) * kTN];
+      }
+      pairs[it] = s2[0] + s2[1];
+    }
   }
 
   if constexpr (kMode == kModeStats) {
@@ -422,16 +440,16 @@ __global__ void __launch_bounds__(kThreads) CastTileKernel(P prod, CastArgs a) {
 
   if (a.dbias_ws) {
     __syncthreads();
-    // One thread per (column, 64-row group): the group's segments in order.
+    // One thread per (column, 64-row group): the S_w in order.
     constexpr int kGroupsPerTile = kTM / kDbiasRows;
-    constexpr int kSegsPerGroup = kDbiasRows / kSegRows;
     const int64_t groups = (a.rows + kDbiasRows - 1) / kDbiasRows;
     for (int it = tid; it < kTN * kGroupsPerTile; it += kThreads) {
       const int cc = it % kTN, g = it / kTN;
       const int64_t gg = row0 / kDbiasRows + g;
       if (col0 + cc >= a.cols || gg >= groups) continue;
       float sum = 0.0f;
-      for (int sgi = 0; sgi < kSegsPerGroup; ++sgi) sum += part2[(g * kSegsPerGroup + sgi) * kTN + cc];
+#pragma unroll
+      for (int w = 0; w < kDbiasPairs; ++w) sum += pairs[(g * kDbiasPairs + w) * kTN + cc];
       a.dbias_ws[(b * groups + gg) * a.cols + col0 + cc] = sum;
     }
   }
