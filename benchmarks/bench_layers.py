@@ -381,28 +381,38 @@ def targets(rows: list[dict], quick: bool) -> list[dict]:
     return out
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_parser(description: str, sections: str, only: str) -> argparse.ArgumentParser:
+    """The options every layer-step script takes: outputs, sections, shape, bias, variants, --verbose."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--md", help="write the markdown report here")
-    p.add_argument("--quick", action="store_true", help="small shapes, few iterations (CPU smoke run)")
-    p.add_argument("--sections", default="mlp,lndense,dense")
+    p.add_argument("--quick", action="store_true", help="small shapes (a CPU smoke run)")
+    p.add_argument("--sections", default=sections)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--hidden", type=int, default=8192)
     p.add_argument("--ffn", type=int, default=28672)
     p.add_argument("--bias", action="store_true", help="biases on the dense layers (default: none)")
+    p.add_argument("--only", default=only, help="only the variants whose name matches this regex")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def step_shape(args) -> tuple[int, int, int]:
+    """(T, H, N/F) of the step: the options', or small ones under --quick."""
+    return (256, 256, 512) if args.quick else (args.tokens, args.hidden, args.ffn)
+
+
+def main() -> int:
+    p = layer_parser(__doc__.splitlines()[0], "mlp,lndense,dense", "")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--only", default="", help="time only the variants whose name matches this regex")
     p.add_argument("--sequential", action="store_true",
                    help="time each variant right after building it and free it before the next (less memory; "
                         "default: build all, then time them with their trials interleaved)")
-    p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
-    t, h, n = args.tokens, args.hidden, args.ffn
+    t, h, n = step_shape(args)
     if args.quick:
-        t, h, n = 256, 256, 512
         args.warmup, args.iters, args.trials = 1, 2, 2
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}, jax {jax.__version__}, T={t} H={h} N/F={n}, bias={args.bias}")

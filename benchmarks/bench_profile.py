@@ -17,7 +17,6 @@ Usage: python benchmarks/bench_profile.py [--out r.json] [--md r.md] [--sections
 
 from __future__ import annotations
 
-import argparse
 import collections
 import gzip
 import json
@@ -144,22 +143,11 @@ def markdown(rows: list[dict], top: int) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--md", help="write the markdown report here")
-    p.add_argument("--quick", action="store_true", help="small shapes (CPU smoke run)")
-    p.add_argument("--sections", default="mlp")
-    p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--hidden", type=int, default=8192)
-    p.add_argument("--ffn", type=int, default=28672)
-    p.add_argument("--bias", action="store_true")
+    p = bl.layer_parser(__doc__.splitlines()[0], "mlp", "bf16 flax$|te (delayed|current)$")
     p.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
     p.add_argument("--top", type=int, default=25, help="kernels listed per variant")
-    p.add_argument("--only", default="bf16 flax$|te (delayed|current)$",
-                   help="variants (bench_layers.py's names) whose name matches this regex")
     args = p.parse_args()
-    t, h, n = (256, 256, 512) if args.quick else (args.tokens, args.hidden, args.ffn)
-    args.verbose = False
+    t, h, n = bl.step_shape(args)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, T={t} H={h} N/F={n}")
     rows = []
     for section in [s for s in args.sections.split(",") if s]:

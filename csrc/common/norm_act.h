@@ -280,20 +280,9 @@ inline ffi::Error OutCols(ActKind act, int64_t n, int64_t* out) {
 constexpr float kGeluC = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluK = 0.044715f;
 
-TE_HD float TanhF(float x) {
-#if defined(__CUDA_ARCH__)
-  return tanhf(x);
-#else
-  return std::tanh(x);
-#endif
-}
-TE_HD float ExpF(float x) {
-#if defined(__CUDA_ARCH__)
-  return expf(x);
-#else
-  return std::exp(x);
-#endif
-}
+// tanh and exp of the CPU's activations (the GPU's take LogisticGpu below).
+inline float TanhF(float x) { return std::tanh(x); }
+inline float ExpF(float x) { return std::exp(x); }
 
 #if defined(__CUDA_ARCH__)
 // The GPU's logistic 1 / (1 + exp(-v)) with the hardware exp2 and reciprocal

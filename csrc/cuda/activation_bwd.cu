@@ -85,7 +85,7 @@ ffi::Error ActBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi:
   const int64_t F = args.out_cols;
   const int64_t B = mb.batch, M = mb.rows, N = mb.cols;
   TE_RETURN_IF_ERROR(CheckCount(dy, B * M * F, "dy"));
-  const int64_t ws_need = args.dbias ? B * CeilDiv(M, fused::kDbiasRows) * N : 0;
+  const int64_t ws_need = args.dbias ? B * CeilDiv(M, kDbiasRows) * N : 0;
   if (static_cast<int64_t>(workspace->element_count()) < ws_need) {
     return InvalidArgument("workspace: need " + std::to_string(ws_need) + " float32 elements for the dbias partials");
   }

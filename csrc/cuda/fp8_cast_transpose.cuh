@@ -41,10 +41,18 @@ struct CtArgs {
   float* scale_out;     // kCurrent
   float* scale_inv_out; // kGiven/kCurrent: [batch]; kBlock2d: s [batch, tiles_m, tiles_n] or nullptr
   float* s_t_out;       // kBlock2d: [batch, tiles_n, tiles_m] or nullptr
-  float* dbias_ws;      // with kDbias: column sums per 64 rows [batch, ceil(rows / 64), cols]
+  float* dbias_ws;      // with kDbias: the dbias partials [batch, ceil(rows / kDbiasRows), cols]
 };
 
-constexpr int kCtDbiasRows = 64;
+// dbias partials: column sums per group of kDbiasRows rows, in one summation
+// order that the fused ops' tile kernel (norm_act_kernels.cuh) shares, so a
+// column's dbias has the same bits whichever kernel wrote the cast. With y[r]
+// the group's row r, s(a) = ((y[a] + y[a + 16]) + y[a + 32]) + y[a + 48] and
+// S_w = s(2w) + s(2w + 1), the partial is S_0 + S_1 + ... + S_7, left to
+// right (each sum starting from 0.0f). Here s(a) is one thread's rows and
+// S_w one warp's.
+constexpr int kDbiasRows = 64;
+constexpr int kDbiasPairs = 8;  // the S_w of a group
 
 // The input itself as the values to cast (the plain quantize). A producer
 // (norm_act_kernels.cuh) computes 8 float32 values of row r, columns c0.. of
@@ -88,6 +96,8 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
   __shared__ uint4 tile_mem[kCtTile * kCtTile / 16];
   __shared__ uint32_t scratch[kCtThreads / 32];
   constexpr int kWarps = kCtThreads / 32;
+  static_assert(kCtTile == 2 * kDbiasRows && kWarps == kDbiasPairs && kCtThreads / 16 == 16,
+                "the dbias order above: two groups per tile, a warp per S_w, rows 16 apart per thread");
   __shared__ float dbias_part[kDbias ? kWarps * 2 * kCtTile : 1];  // [warp][64-row group][column]
   uint8_t* tile = reinterpret_cast<uint8_t*>(tile_mem);
   const int tid = threadIdx.x;
@@ -199,7 +209,7 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
   if constexpr (kDbias) {
     // One thread per (64-row group, column): the warps' partial sums in order.
     const int g = tid / kCtTile, c = tid % kCtTile;
-    const int64_t groups = (a.rows + kCtDbiasRows - 1) / kCtDbiasRows, gg = row0 / kCtDbiasRows + g;
+    const int64_t groups = (a.rows + kDbiasRows - 1) / kDbiasRows, gg = row0 / kDbiasRows + g;
     if (col0 + c < a.cols && gg < groups) {
       float s = 0.0f;
 #pragma unroll

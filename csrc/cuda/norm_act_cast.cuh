@@ -1,9 +1,10 @@
-// The host side of the fused norm/activation cast: picking the tile or generic
-// kernels (norm_act_kernels.cuh, which documents the producer contract) and
-// launching them, the cast's buffers and arguments, the dbias reduction.
+// The host side of the fused norm/activation cast: picking the cast-transpose
+// (fp8_cast_transpose.cuh), tile (norm_act_kernels.cuh, which documents the
+// producer contract) or generic (norm_act_generic.cuh) kernels and launching
+// them, the cast's buffers and arguments, the dbias reduction.
 #pragma once
 
-#include "fp8_cast_transpose.cuh"
+#include "norm_act_generic.cuh"
 #include "norm_act_kernels.cuh"
 
 namespace te_jax {

@@ -16,15 +16,19 @@
 // and the values into shared memory. Column phase (columnwise copy, dbias, or
 // the Hadamard-transformed amax): thread (column c, segment of rows) reads
 // its column from shared memory, and writes 16 codes per 16-byte store.
-// Generic kernels (any shape): one thread per block (or element) per copy.
+// Generic kernels (any shape, norm_act_generic.cuh): one thread per block (or
+// element) per copy. Per-tensor casts of shapes in 16s take the plain
+// quantize's cast-transpose kernel instead (fp8_cast_transpose.cuh).
 //
-// This header holds the device side (tile geometry, the tile kernel, the generic
-// kernels); norm_act_cast.cuh launches them.
+// This header holds the producer contract's device side (the cast arguments,
+// the tile geometry, the tile kernel, the dbias reduction);
+// norm_act_cast.cuh picks and launches the kernels.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include "cuda_common.cuh"
+#include "fp8_cast_transpose.cuh"
 #include "../common/norm_act.h"
 
 namespace te_jax {
@@ -74,7 +78,6 @@ struct CastArgs {
   float* dbias_ws = nullptr;
 };
 
-constexpr int kDbiasRows = 64;
 
 __device__ __forceinline__ float BitsToF(uint32_t m) { return BitsFloat(m); }
 
@@ -267,14 +270,6 @@ inline bool NeedsColumnPhase(const CastArgs& a) {
   return a.q_t != nullptr || a.dbias_ws != nullptr || (a.rht && a.amax_t_acc != nullptr);
 }
 
-// dbias's summation order, shared with the cast-transpose kernel
-// (fp8_cast_transpose.cuh) so that a column's dbias has the same bits
-// whichever kernel wrote the cast: per 64-row group, with
-// s(a) = ((y[a] + y[a + 16]) + y[a + 32]) + y[a + 48] (y[r] the group's row r,
-// starting from 0.0f) and S_w = s(2w) + s(2w + 1), the partial is
-// S_0 + S_1 + ... + S_7 summed left to right (from 0.0f).
-constexpr int kDbiasPairs = 8;  // the S_w of a group
-
 template <int kMode>
 inline int TileSmemBytes(const CastArgs& a) {
   using G = TileGeom<kMode>;
@@ -336,7 +331,7 @@ __global__ void __launch_bounds__(kThreads) CastTileKernel(P prod, CastArgs a) {
   // Column phase: thread (c, seg) owns rows seg*kSegRows.. of column c.
   constexpr int kSegRows = G::kSegRows, kSegs = G::kSegs;
   float* part = smem + kTM * kTN;   // [kSegs][kTN]: per-segment amax (as bits)
-  float* pairs = part + kSegs * kTN;  // dbias: [kTM / 64][kDbiasPairs][kTN], the S_w above
+  float* pairs = part + kSegs * kTN;  // dbias: [kTM / kDbiasRows][kDbiasPairs][kTN], the S_w of fp8_cast_transpose.cuh
   const int c = tid % kTN, seg = tid / kTN;
   const int64_t gc = col0 + c;
   const int64_t gr0 = row0 + seg * kSegRows;
@@ -453,138 +448,6 @@ __global__ void __launch_bounds__(kThreads) CastTileKernel(P prod, CastArgs a) {
       a.dbias_ws[(b * groups + gg) * a.cols + col0 + cc] = sum;
     }
   }
-}
-
-// ---- generic kernels (any shape) ----------------------------------------------------------
-
-// Rowwise copy (and, per-tensor, the columnwise copy), or the amax (stats):
-// one thread per unit = block (block modes) or element. Mode chosen at run time.
-template <class P>
-__global__ void __launch_bounds__(kThreads) GenericRowKernel(P prod, CastArgs a, int mode, int64_t units) {
-  __shared__ uint32_t scratch[kThreads / 32];
-  const int64_t id = int64_t{blockIdx.x} * kThreads + threadIdx.x;  // unit within batch element b
-  const int64_t b = blockIdx.y;
-  const int64_t per_b = a.rows * a.cols;
-  const int blk = mode == kModeMx ? 32 : (mode == kModeBlock ? 128 : (mode == kModeNv ? 16 : 1));
-  const int64_t units_per_b = per_b / blk;
-  uint32_t amax_bits = 0;
-  const BatchCtx ctx = MakeCtx(a, mode, b, id == 0);
-  if (id < units) {
-    const int64_t e0 = id * blk;  // first element of the unit
-    const int64_t r = e0 / a.cols, c0 = e0 % a.cols;
-    if (mode == kModeNone) {
-      StoreOut1(a.q, b * per_b + e0, prod.Load1(b, r, c0), a.out_type);
-    } else if (mode == kModeTensor || mode == kModeStats) {
-      const float v = prod.Load1(b, r, c0);
-      amax_bits = AbsBits(v);
-      if (mode == kModeTensor) {
-        const uint8_t code = static_cast<uint8_t>(Fp8Code(v * ctx.scale, a.e5));
-        if (a.q) static_cast<uint8_t*>(a.q)[b * per_b + e0] = code;
-        if (a.q_t) static_cast<uint8_t*>(a.q_t)[b * per_b + c0 * a.rows + r] = code;
-      }
-    } else {
-      uint32_t m = 0;
-      for (int k = 0; k < blk; ++k) m = max(m, AbsBits(prod.Load1(b, r, c0 + k)));
-      uint8_t* q = static_cast<uint8_t*>(a.q);
-      if (mode == kModeNv) {
-        const uint8_t sb = Nvfp4BlockScale(BitsToF(m), ctx.factor);
-        const float enc = Nvfp4BlockEncode(sb, ctx.s_dec);
-        static_cast<uint8_t*>(a.s)[b * units_per_b + id] = sb;
-        for (int k = 0; k < blk; k += 2) {
-          const uint32_t i0 = static_cast<uint32_t>(e0 + k);
-          const uint32_t lo = E2M1Code(prod.Load1(b, r, c0 + k) * enc, a.key != nullptr, ctx.seed, i0);
-          const uint32_t hi = E2M1Code(prod.Load1(b, r, c0 + k + 1) * enc, a.key != nullptr, ctx.seed, i0 + 1);
-          q[(b * per_b + e0 + k) / 2] = static_cast<uint8_t>(lo | (hi << 4));
-        }
-      } else {
-        const float fmax = a.e5 ? kE5M2Max : kE4M3Max;
-        float mult;
-        if (mode == kModeMx) {
-          const uint8_t code = E8M0FromAmax(BitsToF(m), fmax);
-          static_cast<uint8_t*>(a.s)[b * units_per_b + id] = code;
-          mult = E8M0InverseToFloat(code);
-        } else {
-          mult = ScaleFromAmax(BitsToF(m), fmax, 0.0f, a.power_2);
-          static_cast<float*>(a.s)[b * units_per_b + id] = 1.0f / mult;
-        }
-        for (int k = 0; k < blk; ++k) q[b * per_b + e0 + k] = static_cast<uint8_t>(Fp8Code(prod.Load1(b, r, c0 + k) * mult, a.e5));
-      }
-    }
-  }
-  if (mode == kModeStats && a.amax_acc) BlockMaxToGlobal(amax_bits, scratch, a.amax_acc + b);
-  if (mode == kModeTensor && a.amax_out) BlockMaxToGlobal(amax_bits, scratch, a.amax_out + b);
-}
-
-// Columnwise copy of the block modes (blocks along M), or, in kModeStats, the
-// amax of the Hadamard-transformed columnwise copy: one thread per (column, block).
-template <class P>
-__global__ void __launch_bounds__(kThreads) GenericColKernel(P prod, CastArgs a, int mode, int64_t units) {
-  __shared__ uint32_t scratch[kThreads / 32];
-  const int64_t id = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  const int64_t b = blockIdx.y;
-  const int blk = mode == kModeMx ? 32 : (mode == kModeBlock ? 128 : 16);
-  const int64_t per_b = a.rows * a.cols;
-  const int64_t bpc = a.rows / blk;  // blocks per column
-  const BatchCtx ctx = MakeCtx(a, mode == kModeStats ? kModeNone : mode, b, false);
-  uint32_t amax_bits = 0;
-  if (id < units) {
-    const int64_t c = id / bpc, r0 = (id % bpc) * blk;
-    if (mode == kModeNv || mode == kModeStats) {
-      float v[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v[i] = prod.Load1(b, r0 + i, c);
-      if (a.rht) Rht16Regs(v);
-      uint32_t m = 0;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) m = max(m, AbsBits(v[i]));
-      amax_bits = m;
-      if (mode == kModeNv) {
-        const uint8_t sb = Nvfp4BlockScale(BitsToF(m), ctx.factor_t);
-        const float enc = Nvfp4BlockEncode(sb, ctx.s_dec_t);
-        static_cast<uint8_t*>(a.s_t)[b * (per_b / 16) + id] = sb;
-        uint8_t* qt = static_cast<uint8_t*>(a.q_t);
-#pragma unroll
-        for (int i = 0; i < 16; i += 2) {
-          const uint32_t i0 = static_cast<uint32_t>(c * a.rows + r0 + i);
-          const uint32_t lo = E2M1Code(v[i] * enc, a.key != nullptr, ctx.seed_t, i0);
-          const uint32_t hi = E2M1Code(v[i + 1] * enc, a.key != nullptr, ctx.seed_t, i0 + 1);
-          qt[(b * per_b + c * a.rows + r0 + i) / 2] = static_cast<uint8_t>(lo | (hi << 4));
-        }
-      }
-    } else {
-      uint32_t m = 0;
-      for (int i = 0; i < blk; ++i) m = max(m, AbsBits(prod.Load1(b, r0 + i, c)));
-      const float fmax = a.e5 ? kE5M2Max : kE4M3Max;
-      float mult;
-      if (mode == kModeMx) {
-        const uint8_t code = E8M0FromAmax(BitsToF(m), fmax);
-        static_cast<uint8_t*>(a.s_t)[b * (per_b / blk) + id] = code;
-        mult = E8M0InverseToFloat(code);
-      } else {
-        mult = ScaleFromAmax(BitsToF(m), fmax, 0.0f, a.power_2);
-        static_cast<float*>(a.s_t)[b * (per_b / blk) + id] = 1.0f / mult;
-      }
-      uint8_t* qt = static_cast<uint8_t*>(a.q_t);
-      for (int i = 0; i < blk; ++i) {
-        qt[b * per_b + c * a.rows + r0 + i] = static_cast<uint8_t>(Fp8Code(prod.Load1(b, r0 + i, c) * mult, a.e5));
-      }
-    }
-  }
-  if (mode == kModeStats) BlockMaxToGlobal(amax_bits, scratch, a.amax_t_acc + b);
-}
-
-// dbias partials: one thread per (64-row group, column) sums its rows.
-template <class P>
-__global__ void __launch_bounds__(kThreads) GenericDbiasKernel(P prod, CastArgs a, int64_t units) {
-  const int64_t id = int64_t{blockIdx.x} * kThreads + threadIdx.x;
-  const int64_t b = blockIdx.y;
-  if (id >= units) return;
-  const int64_t groups = (a.rows + kDbiasRows - 1) / kDbiasRows;
-  const int64_t g = id / a.cols, c = id % a.cols;
-  float sum = 0.0f;
-  const int64_t r1 = a.rows < (g + 1) * kDbiasRows ? a.rows : (g + 1) * kDbiasRows;
-  for (int64_t r = g * kDbiasRows; r < r1; ++r) sum += prod.Load1(b, r, c);
-  a.dbias_ws[(b * groups + g) * a.cols + c] = sum;
 }
 
 // dbias[b, c] = sum over the groups of the partials, in order.
