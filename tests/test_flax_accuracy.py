@@ -25,6 +25,7 @@ from te_jax import recipe as R
 H, F, HEADS, KV_HEADS, LAYERS = 128, 256, 4, 2, 2  # multiples of 128: Float8 block scaling tiles every GEMM
 BATCH, SEQ, IN, OUT = 2, 64, 16, 8  # 128 tokens
 STEPS, LAST = 200, 20
+ROUNDING_KEY = 9  # seed of the stochastic-rounding keys in the test's runs
 
 
 class Model(nn.Module):
@@ -53,8 +54,9 @@ def _batch(step):
     return x, _teacher(x)
 
 
-def final_loss(recipe) -> float:
-    """Mean training loss over the last LAST of STEPS steps (recipe None: bf16 without autocast)."""
+@functools.cache
+def _trainer(recipe):
+    """The initial train state and the jitted step for one recipe (cached: each recipe compiles once)."""
     model = Model()
     ctx = (lambda: te_jax.autocast(recipe=recipe)) if recipe else (lambda: te_jax.autocast(enabled=False))
     with ctx():
@@ -72,9 +74,21 @@ def final_loss(recipe) -> float:
             loss, grads = te_jax.train.value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss
 
+    return state, step
+
+
+def final_loss(recipe, rounding_key: int = ROUNDING_KEY) -> float:
+    """Mean training loss over the last LAST of STEPS steps (recipe None: bf16 without autocast).
+
+    Args:
+      recipe: the te_jax recipe, or None for bf16 without autocast.
+      rounding_key: seed of the per-step keys that drive stochastic rounding
+        (used only by recipes that round stochastically).
+    """
+    state, step = _trainer(recipe)
     losses = []
     for s in range(STEPS):
-        state, loss = step(state, *_batch(s), jax.random.fold_in(jax.random.key(9), s))
+        state, loss = step(state, *_batch(s), jax.random.fold_in(jax.random.key(rounding_key), s))
         losses.append(loss)
     return float(jnp.mean(jnp.stack(losses[-LAST:])))
 

@@ -16,7 +16,7 @@
 # --bench=NAME,...  benchmarks/bench_NAME.py; extra arguments from $BENCH_<NAME>_ARGS
 #                   (e.g. BENCH_LAYERS_ARGS="--sections mlp --trials 3"). NAME@base runs it again with
 #                   the CUDA module (kernels) of the wheel $BASELINE_WHEEL (a path from the repository root),
-#                   for a before/after in one call.
+#                   for a before/after in one call; NAME@TAG does the same with the wheel $WHEEL_<TAG>.
 # --multi-gpu[=mesh,scaling]  (2 or more GPUs; default both) "mesh": the layer mesh checks of
 #                   tests/mesh_multidevice.py, dp and tp over two GPUs against one, NCCL collectives
 #                   (models from $MESH_MODELS, meshes from $MESH_MESHES, recipes from $MESH_RECIPES;
@@ -48,14 +48,16 @@ tests_job() {
   cd "$ROOT/tests" && XLA_PYTHON_CLIENT_PREALLOCATE=false $PY -m pytest -q -p no:cacheprovider \
     --junitxml="$OUT/junit.xml" --maxfail=30 -n 8 "$@"
 }
-bench_job() {  # NAME, or NAME@base: the same benchmark with the CUDA module of $BASELINE_WHEEL
-  local name=${1%@base} var args=() tag=$1 pypath=${PYTHONPATH:-}
+bench_job() {  # NAME, or NAME@TAG: the same benchmark with the CUDA module of another wheel
+  local name=${1%@*} var args=() tag=$1 pypath=${PYTHONPATH:-}
   var="BENCH_${name^^}_ARGS"
   eval "args=(${!var:-})"
-  if [[ $1 == *@base ]]; then
-    [ -n "${BASELINE_WHEEL:-}" ] || { echo "bench $1: set BASELINE_WHEEL (a path from the repository root)"; return 1; }
-    tag=${name}_base
-    local base=/tmp/te_base_$GPU_JOB site wheel_path=$BASELINE_WHEEL
+  if [[ $1 == *@* ]]; then
+    local wheel_tag=${1##*@} wheel_var
+    wheel_var=$([ "$wheel_tag" = base ] && echo BASELINE_WHEEL || echo "WHEEL_${wheel_tag^^}")
+    [ -n "${!wheel_var:-}" ] || { echo "bench $1: set $wheel_var (a path from the repository root)"; return 1; }
+    tag=${name}_$wheel_tag
+    local base=/tmp/te_base_$GPU_JOB site wheel_path=${!wheel_var}
     [[ $wheel_path == /* ]] || wheel_path=$ROOT/$wheel_path
     site=$(cd /tmp && $PY -c "import te_jax, os; print(os.path.dirname(os.path.dirname(te_jax.__file__)))")
     rm -rf "$base" && mkdir -p "$base" && cp -r "$site/te_jax" "$base/" || return 1
