@@ -13,29 +13,33 @@ namespace {
 
 using fused::CastBuffers;
 
-// Output (b, r, c) of dx [rows, cols]: plain dy * act'(x); gated, for c < F
+// Output (b, r, c) of dx [rows, cols]: plain dy * act'(x); kGated, for c < F
 // da = dy * g * act'(a), for c >= F dg = dy * act(a) (a = x[:, :F], g = x[:, F:]).
-template <typename T>
+// A plain activation's vector is two 16-byte loads (dy, x), a gated one three.
+template <typename T, bool kGated>
 struct ActBwdProducer {
   const T* dy;
   const T* x;
   int64_t rows, cols, F;  // dx is [rows, cols]; dy is [rows, F]
   ActKind act = ActKind::kGelu;
-  bool gated;
   bool vec_ok;
 
-  struct Raw {
+  struct RawPlain {
+    Raw8<T> d, a;
+  };
+  struct RawGated {
     Raw8<T> d, a, g;
   };
+  using Raw = std::conditional_t<kGated, RawGated, RawPlain>;
 
   __device__ __forceinline__ Raw Fetch(int64_t b, int64_t r, int64_t c0) const {
     const T* xr = x + (b * rows + r) * cols;
     const T* dr = dy + (b * rows + r) * F;
-    const int64_t c = (gated && c0 >= F) ? c0 - F : c0;
+    const int64_t c = (kGated && c0 >= F) ? c0 - F : c0;
     Raw raw;
     raw.d = LoadRaw8(dr + c);
     raw.a = LoadRaw8(xr + c);
-    raw.g = (gated && c0 < F) ? LoadRaw8(xr + F + c) : raw.a;
+    if constexpr (kGated) raw.g = c0 < F ? LoadRaw8(xr + F + c) : raw.a;
     return raw;
   }
 
@@ -43,26 +47,30 @@ struct ActBwdProducer {
     float d[8], a[8];
     Unpack8(raw.d, d);
     Unpack8(raw.a, a);
-    float g[8];
-    if (gated && c0 < F) Unpack8(raw.g, g);
-    WithActKind(act, [&](auto kind) {
-      if (!gated) {
+    if constexpr (!kGated) {
+      WithActKind(act, [&](auto kind) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) f[k] = ActGradPlain(kind.value, d[k], a[k]);
-      } else if (c0 < F) {
+      });
+    } else if (c0 < F) {
+      float g[8];
+      Unpack8(raw.g, g);
+      WithActKind(act, [&](auto kind) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) f[k] = ActGradGatedA(kind.value, d[k], a[k], g[k]);
-      } else {
+      });
+    } else {
+      WithActKind(act, [&](auto kind) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) f[k] = ActGradGatedG(kind.value, d[k], a[k]);
-      }
-    });
+      });
+    }
   }
 
   __device__ __forceinline__ float Load1(int64_t b, int64_t r, int64_t c) const {
     const T* xr = x + (b * rows + r) * cols;
     const T* dr = dy + (b * rows + r) * F;
-    if (!gated) return ActGradPlain(act, ToF(dr[c]), ToF(xr[c]));
+    if constexpr (!kGated) return ActGradPlain(act, ToF(dr[c]), ToF(xr[c]));
     if (c < F) return ActGradGatedA(act, ToF(dr[c]), ToF(xr[c]), ToF(xr[F + c]));
     return ActGradGatedG(act, ToF(dr[c - F]), ToF(xr[c - F]));
   }
@@ -94,11 +102,13 @@ ffi::Error ActBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi:
   float* ws = args.dbias ? workspace->typed_data() : nullptr;
   TE_RETURN_IF_ERROR(DispatchInput(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
-    ActBwdProducer<T> p{static_cast<const T*>(dy.untyped_data()), static_cast<const T*>(x.untyped_data()),
-                        M, N, F, act, IsGated(act), false};
-    p.vec_ok = N % 8 == 0 && F % 8 == 0 && Aligned16(x.untyped_data()) && Aligned16(dy.untyped_data()) &&
-               fused::AllAligned16({bufs.q, bufs.q_t});
-    return fused::RunCast(stream, p, sp, bufs, B, M, N, scale.typed_data(), key.typed_data(), ws);
+    return DispatchBool(IsGated(act), [&](auto gated) {
+      ActBwdProducer<T, decltype(gated)::value> p{static_cast<const T*>(dy.untyped_data()),
+                                                  static_cast<const T*>(x.untyped_data()), M, N, F, act, false};
+      p.vec_ok = N % 8 == 0 && F % 8 == 0 && Aligned16(x.untyped_data()) && Aligned16(dy.untyped_data()) &&
+                 fused::AllAligned16({bufs.q, bufs.q_t});
+      return fused::RunCast(stream, p, sp, bufs, B, M, N, scale.typed_data(), key.typed_data(), ws);
+    });
   }));
   if (ws) TE_RETURN_IF_ERROR(fused::LaunchDbiasReduce(stream, ws, M, N, B, dbias->typed_data()));
   return ffi::Error::Success();

@@ -26,6 +26,7 @@ enum class CtScale {
   kGiven,    // scale_src[b] is the scale; amax_out[b] gets the amax (atomicMax)
   kCurrent,  // scale_src[b] is the amax; scale_out/scale_inv_out get the scale
   kBlock2d,  // one scale per tile from the tile's amax; s/s_t get 1/scale
+  kStats,    // no cast: amax_out[b] gets the values' amax (the amax pass of the fused current-scaling casts)
 };
 
 struct CtArgs {
@@ -115,7 +116,8 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
   // up to 32 bytes each) or 2, which leaves a producer registers for its math.
   constexpr int kVpt = kCtTile * kCtTile / 8 / kCtThreads;
   constexpr int kRawBytes = static_cast<int>(sizeof(typename P::Raw));
-  constexpr int kBatch = (kMode == CtScale::kBlock2d || (IsPlainInput<P>::value && kRawBytes <= 16))
+  constexpr int kBatch = (kMode == CtScale::kBlock2d || (IsPlainInput<P>::value && kRawBytes <= 16) ||
+                          (kMode == CtScale::kStats && kRawBytes <= 16))
                              ? kVpt
                              : (kRawBytes <= 32 ? kVpt / 2 : kVpt / 4);
   float scale = 1.0f;
@@ -149,7 +151,7 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
       scale = ScaleFromAmax(BitsFloat(m), Fp8MaxOf<E5>(), 0.0f, a.power_2);
       if (tid == 0 && a.scale_inv_out) a.scale_inv_out[b * tiles + int64_t{tm} * a.tiles_n + tn] = 1.0f / scale;
       if (tid == 0 && a.s_t_out) a.s_t_out[b * tiles + int64_t{tn} * a.tiles_m + tm] = 1.0f / scale;
-    } else if (i0 == 0) {  // after the first loads are issued (fewer live registers)
+    } else if (kMode != CtScale::kStats && i0 == 0) {  // after the first loads are issued (fewer live registers)
       scale = kMode == CtScale::kGiven ? a.scale_src[b]
                                        : ScaleFromAmax(a.scale_src[b], Fp8MaxOf<E5>(), a.epsilon, a.power_2);
       if (t_in == 0 && tid == 0) {
@@ -170,7 +172,8 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
 #pragma unroll
         for (int k = 0; k < 8; ++k) f[k] = 0.0f;
       }
-      if constexpr (kMode == CtScale::kGiven) m = max(m, AbsMaxBits8(f));
+      if constexpr (kMode == CtScale::kGiven || kMode == CtScale::kStats) m = max(m, AbsMaxBits8(f));
+      if constexpr (kMode == CtScale::kStats) continue;
       if constexpr (kDbias) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) dsum[(i0 + i) / (kVpt / 2)][k] += f[k];
@@ -181,7 +184,7 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
       *reinterpret_cast<uint2*>(tile + r * kCtTile + chunk * 16 + (cv & 1) * 8) = c;
     }
   }
-  if constexpr (kMode == CtScale::kGiven) {
+  if constexpr (kMode == CtScale::kGiven || kMode == CtScale::kStats) {
     m = WarpMax(m);
     if ((tid & 31) == 0) scratch[tid / 32] = m;
   }
@@ -198,7 +201,7 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
     }
   }
   __syncthreads();
-  if constexpr (kMode == CtScale::kGiven) {
+  if constexpr (kMode == CtScale::kGiven || kMode == CtScale::kStats) {
     if (tid == 0 && a.amax_out) {
       uint32_t mm = 0;
 #pragma unroll
@@ -217,7 +220,7 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
       a.dbias_ws[(b * groups + gg) * a.cols + col0 + c] = s;
     }
   }
-  if (a.q_t == nullptr) return;
+  if (kMode == CtScale::kStats || a.q_t == nullptr) return;
 
   // Thread: 16 rows (segment seg) x 4 columns (group cg); the 8 lanes of one
   // column group write 8 consecutive 16-byte pieces of each q_t row.

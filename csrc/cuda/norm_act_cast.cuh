@@ -126,13 +126,29 @@ ffi::Error LaunchTensorCastTranspose(cudaStream_t stream, const P& prod, const C
   });
 }
 
+// The amax pass (current scaling; NVFP4 without the Hadamard transform)
+// through the cast-transpose kernel's statistics mode: 128x128 tiles with up
+// to 8 vector loads in flight per thread, nothing written but the amax.
+template <class P>
+ffi::Error LaunchAmaxPass(cudaStream_t stream, const P& prod, const CastArgs& a, int64_t batch) {
+  CtArgs c{};
+  c.rows = a.rows;
+  c.cols = a.cols;
+  c.amax_out = a.amax_acc;
+  return LaunchCastTranspose<P, false, CtScale::kStats>(stream, prod, batch, c);
+}
+
 // One pass of `mode` over the producer's output: the cast-transpose kernel
-// for per-tensor casts that fit it, the tile kernel when the producer can
-// vector-load, else the generic kernels.
+// for per-tensor casts and plain amax passes that fit it, the tile kernel
+// when the producer can vector-load, else the generic kernels.
 template <class P>
 ffi::Error LaunchPass(cudaStream_t stream, const P& prod, const CastArgs& a, int64_t batch, int mode) {
   if (a.rows == 0 || a.cols == 0 || batch == 0) return ffi::Error::Success();
   if (mode == kModeTensor && CastTransposeFitsPass(prod, a)) return LaunchTensorCastTranspose(stream, prod, a, batch);
+  if (mode == kModeStats && !a.rht && a.amax_acc != nullptr && a.dbias_ws == nullptr &&
+      CastTransposeFitsPass(prod, a)) {
+    return LaunchAmaxPass(stream, prod, a, batch);
+  }
   if (prod.vec_ok && a.cols % 8 == 0) return LaunchTileMode(stream, prod, a, batch, mode);
   return LaunchGeneric(stream, prod, a, batch, mode);
 }
