@@ -31,6 +31,7 @@
 # --lt-probe=M,N,K  tools/lt_probe.cu: every cuBLASLt candidate of the per-tensor FP8 GEMM, te_jax's and XLA's
 #                   descriptors, with and without workspace, timed in turns at the power cap.
 # --deadline=S      every job ends within S seconds of the script's start (default 570).
+#                   Time estimates that decide what still starts: $TESTS_EST_S, $BENCH_EST_S (default 120).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -153,7 +154,7 @@ for arg in "${ordered[@]}"; do
     --bench=*)
       [ $run_bench -eq 1 ] || continue
       IFS=, read -ra names <<< "${arg#--bench=}"
-      for b in "${names[@]}"; do jobs+=("bench_$b|120|1|bench_job $b"); done ;;
+      for b in "${names[@]}"; do jobs+=("bench_$b|${BENCH_EST_S:-120}|1|bench_job $b"); done ;;
     --tests) [ $run_tests -eq 1 ] && jobs+=("$tests_line") ;;
     --lt-probe=*)
       IFS=, read -ra dims <<< "${arg#--lt-probe=}"
