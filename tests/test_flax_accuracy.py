@@ -6,6 +6,13 @@ batches, initial parameters and learning-rate schedule (warm-up then cosine
 decay, so the runs settle instead of ending on optimizer noise). The final
 loss is the mean of the last 20 training losses. Each recipe compiles one
 step and runs it 200 times (a few seconds on two CPU cores).
+
+A recipe that rounds stochastically (NVFP4's gradients) follows a different
+trajectory for each rounding key, and one trajectory is one sample of its
+final loss: over keys 9-16 NVFP4's runs spread from +3.7% to +4.8% over bf16
+on the CPU and from +3.8% to +5.3% on an H200 (benchmarks/bench_accuracy.py).
+Its test therefore compares the mean final loss over ROUNDING_KEYS, the
+recipe's expected loss, rather than whichever sample one key draws.
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ from te_jax import recipe as R
 H, F, HEADS, KV_HEADS, LAYERS = 128, 256, 4, 2, 2  # multiples of 128: Float8 block scaling tiles every GEMM
 BATCH, SEQ, IN, OUT = 2, 64, 16, 8  # 128 tokens
 STEPS, LAST = 200, 20
-ROUNDING_KEY = 9  # seed of the stochastic-rounding keys in the test's runs
+ROUNDING_KEY = 9  # seed of the stochastic-rounding keys in a single run
+ROUNDING_KEYS = tuple(range(9, 17))  # the seeds averaged for recipes that round stochastically
 
 
 class Model(nn.Module):
@@ -98,16 +106,19 @@ def _bf16_loss() -> float:
     return final_loss(None)
 
 
-@pytest.mark.parametrize("name,recipe,tol", [
-    ("delayed", R.DelayedScaling(), 0.02),
-    ("current", R.Float8CurrentScaling(), 0.02),
-    ("mxfp8", R.MXFP8BlockScaling(), 0.02),
-    ("block", R.Float8BlockScaling(), 0.02),
-    ("custom_mixed_per_layer", R.load_recipe("mixed_per_layer"), 0.02),
-    ("nvfp4", R.NVFP4BlockScaling(), 0.05),
+@pytest.mark.parametrize("name,recipe,tol,keys", [
+    ("delayed", R.DelayedScaling(), 0.02, (ROUNDING_KEY,)),
+    ("current", R.Float8CurrentScaling(), 0.02, (ROUNDING_KEY,)),
+    ("mxfp8", R.MXFP8BlockScaling(), 0.02, (ROUNDING_KEY,)),
+    ("block", R.Float8BlockScaling(), 0.02, (ROUNDING_KEY,)),
+    ("custom_mixed_per_layer", R.load_recipe("mixed_per_layer"), 0.02, (ROUNDING_KEY,)),
+    ("nvfp4", R.NVFP4BlockScaling(), 0.05, ROUNDING_KEYS),
 ])
-def test_final_loss_close_to_bf16(name, recipe, tol):
+def test_final_loss_close_to_bf16(name, recipe, tol, keys):
     ref = _bf16_loss()
     assert ref < 0.2, f"the bf16 run did not learn the task (final loss {ref})"
-    loss = final_loss(recipe)
-    assert abs(loss - ref) <= tol * ref, f"{name}: final loss {loss:.5f} vs bf16 {ref:.5f} ({(loss / ref - 1):+.2%})"
+    losses = [final_loss(recipe, key) for key in keys]
+    loss = sum(losses) / len(losses)
+    per_key = ", ".join(f"{x / ref - 1:+.2%}" for x in losses)
+    assert abs(loss - ref) <= tol * ref, (f"{name}: final loss {loss:.5f} vs bf16 {ref:.5f} ({(loss / ref - 1):+.2%}; "
+                                          f"per rounding key: {per_key})")
