@@ -14,9 +14,16 @@ input and (te_jax) of the FP8 state, all bfloat16 activations and parameters:
 * ``lndense``: LayerNormDenseGeneral 8192 -> 28672 at T=8192 (flax: LayerNorm + Dense).
 * ``dense``: DenseGeneral 8192 -> 28672 at T=8192.
 
+FP8 state: before timing, ``--state-steps`` steps (default 3) run with their
+FP8 state update fed back (te_jax's "fp8_meta", flax's
+"_overwrite_with_gradient"), so delayed scaling is timed with the scales
+training would reach, not the initial scale 1 (under which the small initial
+weights quantize to mostly subnormal or zero codes, and GEMMs on such data draw
+less power). The timed steps then reuse that state.
+
 Breakdown: for each te_jax row (and bf16), the same forward, dgrad and wgrad
 GEMMs are timed alone on operands quantized beforehand with the recipe's
-quantizers ("GEMM ms"); the rest of the step ("other ms" = total - GEMM) is
+quantizers (delayed scaling: with the scale of each operand's amax) ("GEMM ms"); the rest of the step ("other ms" = total - GEMM) is
 casts, norm, activation, amax/state updates and the remaining elementwise work.
 
 Timing: every variant of a section (and its GEMM-only function) is first
@@ -56,6 +63,7 @@ import te_jax.flax as tf
 from te_jax import recipe as R
 from te_jax.dense import DenseQuantizers
 from te_jax.ops.gemm import gemm
+from te_jax.state import FP8_COLLECTION, apply_fp8_update
 from timing import selected, time_interleaved
 
 BF16 = jnp.bfloat16
@@ -69,6 +77,7 @@ RECIPES = {
     "te nvfp4": R.NVFP4BlockScaling(),
 }
 FLAX_FP8 = {"flax fp8 (Fp8DotGeneral)": "direct", "flax fp8 (Fp8DotGeneralOp, qdq)": "qdq"}
+FLAX_FP8_COLLECTION = nn.fp8_ops.OVERWRITE_WITH_GRADIENT  # flax's FP8 state; its "gradient" is the new state
 # The targets of issue 5 (H200): (section, row, at most ms or None, at least this many times faster than flax fp8).
 TARGETS = [("mlp", "te delayed", 15.5, 1.14), ("mlp", "te current", None, 1.0), ("mlp", "te block", None, 1.0),
            ("lndense", "te delayed", None, 1.0), ("lndense", "te current", None, 1.0),
@@ -144,6 +153,22 @@ class CompiledStep:
             self.compile(x, c)
         return self.compiled(self.variables, x, c, self.key)
 
+    def advance_fp8_state(self, sets, steps: int) -> None:
+        """Runs ``steps`` steps, each time replacing the FP8 state (te_jax's and flax's) by the step's update.
+
+        Delayed scaling then quantizes with scales derived from the data's amaxes, as it does in
+        training, rather than with the initial scale 1, under which the small initial weights become
+        mostly subnormal or zero FP8 codes (and the GEMMs on them draw less power).
+        """
+        for i in range(steps):
+            _, grads = self(*sets[i % len(sets)])
+            variables = dict(self.variables)
+            if FP8_COLLECTION in variables:
+                variables[FP8_COLLECTION] = apply_fp8_update(variables[FP8_COLLECTION], grads[FP8_COLLECTION])
+            if FLAX_FP8_COLLECTION in variables:
+                variables[FLAX_FP8_COLLECTION] = grads[FLAX_FP8_COLLECTION]
+            self.variables = jax.block_until_ready(variables)
+
 
 # ---- GEMM-only steps (the breakdown) --------------------------------------------------------
 
@@ -159,7 +184,7 @@ def gemm_plan(section: str, t: int, h: int, n: int):
     return gemms, shapes
 
 
-def gemm_only_step(section: str, t: int, h: int, n: int, recipe, key):
+def gemm_only_step(section: str, t: int, h: int, n: int, recipe, key, state_steps: int = 0):
     """``(fn, input_sets)`` computing just the step's GEMMs, on operands quantized beforehand."""
     gemms, shapes = gemm_plan(section, t, h, n)
     role = {"x": "input", "a": "input", "w1": "weight", "w2": "weight", "dy1": "grad_output", "dy2": "grad_output"}
@@ -173,6 +198,8 @@ def gemm_only_step(section: str, t: int, h: int, n: int, recipe, key):
             if q is not None:
                 qz = getattr(q, role[name])
                 st = qz.init_state() if hasattr(qz, "init_state") else None
+                if st is not None and state_steps:  # delayed scaling's scale for this operand's amax, as in training
+                    st = qz.update_state(st, jnp.max(jnp.abs(v.astype(jnp.float32))))
                 v = jax.block_until_ready(jax.jit(lambda v, k, qz=qz, st=st: qz.quantize(
                     v, st, rowwise=True, colwise=True, key=k))(v, jax.random.key_data(k)))
             ops[name] = v
@@ -234,13 +261,15 @@ def _build_step(row: dict, section: str, h: int, n: int, impl: str, arg, sets, a
     jax.block_until_ready(step(*sets[0]))
     if args.verbose:
         print(f"    {name}: first step {time.perf_counter() - start:.1f} s", flush=True)
-    row.update(init_s=init_s, compile_s=compile_s)
+    if args.state_steps:
+        step.advance_fp8_state(sets, args.state_steps)
+    row.update(init_s=init_s, compile_s=compile_s, state_steps=args.state_steps)
     return step
 
 
-def _build_gemms(section: str, t: int, h: int, n: int, recipe, key) -> tuple[Callable, list]:
+def _build_gemms(section: str, t: int, h: int, n: int, recipe, key, state_steps: int = 0) -> tuple[Callable, list]:
     """The GEMM-only function and its inputs (``gemm_only_step``), compiled and run once."""
-    fn, gsets = gemm_only_step(section, t, h, n, recipe, key)
+    fn, gsets = gemm_only_step(section, t, h, n, recipe, key, state_steps)
     jax.block_until_ready(fn(*gsets[0]))
     return fn, gsets
 
@@ -305,7 +334,7 @@ def bench_section(section: str, t: int, h: int, n: int, args) -> list[dict]:
         if name == "bf16 flax" or impl == "te":
             try:
                 add(f"{name} [GEMMs]", *_build_gemms(section, t, h, n, arg if impl == "te" else None,
-                                                    jax.random.fold_in(key, 99)))
+                                                    jax.random.fold_in(key, 99), args.state_steps))
             except Exception as err:  # noqa: BLE001
                 _error(row, err, args.verbose, "GEMM-only: ")
         if impl == "te" and name in ("te mxfp8", "te nvfp4") and _is_hopper():
@@ -393,6 +422,9 @@ def layer_parser(description: str, sections: str, only: str) -> argparse.Argumen
     p.add_argument("--ffn", type=int, default=28672)
     p.add_argument("--bias", action="store_true", help="biases on the dense layers (default: none)")
     p.add_argument("--only", default=only, help="only the variants whose name matches this regex")
+    p.add_argument("--state-steps", type=int, default=3,
+                   help="steps run before timing, each feeding its FP8 state update (scales, amax history) "
+                        "back, so delayed scaling is timed with the scales training would use (0: initial state)")
     p.add_argument("--verbose", action="store_true")
     return p
 

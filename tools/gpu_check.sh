@@ -16,7 +16,8 @@
 # --bench=NAME,...  benchmarks/bench_NAME.py; extra arguments from $BENCH_<NAME>_ARGS
 #                   (e.g. BENCH_LAYERS_ARGS="--sections mlp --trials 3"). NAME@base runs it again with
 #                   the CUDA module (kernels) of the wheel $BASELINE_WHEEL (a path from the repository root),
-#                   for a before/after in one call; NAME@TAG does the same with the wheel $WHEEL_<TAG>.
+#                   for a before/after in one call; NAME@TAG does the same with the wheel $WHEEL_<TAG>, and takes its
+#                   arguments from $BENCH_<NAME>_<TAG>_ARGS when that is set.
 # --multi-gpu[=mesh,scaling]  (2 or more GPUs; default both) "mesh": the layer mesh checks of
 #                   tests/mesh_multidevice.py, dp and tp over two GPUs against one, NCCL collectives
 #                   (models from $MESH_MODELS, meshes from $MESH_MESHES, recipes from $MESH_RECIPES;
@@ -52,6 +53,9 @@ tests_job() {
 bench_job() {  # NAME, or NAME@TAG: the same benchmark with the CUDA module of another wheel
   local name=${1%@*} var args=() tag=$1 pypath=${PYTHONPATH:-}
   var="BENCH_${name^^}_ARGS"
+  local tag_var="BENCH_${name^^}_${1##*@}_ARGS"
+  tag_var=${tag_var^^}
+  [[ $1 == *@* && -n ${!tag_var:-} ]] && var=$tag_var
   eval "args=(${!var:-})"
   if [[ $1 == *@* ]]; then
     local wheel_tag=${1##*@} wheel_var
