@@ -1,64 +1,20 @@
-// cuBLASLt plans: creation, autotuning (once per configuration) and execution
-// (see gemm_cublaslt.cuh).
-//
-// Autotuning
-// ----------
-// When a plan is built, cublasLtMatmulAlgoGetHeuristic is asked for up to
-// kMaxCandidates algorithms that fit the workspace. Unless autotuning is off
-// (environment variable TE_JAX_GEMM_AUTOTUNE=0, read once per process), only
-// one candidate is usable, or the call's stream is being captured into a CUDA
-// graph (cudaStreamIsCapturing), the candidates are timed on the call's own
-// stream (TimeCandidates: each candidate's second call sizes its samples;
-// a warm-up of kWarmMs brings the GPU to its power cap, unless this device
-// finished a long enough autotuning less than kStillWarmSeconds ago; then
-// kRounds rounds of samples of back-to-back calls, the median sample per
-// candidate), with the call's real operands, scales, bias and alpha, writing
-// the first matmul's D and the cuBLASLt workspace: both belong to this GEMM
-// (its output or staging buffer, its scratch), and the real matmuls are
-// enqueued afterwards, so they overwrite whatever the candidates wrote; the
-// scratch regions the handlers filled before (converted scales, dequantized
-// operands) are never touched. The host waits after each sizing call and
-// each round (a one-time stall of the stream's host-side dispatch per
-// configuration). The
-// heuristic's order wins ties within kMargin, so timing noise on small
-// problems does not flip the choice between runs. Candidates that
-// cuBLASLt refuses are skipped (if all are refused, the first one's error is
-// returned). TE_JAX_GEMM_AUTOTUNE=verbose prints each decision to stderr.
-//
-// CUDA graphs: while the stream is being captured, nothing is timed (recording
-// events and running candidates would become graph nodes, and synchronising
-// on them is illegal); the plan takes the heuristic's first algorithm and
-// keeps it for the process, like every plan keeps its algorithm, so a
-// configuration never changes algorithm (and result bits) once chosen. The
-// steady state (a built plan) neither allocates nor synchronises.
-#include <algorithm>
+// cuBLASLt plans: creation, caches and execution (see gemm_cublaslt.cuh).
+// Autotuning, the choice among the heuristic's algorithms: gemm_autotune.cu.
 #include <array>
-#include <atomic>
-#include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "../common/ffi_common.h"
-#include "lt_algo_config.h"
+#include "gemm_autotune.cuh"
 #include "gemm_cublaslt.cuh"
 
 namespace te_jax {
 namespace gemm {
-namespace {
 
-constexpr int kMaxCandidates = 16;  // heuristic results considered by the autotuner
-constexpr float kMargin = 0.02f;    // a later candidate must be this much faster to win
-
-// Everything that selects a descriptor, layouts or algorithm.
-using PlanKey = std::array<int64_t, 21>;
-
+// Declared (opaque) in gemm_autotune.cuh.
 struct Plan {
   std::mutex mu;       // serialises building, and "set pointer attributes, then enqueue"
   bool ready = false;  // built (a failed build leaves it false: the next call retries)
@@ -69,6 +25,13 @@ struct Plan {
   cublasLtMatrixLayout_t lt_d = nullptr;  // C and D
   cublasLtMatmulAlgo_t algo{};
 };
+
+namespace {
+
+constexpr int kMaxCandidates = 16;  // heuristic results considered by the autotuner
+
+// Everything that selects a descriptor, layouts or algorithm.
+using PlanKey = std::array<int64_t, 21>;
 
 // The alignment (bytes, a power of two up to 256) every matrix of a
 // RunMatmuls call is guaranteed to have, per pointer.
@@ -95,25 +58,6 @@ std::mutex& HandleMutex() {
 std::map<int, cublasLtHandle_t>& Handles() {
   static auto* handles = new std::map<int, cublasLtHandle_t>;
   return *handles;
-}
-
-// TE_JAX_GEMM_AUTOTUNE: "0" off, "verbose" on and logged, anything else (or unset) on.
-enum class Autotune : int { kOff = 0, kOn = 1, kVerbose = 2 };
-Autotune AutotuneMode() {
-  static const Autotune mode = [] {
-    const char* v = std::getenv("TE_JAX_GEMM_AUTOTUNE");
-    if (v == nullptr) return Autotune::kOn;
-    if (std::strcmp(v, "0") == 0) return Autotune::kOff;
-    if (std::strcmp(v, "verbose") == 0) return Autotune::kVerbose;
-    return Autotune::kOn;
-  }();
-  return mode;
-}
-
-ffi::Error LtError(const char* what, cublasStatus_t status, const MatmulSpec& spec) {
-  return ffi::Error::Internal(std::string("te_jax GEMM: ") + what + " failed with " +
-                              cublasLtGetStatusName(status) + " (" + cublasLtGetStatusString(status) +
-                              ") for " + ShapeString(spec));
 }
 
 #define TE_LT_CHECK(call, spec)                                                       \
@@ -238,17 +182,6 @@ ffi::Error SetPointers(Plan& plan, const MatmulSpec& spec, const MatmulPointers&
   return ffi::Error::Success();
 }
 
-// Enqueues one matmul with `algo` (the pointer attributes must be set).
-cublasStatus_t Enqueue(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
-                       const cublasLtMatmulAlgo_t& algo, cudaStream_t stream) {
-  static const float kOne = 1.0f, kZero = 0.0f;
-  const void* alpha = s.device_alpha ? static_cast<const void*>(p.alpha) : &kOne;
-  const void* beta = s.device_alpha ? static_cast<const void*>(p.beta) : &kZero;
-  // beta is 0: C (= D, same layout) is never read.
-  return cublasLtMatmul(plan.handle, plan.desc, alpha, p.b, plan.lt_a, p.a, plan.lt_b, beta, p.d, plan.lt_d, p.d,
-                        plan.lt_d, &algo, p.workspace, s.workspace_bytes, stream);
-}
-
 ffi::ErrorOr<cublasLtHandle_t> HandleFor(const MatmulSpec& spec) {
   std::lock_guard<std::mutex> lock(HandleMutex());
   auto& handles = Handles();
@@ -259,198 +192,6 @@ ffi::ErrorOr<cublasLtHandle_t> HandleFor(const MatmulSpec& spec) {
   if (status != CUBLAS_STATUS_SUCCESS) return ffi::Unexpected(LtError("cublasLtCreate", status, spec));
   handles.emplace(spec.device, handle);
   return handle;
-}
-
-// "M=.. N=.. K=.. batch=.. calls=.. A/B/D types .. fast_accum=.." for the autotuning log.
-std::string Describe(const MatmulSpec& s, int64_t calls) {
-  return ShapeString(s) + " calls=" + std::to_string(calls) + " types(A,B,D)=(" +
-         std::to_string(static_cast<int>(s.a_type)) + "," + std::to_string(static_cast<int>(s.b_type)) + "," +
-         std::to_string(static_cast<int>(s.d_type)) + ") fast_accum=" + std::to_string(s.fast_accum) +
-         " bias=" + std::to_string(s.bias);
-}
-
-// Events for one candidate's timed runs, destroyed with the tuner.
-class Events {
- public:
-  ~Events() {
-    for (cudaEvent_t e : events_) {
-      if (e != nullptr) cudaEventDestroy(e);
-    }
-  }
-  cudaError_t Create(int n) {
-    events_.assign(n, nullptr);
-    for (cudaEvent_t& e : events_) {
-      const cudaError_t status = cudaEventCreate(&e);
-      if (status != cudaSuccess) return status;
-    }
-    return cudaSuccess;
-  }
-  cudaEvent_t operator[](int i) const { return events_[i]; }
-
- private:
-  std::vector<cudaEvent_t> events_;
-};
-
-// Timing of autotuning candidates (see "Autotuning" above).
-constexpr int kRounds = 5;              // every candidate is sampled once per round
-constexpr float kWarmMs = 200.0f;       // GPU time of back-to-back calls before the first sample
-constexpr float kSampleMs = 2.0f;       // a sample is at least this much GPU time of back-to-back calls
-constexpr int kMaxRunsPerSample = 64;
-constexpr int kMaxWarmRuns = 1 << 15;
-constexpr double kStillWarmSeconds = 1.0;  // a plan built this soon after a hot one skips the warm-up
-constexpr int kMaxDevices = 64;
-
-// Host time (microseconds, steady clock; 0: never) when the last autotuning
-// that kept the device busy for kWarmMs or more ended, per device.
-std::atomic<int64_t>& LastHotAutotuneEndUs(int device) {
-  static std::array<std::atomic<int64_t>, kMaxDevices> t{};
-  return t[static_cast<size_t>(device) % kMaxDevices];
-}
-
-int64_t NowUs() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-bool DeviceStillHot(int device) {
-  const int64_t last = LastHotAutotuneEndUs(device).load();
-  return last != 0 && NowUs() - last <= static_cast<int64_t>(kStillWarmSeconds * 1e6);
-}
-
-// Runs `runs` calls of `algo` between events `start` and `stop`; the cuBLASLt status of the first refusal.
-cublasStatus_t TimedCalls(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
-                          const cublasLtMatmulAlgo_t& algo, int runs, cudaEvent_t start, cudaEvent_t stop,
-                          cudaStream_t stream, cudaError_t* cuda_status) {
-  *cuda_status = cudaEventRecord(start, stream);
-  cublasStatus_t status = CUBLAS_STATUS_SUCCESS;
-  for (int r = 0; r < runs && *cuda_status == cudaSuccess && status == CUBLAS_STATUS_SUCCESS; ++r) {
-    status = Enqueue(plan, s, p, algo, stream);
-  }
-  if (*cuda_status == cudaSuccess) *cuda_status = cudaEventRecord(stop, stream);
-  return status;
-}
-
-float ElapsedMs(cudaEvent_t start, cudaEvent_t stop) {
-  float t = std::numeric_limits<float>::infinity();
-  if (cudaEventElapsedTime(&t, start, stop) != cudaSuccess) {
-    cudaGetLastError();  // ours, and not sticky: do not leave it for the next launch check
-    return std::numeric_limits<float>::infinity();
-  }
-  return t;
-}
-
-// Times every candidate on `stream` (the pointer attributes are set) and
-// returns the index of the one to keep. An H200 under FP8 GEMMs runs at its
-// power cap with lower clocks, and candidates may rank differently in a short
-// burst; so the GPU is first kept busy for kWarmMs, then every candidate is
-// sampled in kRounds rounds (the first candidate of a round rotating), each
-// sample kSampleMs of back-to-back calls (fewer for GEMMs under
-// kSampleMs / kMaxRunsPerSample), and a candidate's time is its median sample.
-ffi::ErrorOr<size_t> TimeCandidates(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
-                                    const std::vector<cublasLtMatmulAlgo_t>& candidates, int64_t calls,
-                                    cudaStream_t stream) {
-  const size_t n = candidates.size();
-  Events ev;
-  cudaError_t cuda_status = ev.Create(static_cast<int>(2 * n));
-  if (cuda_status != cudaSuccess) {  // cannot time: keep the heuristic's first algorithm
-    cudaGetLastError();
-    return size_t{0};
-  }
-  auto broken = [&](cudaError_t status) {  // a failed launch or a broken context: not a candidate's fault
-    cudaGetLastError();
-    return ffi::Unexpected(CudaError("GEMM autotuning", status, ShapeString(s)));
-  };
-  constexpr float kNever = std::numeric_limits<float>::infinity();
-  // Two calls of each candidate: the first finds the refusals (and pays for
-  // loading the kernel), the second, timed, sizes the samples.
-  std::vector<int> runs(n, 0);  // 0: refused
-  std::vector<float> once(n, kNever);
-  cublasStatus_t first_refusal = CUBLAS_STATUS_SUCCESS;
-  for (size_t c = 0; c < n; ++c) {
-    cublasStatus_t status = Enqueue(plan, s, p, candidates[c], stream);
-    if (status == CUBLAS_STATUS_SUCCESS) {
-      status = TimedCalls(plan, s, p, candidates[c], 1, ev[0], ev[1], stream, &cuda_status);
-    }
-    if (cuda_status == cudaSuccess) cuda_status = cudaStreamSynchronize(stream);
-    if (cuda_status != cudaSuccess) return broken(cuda_status);
-    if (status != CUBLAS_STATUS_SUCCESS) {  // cuBLASLt refused this algorithm for these operands
-      if (first_refusal == CUBLAS_STATUS_SUCCESS) first_refusal = status;
-      continue;
-    }
-    once[c] = std::max(ElapsedMs(ev[0], ev[1]), 1e-3f);
-    runs[c] = std::clamp(static_cast<int>(std::ceil(kSampleMs / once[c])), 1, kMaxRunsPerSample);
-  }
-  // A candidate refused later (it ran before, so unexpected) is dropped like one refused at once.
-  auto refuse = [&](size_t c, cublasStatus_t status) {
-    runs[c] = 0;
-    if (first_refusal == CUBLAS_STATUS_SUCCESS) first_refusal = status;
-  };
-  auto usable_now = [&] {
-    std::vector<size_t> u;
-    for (size_t c = 0; c < n; ++c) {
-      if (runs[c] > 0) u.push_back(c);
-    }
-    return u;
-  };
-  std::vector<size_t> usable = usable_now();
-  if (usable.empty()) return ffi::Unexpected(LtError("cublasLtMatmul (every autotuning candidate)", first_refusal, s));
-  float busy_ms = 0.0f;  // GPU time of this autotuning's warm-up and samples
-  if (!DeviceStillHot(s.device)) {
-    const size_t c = usable[0];
-    const int warm_runs = std::clamp(static_cast<int>(std::ceil(kWarmMs / once[c])), 1, kMaxWarmRuns);
-    const cublasStatus_t status = TimedCalls(plan, s, p, candidates[c], warm_runs, ev[0], ev[1], stream, &cuda_status);
-    if (cuda_status == cudaSuccess) cuda_status = cudaStreamSynchronize(stream);
-    if (cuda_status != cudaSuccess) return broken(cuda_status);
-    if (status != CUBLAS_STATUS_SUCCESS) refuse(c, status);
-    busy_ms += std::isfinite(ElapsedMs(ev[0], ev[1])) ? ElapsedMs(ev[0], ev[1]) : 0.0f;
-  }
-  std::vector<std::vector<float>> samples(n);
-  for (int round = 0; round < kRounds; ++round) {
-    usable = usable_now();
-    if (usable.empty()) {
-      return ffi::Unexpected(LtError("cublasLtMatmul (every autotuning candidate)", first_refusal, s));
-    }
-    std::vector<cublasStatus_t> status(n, CUBLAS_STATUS_SUCCESS);
-    for (size_t j = 0; j < usable.size(); ++j) {
-      const size_t c = usable[(j + round) % usable.size()];
-      status[c] = TimedCalls(plan, s, p, candidates[c], runs[c], ev[2 * c], ev[2 * c + 1], stream, &cuda_status);
-      if (cuda_status != cudaSuccess) return broken(cuda_status);
-    }
-    cuda_status = cudaStreamSynchronize(stream);
-    if (cuda_status != cudaSuccess) return broken(cuda_status);
-    for (size_t c : usable) {
-      if (status[c] != CUBLAS_STATUS_SUCCESS) {
-        refuse(c, status[c]);
-        continue;
-      }
-      const float t = ElapsedMs(ev[2 * c], ev[2 * c + 1]);
-      samples[c].push_back(t / static_cast<float>(runs[c]));
-      if (std::isfinite(t)) busy_ms += t;
-    }
-  }
-  if (busy_ms >= kWarmMs) LastHotAutotuneEndUs(s.device).store(NowUs());
-  std::vector<float> ms(n, kNever);
-  for (size_t c = 0; c < n; ++c) {
-    if (runs[c] == 0 || samples[c].empty()) continue;
-    std::sort(samples[c].begin(), samples[c].end());
-    ms[c] = samples[c][samples[c].size() / 2];
-  }
-  size_t best = n;
-  for (size_t c = 0; c < n; ++c) {  // the heuristic's order wins within kMargin
-    if (ms[c] == kNever) continue;
-    if (best == n || ms[c] < ms[best] * (1.0f - kMargin)) best = c;
-  }
-  if (best == n) return size_t{0};  // ran, but no timing came back
-  if (AutotuneMode() == Autotune::kVerbose) {
-    std::fprintf(stderr, "te_jax GEMM autotune %s: %zu candidates, heuristic #0 %.4f ms, chose #%zu %.4f ms\n",
-                 Describe(s, calls).c_str(), n, static_cast<double>(ms[0]), best,
-                 static_cast<double>(ms[best]));  // "inf" for #0: cuBLASLt refused it
-    for (size_t c = 0; c < n; ++c) {
-      std::fprintf(stderr, "  #%zu %.4f ms (%d calls per sample) %s\n", c, static_cast<double>(ms[c]), runs[c],
-                   AlgoConfig(candidates[c]).c_str());
-    }
-  }
-  return best;
 }
 
 ffi::Error BuildPlan(Plan& plan, const MatmulSpec& s, const Alignments& al, const MatmulPointers& p, int64_t calls,
@@ -528,21 +269,7 @@ ffi::Error BuildPlan(Plan& plan, const MatmulSpec& s, const Alignments& al, cons
     return ffi::Error::Internal("te_jax GEMM: cuBLASLt found no algorithm for " + ShapeString(s) +
                                 " (check the dtype pairing, scale modes and the device's support for them)");
   }
-  plan.algo = candidates[0];
-  if (candidates.size() == 1 || AutotuneMode() == Autotune::kOff) return ffi::Error::Success();
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
-    cudaGetLastError();
-    capture = cudaStreamCaptureStatusInvalidated;  // unknown: do not time
-  }
-  if (capture != cudaStreamCaptureStatusNone) {
-    if (AutotuneMode() == Autotune::kVerbose) {
-      std::fprintf(stderr, "te_jax GEMM autotune %s: stream capture in progress, using heuristic #0 untimed\n",
-                   Describe(s, calls).c_str());
-    }
-    return ffi::Error::Success();
-  }
-  auto best = TimeCandidates(plan, s, p, candidates, calls, stream);
+  auto best = ChooseCandidate(plan, s, p, candidates, calls, stream);
   if (best.has_error()) return best.error();
   plan.algo = candidates[best.value()];
   return ffi::Error::Success();
@@ -583,6 +310,16 @@ MatmulPointers Advance(const MatmulPointers& first, const MatmulSteps& st, int64
 
 }  // namespace
 
+cublasStatus_t Enqueue(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
+                       const cublasLtMatmulAlgo_t& algo, cudaStream_t stream) {
+  static const float kOne = 1.0f, kZero = 0.0f;
+  const void* alpha = s.device_alpha ? static_cast<const void*>(p.alpha) : &kOne;
+  const void* beta = s.device_alpha ? static_cast<const void*>(p.beta) : &kZero;
+  // beta is 0: C (= D, same layout) is never read.
+  return cublasLtMatmul(plan.handle, plan.desc, alpha, p.b, plan.lt_a, p.a, plan.lt_b, beta, p.d, plan.lt_d, p.d,
+                        plan.lt_d, &algo, p.workspace, s.workspace_bytes, stream);
+}
+
 ffi::Error RunMatmuls(const MatmulSpec& spec, const MatmulPointers& first, const MatmulSteps& steps,
                       cudaStream_t stream) {
   if (steps.calls < 1) return ffi::Error::Success();
@@ -615,6 +352,12 @@ ffi::Error RunMatmuls(const MatmulSpec& spec, const MatmulPointers& first, const
 std::string ShapeString(const MatmulSpec& s) {
   return "M=" + std::to_string(s.m) + " N=" + std::to_string(s.n) + " K=" + std::to_string(s.k) +
          " batch=" + std::to_string(s.batch);
+}
+
+ffi::Error LtError(const char* what, cublasStatus_t status, const MatmulSpec& spec) {
+  return ffi::Error::Internal(std::string("te_jax GEMM: ") + what + " failed with " +
+                              cublasLtGetStatusName(status) + " (" + cublasLtGetStatusString(status) +
+                              ") for " + ShapeString(spec));
 }
 
 ffi::Error CudaError(const char* what, cudaError_t status, const std::string& shape) {

@@ -22,7 +22,7 @@
 // matmul descriptor, the layouts, up to kMaxCandidates heuristic algorithms,
 // and (unless the stream is being captured, or TE_JAX_GEMM_AUTOTUNE=0) times
 // each candidate on the call's own stream with the call's real buffers and
-// keeps the fastest (see gemm_cublaslt.cu, "Autotuning"). Every later call
+// keeps the fastest (see gemm_autotune.cu, "Autotuning"). Every later call
 // only takes the plan's mutex, sets the pointer attributes (host-only, no
 // allocation) and enqueues cublasLtMatmul: nothing in the steady state
 // allocates, synchronises or creates a descriptor.
