@@ -131,6 +131,20 @@ def test_fp8_block_matches_reference(dtype, qdtype, kind, block_2d, power_2):
     assert_outputs_same_bits(got, want, ("q", "s", "q_t", "s_t"))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("kind", ["random", "specials"])
+@pytest.mark.parametrize("shape,rowwise,colwise", [
+    ((256, 384), True, False), ((256, 384), False, True), ((256, 384), True, True), ((2, 128, 128), True, True),
+    ((48, 256), True, False), ((256, 48), False, True), ((16, 128), True, False),
+])
+def test_fp8_block_1x128_layouts_and_shapes(dtype, kind, shape, rowwise, colwise):
+    """1x128 blocks: sides that are multiples of 128 (several tiles, a batch, one copy or both) and
+    rowwise- or columnwise-only shapes whose other side is not."""
+    x = inputs(kind, shape, dtype, seed=8)
+    got, want = run_both(qops.quantize_fp8_block, x, rowwise=rowwise, colwise=colwise)
+    assert_outputs_same_bits(got, want, ("q", "s", "q_t", "s_t"))  # a copy not asked for is empty in both
+
+
 def test_fp8_block_2d_colwise_is_transpose():
     x = random_matrix(1, (256, 128), jnp.bfloat16)
     q, s, q_t, s_t = qops.quantize_fp8_block(x, colwise=True, block_2d=True)

@@ -1,11 +1,16 @@
-// Cast + transpose for FP8 with one scale per 128x128 tile region: per-tensor
-// scaling (given scale, or current scaling from a precomputed amax) and
-// Float8 128x128 block scaling. Every element of a tile shares one scale, so
-// the rowwise and columnwise copies hold the same codes: a thread block reads
-// a 128x128 tile once (16-byte loads), writes the rowwise codes straight from
-// registers and the codes into shared memory, then writes the columnwise
-// (transposed) codes as 16-byte stores after a 4x4 byte transpose in
-// registers. Needs rows and cols multiples of 16 and 16-byte aligned buffers.
+// Cast + transpose for FP8 by 128x128 tiles: per-tensor scaling (given scale,
+// or current scaling from a precomputed amax) and Float8 block scaling. With
+// one scale per tile (per-tensor, 128x128 blocks) the rowwise and columnwise
+// copies hold the same codes: a thread block reads a 128x128 tile once
+// (16-byte loads), writes the rowwise codes straight from registers and the
+// codes into shared memory, then writes the columnwise (transposed) codes as
+// 16-byte stores after a 4x4 byte transpose in registers. With 1x128 blocks
+// (kBlock1d) a tile row is a rowwise block and a tile column a columnwise
+// block: the tile stays in registers while the column amaxes are reduced
+// through shared memory, then the rowwise codes (row scales) go to global
+// memory and the columnwise codes (column scales) through the same transpose.
+// Needs rows and cols multiples of 16 (kBlock1d: of 128) and 16-byte aligned
+// buffers.
 //
 // The values come from a producer: the input itself (PlainInput, the plain
 // quantize) or a fused op's output computed from its inputs on the fly (a
@@ -26,6 +31,7 @@ enum class CtScale {
   kGiven,    // scale_src[b] is the scale; amax_out[b] gets the amax (atomicMax)
   kCurrent,  // scale_src[b] is the amax; scale_out/scale_inv_out get the scale
   kBlock2d,  // one scale per tile from the tile's amax; s/s_t get 1/scale
+  kBlock1d,  // 1x128 blocks: a scale per tile row (rowwise) and per tile column (columnwise); s/s_t get 1/scale
   kStats,    // no cast: amax_out[b] gets the values' amax (the amax pass of the fused current-scaling casts)
 };
 
@@ -40,8 +46,9 @@ struct CtArgs {
   uint8_t* q_t;         // columnwise codes or nullptr
   float* amax_out;      // kGiven
   float* scale_out;     // kCurrent
-  float* scale_inv_out; // kGiven/kCurrent: [batch]; kBlock2d: s [batch, tiles_m, tiles_n] or nullptr
-  float* s_t_out;       // kBlock2d: [batch, tiles_n, tiles_m] or nullptr
+  float* scale_inv_out; // kGiven/kCurrent: [batch]; kBlock2d: s [batch, tiles_m, tiles_n];
+                        // kBlock1d: s [batch, rows, tiles_n]; or nullptr
+  float* s_t_out;       // kBlock2d: [batch, tiles_n, tiles_m]; kBlock1d: [batch, cols, tiles_m]; or nullptr
   float* dbias_ws;      // with kDbias: the dbias partials [batch, ceil(rows / kDbiasRows), cols]
 };
 
@@ -76,14 +83,17 @@ struct IsPlainInput : std::false_type {};
 template <typename T>
 struct IsPlainInput<PlainInput<T>> : std::true_type {};
 
+// Whether the mode needs the tile's amax (or its rows' and columns') before any code.
+constexpr bool CtWholeTile(CtScale mode) { return mode == CtScale::kBlock2d || mode == CtScale::kBlock1d; }
+
 // Resident blocks per SM the kernel is compiled for (256 threads each): the
-// plain cast of 2-byte inputs fits 64 registers (4 blocks), 128x128 blocks
-// keep the whole tile's inputs (one block fewer); a producer's math (a norm's
+// plain cast of 2-byte inputs fits 64 registers (4 blocks), block scaling
+// keeps the whole tile's inputs (one block fewer); a producer's math (a norm's
 // gamma and beta, an activation) needs 80 (3 blocks).
 template <class P, CtScale kMode>
 constexpr int CtMinBlocks() {
   if constexpr (IsPlainInput<P>::value) {
-    return (sizeof(typename P::Raw) <= 16 ? 4 : 3) - (kMode == CtScale::kBlock2d ? 1 : 0);
+    return (sizeof(typename P::Raw) <= 16 ? 4 : 3) - (CtWholeTile(kMode) ? 1 : 0);
   }
   return 3;
 }
@@ -100,6 +110,10 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
   static_assert(kCtTile == 2 * kDbiasRows && kWarps == kDbiasPairs && kCtThreads / 16 == 16,
                 "the dbias order above: two groups per tile, a warp per S_w, rows 16 apart per thread");
   __shared__ float dbias_part[kDbias ? kWarps * 2 * kCtTile : 1];  // [warp][64-row group][column]
+  constexpr bool k1d = kMode == CtScale::kBlock1d;
+  __shared__ uint32_t col_amax[k1d ? kWarps * kCtTile : 1];  // [warp][column]: the warp's two rows per thread
+  __shared__ float col_scale[k1d ? kCtTile : 1];
+  __shared__ float row_scale[k1d ? kCtTile : 1];  // (in shared memory: fewer live registers across the barriers)
   uint8_t* tile = reinterpret_cast<uint8_t*>(tile_mem);
   const int tid = threadIdx.x;
   const int64_t tiles = int64_t{a.tiles_m} * a.tiles_n;
@@ -116,13 +130,14 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
   // up to 32 bytes each) or 2, which leaves a producer registers for its math.
   constexpr int kVpt = kCtTile * kCtTile / 8 / kCtThreads;
   constexpr int kRawBytes = static_cast<int>(sizeof(typename P::Raw));
-  constexpr int kBatch = (kMode == CtScale::kBlock2d || (IsPlainInput<P>::value && kRawBytes <= 16) ||
+  constexpr int kBatch = (CtWholeTile(kMode) || (IsPlainInput<P>::value && kRawBytes <= 16) ||
                           (kMode == CtScale::kStats && kRawBytes <= 16))
                              ? kVpt
                              : (kRawBytes <= 32 ? kVpt / 2 : kVpt / 4);
   float scale = 1.0f;
   uint8_t* q = a.q ? a.q + b * size : nullptr;
   uint32_t m = 0;
+  float my_col_scale[k1d ? 8 : 1];
   float dsum[2][8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) dsum[0][k] = dsum[1][k] = 0.0f;
@@ -151,6 +166,44 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
       scale = ScaleFromAmax(BitsFloat(m), Fp8MaxOf<E5>(), 0.0f, a.power_2);
       if (tid == 0 && a.scale_inv_out) a.scale_inv_out[b * tiles + int64_t{tm} * a.tiles_n + tn] = 1.0f / scale;
       if (tid == 0 && a.s_t_out) a.s_t_out[b * tiles + int64_t{tn} * a.tiles_m + tm] = 1.0f / scale;
+    } else if constexpr (k1d) {  // full tiles (the launcher checks): every value is in the matrix
+      // Rows: lanes 16j..16j+15 share a row. Columns: a thread's 8 rows, the
+      // other half-warp's, then the 8 warps' partials through shared memory.
+      uint32_t cm[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) cm[k] = 0;
+#pragma unroll
+      for (int i = 0; i < kVpt; ++i) {
+        const int v = tid + kCtThreads * i;
+        float f[8];
+        prod.Compute(raw[i], b, row0 + (v >> 4), col0 + (v & 15) * 8, f);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) cm[k] = max(cm[k], AbsBits(f[k]));
+        const uint32_t rm = GroupMax<16>(AbsMaxBits8(f));
+        if ((tid & 15) == 0) {
+          const float rs = ScaleFromAmax(BitsFloat(rm), Fp8MaxOf<E5>(), 0.0f, a.power_2);
+          row_scale[v >> 4] = rs;
+          if (a.scale_inv_out) a.scale_inv_out[(b * a.rows + row0 + (v >> 4)) * a.tiles_n + tn] = 1.0f / rs;
+        }
+      }
+      const int lane = tid & 31;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        cm[k] = max(cm[k], __shfl_xor_sync(0xffffffffu, cm[k], 16));
+        if (lane < 16) col_amax[(tid / 32) * kCtTile + lane * 8 + k] = cm[k];
+      }
+      __syncthreads();
+      if (tid < kCtTile) {
+        uint32_t cmax = 0;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) cmax = max(cmax, col_amax[w * kCtTile + tid]);
+        const float cs = ScaleFromAmax(BitsFloat(cmax), Fp8MaxOf<E5>(), 0.0f, a.power_2);
+        col_scale[tid] = cs;
+        if (a.s_t_out) a.s_t_out[(b * a.cols + col0 + tid) * a.tiles_m + tm] = 1.0f / cs;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < 8; ++k) my_col_scale[k] = col_scale[(tid & 15) * 8 + k];
     } else if (kMode != CtScale::kStats && i0 == 0) {  // after the first loads are issued (fewer live registers)
       scale = kMode == CtScale::kGiven ? a.scale_src[b]
                                        : ScaleFromAmax(a.scale_src[b], Fp8MaxOf<E5>(), a.epsilon, a.power_2);
@@ -178,10 +231,17 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
 #pragma unroll
         for (int k = 0; k < 8; ++k) dsum[(i0 + i) / (kVpt / 2)][k] += f[k];
       }
-      const uint2 c = Fp8x8<E5>(f, scale);
+      const uint2 c = Fp8x8<E5>(f, k1d ? row_scale[k1d ? r : 0] : scale);
       if (q && valid) *reinterpret_cast<uint2*>(q + gr * a.cols + gc) = c;
       const int chunk = (cv >> 1) ^ ((r >> 4) & 7);
-      *reinterpret_cast<uint2*>(tile + r * kCtTile + chunk * 16 + (cv & 1) * 8) = c;
+      uint2 c_t = c;
+      if constexpr (k1d) {  // the columnwise codes take the column scales: scaled first, times 1 is exact
+        float g[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) g[k] = f[k] * my_col_scale[k];
+        c_t = Fp8x8<E5>(g, 1.0f);
+      }
+      *reinterpret_cast<uint2*>(tile + r * kCtTile + chunk * 16 + (cv & 1) * 8) = c_t;
     }
   }
   if constexpr (kMode == CtScale::kGiven || kMode == CtScale::kStats) {
@@ -259,7 +319,7 @@ inline ffi::Error CtGrid(CtArgs& a, int64_t batch, dim3* grid) {
 // dbias partials when a.dbias_ws is set.
 template <class P, bool E5, CtScale kMode>
 ffi::Error LaunchCastTranspose(cudaStream_t stream, const P& prod, int64_t batch, CtArgs a) {
-  static_assert(kMode != CtScale::kBlock2d, "the fused casts are per-tensor");
+  static_assert(!CtWholeTile(kMode), "the fused casts are per-tensor");
   dim3 grid;
   TE_RETURN_IF_ERROR(CtGrid(a, batch, &grid));
   if (a.dbias_ws != nullptr) {

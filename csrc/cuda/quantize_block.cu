@@ -6,9 +6,10 @@
 // shuffle over the lanes holding it) and keeps the raw tile in shared memory;
 // then each thread takes 2 columns x 16 rows of it for the columnwise copy
 // (block amax over 16-row segments by shuffles), writing 16-byte stores of
-// the transposed output. 128x128 blocks share one scale per tile, so they
-// use the FP8 cast-transpose kernel. Odd shapes take a simple kernel with one
-// thread per block.
+// the transposed output. Float8 blocks use the FP8 cast-transpose kernel
+// (fp8_cast_transpose.cuh): 128x128 blocks share one scale per tile, and
+// 1x128 blocks of matrices whose sides are multiples of 128 are its tiles'
+// rows and columns. Odd shapes take a simple kernel with one thread per block.
 #include "fp8_cast_transpose.cuh"
 #include "../common/bindings.h"
 
@@ -267,6 +268,22 @@ ffi::Error QuantizeFp8Block(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
         return LaunchFp8CastTranspose<decltype(tag), decltype(e5c)::value, CtScale::kBlock2d>(stream, mb, c);
       });
     });
+  }
+  if (mb.rows % kFp8Block == 0 && mb.cols % kFp8Block == 0) {
+    CtArgs c{};
+    c.x = x.untyped_data();
+    c.power_2 = power_2;
+    c.q = rowwise ? DataOf<uint8_t>(*q) : nullptr;
+    c.q_t = colwise ? DataOf<uint8_t>(*q_t) : nullptr;
+    c.scale_inv_out = rowwise ? s->typed_data() : nullptr;
+    c.s_t_out = colwise ? s_t->typed_data() : nullptr;
+    if (CastTransposeFits(mb, c.x, c.q, c.q_t)) {
+      return DispatchInput(x.element_type(), [&](auto tag) {
+        return DispatchBool(e5, [&](auto e5c) {
+          return LaunchFp8CastTranspose<decltype(tag), decltype(e5c)::value, CtScale::kBlock1d>(stream, mb, c);
+        });
+      });
+    }
   }
   BlockArgs a{};
   a.x = x.untyped_data();
