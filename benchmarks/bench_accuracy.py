@@ -15,7 +15,6 @@ Usage: python benchmarks/bench_accuracy.py [--recipes nvfp4,delayed] [--keys 9-1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,6 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import test_flax_accuracy as task  # noqa: E402 (the task lives with the test that asserts on it)
 
 from te_jax import recipe as R  # noqa: E402
+from timing import write_results  # noqa: E402
 
 RECIPES = {
     "delayed": R.DelayedScaling,
@@ -85,12 +85,9 @@ def main() -> int:
         rows.append(row)
     md = markdown(bf16, rows)
     print(md)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, bf16=bf16, rows=rows), f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(f"# te_jax accuracy spread ({jax.devices()[0].device_kind})\n\n{md}\n")
+    device = jax.devices()[0].device_kind
+    write_results(args.out, args.md, dict(device=device, jax=jax.__version__, bf16=bf16, rows=rows),
+                  f"# te_jax accuracy spread ({device})\n\n{md}\n")
     return 0
 
 

@@ -61,7 +61,7 @@ from jax import lax
 
 import te_jax  # noqa: F401
 from te_jax.ops import gemm as gemm_ops
-from timing import time_interleaved
+from timing import time_interleaved, write_results
 from te_jax.quantize import (CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 
 FP8_PEAK_TFLOPS = 1979.0
@@ -382,12 +382,7 @@ def main() -> int:
     print(md)
     result = dict(device=dev.device_kind, jax=jax.__version__, fp8_peak_tflops=FP8_PEAK_TFLOPS,
                   autotune=args.autotune, rows=rows, check=checks)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(md + "\n")
+    write_results(args.out, args.md, result, md + "\n")
     return 1 if n_fail else 0
 
 

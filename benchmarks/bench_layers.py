@@ -46,7 +46,6 @@ Usage: python benchmarks/bench_layers.py [--out r.json] [--md r.md] [--quick] [-
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 import traceback
@@ -64,7 +63,7 @@ from te_jax import recipe as R
 from te_jax.dense import DenseQuantizers
 from te_jax.ops.gemm import gemm
 from te_jax.state import FP8_COLLECTION, apply_fp8_update
-from timing import selected, time_interleaved
+from timing import selected, time_interleaved, write_results
 
 BF16 = jnp.bfloat16
 RECIPES = {
@@ -464,12 +463,8 @@ def main() -> int:
     print(md)
     result = dict(device=dev.device_kind, jax=jax.__version__, quick=args.quick, bias=args.bias, rows=rows,
                   targets=checks)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(f"# te_jax layer benchmark ({dev.device_kind}, jax {jax.__version__})\n\n{md}\n")
+    write_results(args.out, args.md, result,
+                  f"# te_jax layer benchmark ({dev.device_kind}, jax {jax.__version__})\n\n{md}\n")
     return 0
 
 

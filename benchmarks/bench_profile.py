@@ -28,7 +28,7 @@ import time
 import jax
 
 import bench_layers as bl
-from timing import selected
+from timing import selected, write_results
 
 GEMM_PATTERN = re.compile(r"gemm|nvjet|sm90_xmma|cutlass|cublas|xmma", re.IGNORECASE)
 TE_PATTERN = re.compile(r"te_jax|Kernel<|Kernel$|Kernel\(")
@@ -167,12 +167,9 @@ def main() -> int:
                   flush=True)
     md = markdown(rows, args.top)
     print(md)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(f"# te_jax step profile ({jax.devices()[0].device_kind})\n\n{md}\n")
+    device = jax.devices()[0].device_kind
+    write_results(args.out, args.md, dict(device=device, jax=jax.__version__, rows=rows),
+                  f"# te_jax step profile ({device})\n\n{md}\n")
     return 0
 
 

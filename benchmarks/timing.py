@@ -88,14 +88,24 @@ def selected(cases, only: str):
     return [c for c in cases if not only or re.search(only, c[0])]
 
 
+def write_results(out: str | None, md_path: str | None, result: dict, md: str, indent: int = 1) -> None:
+    """Writes a benchmark's result as JSON to ``out`` and its markdown ``md`` to ``md_path`` (each if set)."""
+    import json
+
+    if out:
+        with open(out, "w") as fh:
+            json.dump(result, fh, indent=indent)
+    if md_path:
+        with open(md_path, "w") as fh:
+            fh.write(md)
+
+
 def bandwidth_main(description: str, out_default: str, check, run_bench, markdown) -> int:
     """The shared main of the memory-bound benchmarks: optional check, timing, JSON and markdown out.
 
     ``check()`` returns a list of failure strings; ``run_bench(args)`` a result dict;
     ``markdown(result)`` its table. Exits non-zero when the check found failures.
     """
-    import json
-
     args = bandwidth_parser(description, out_default).parse_args()
     print(f"jax {jax.__version__}, devices {jax.devices()}")
     failures = []
@@ -110,9 +120,5 @@ def bandwidth_main(description: str, out_default: str, check, run_bench, markdow
     md = markdown(res)
     print()
     print(md)
-    with open(args.out, "w") as fh:
-        json.dump(res, fh, indent=2)
-    if args.md:
-        with open(args.md, "w") as fh:
-            fh.write(md)
+    write_results(args.out, args.md, res, md, indent=2)
     return 1 if failures else 0
