@@ -24,8 +24,15 @@ struct TileCfg {
   static constexpr int kTN = kMx ? 64 : 128;
   static constexpr int kBlk = kMx ? 32 : 128;
   static constexpr int kThreads = kMx ? 128 : 512;
-  static constexpr int kMinBlocks = kMx ? 4 : 2;  // register cap that keeps enough loads in flight
 };
+
+// Resident blocks per SM (a register cap that keeps enough loads in flight):
+// MXFP8 of 2-byte inputs fits 64 registers at 8 blocks (1024 threads); 4-byte
+// inputs would spill there and keep 4.
+template <typename T, bool kMx>
+constexpr int BlockMinBlocks() {
+  return kMx ? (sizeof(T) <= 2 ? 8 : 4) : 2;
+}
 
 struct BlockArgs {
   const void* x;
@@ -53,7 +60,7 @@ __device__ __forceinline__ float BlockMultiplier(uint32_t m, bool power_2, void*
 }
 
 template <typename T, bool E5, bool kMx>
-__global__ void __launch_bounds__(TileCfg<kMx>::kThreads, TileCfg<kMx>::kMinBlocks) BlockTileKernel(BlockArgs a) {
+__global__ void __launch_bounds__(TileCfg<kMx>::kThreads, BlockMinBlocks<T, kMx>()) BlockTileKernel(BlockArgs a) {
   using C = TileCfg<kMx>;
   constexpr int kTM = C::kTM, kTN = C::kTN, kBlk = C::kBlk, kNT = C::kThreads;
   constexpr int kVecPerRow = kTN / 8;
