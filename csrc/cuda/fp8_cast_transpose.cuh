@@ -172,6 +172,8 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
       uint32_t cm[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) cm[k] = 0;
+      // The tile's first rowwise scale (a base pointer keeps the loop's index math in 32 bits).
+      float* s_row = a.scale_inv_out ? a.scale_inv_out + (b * a.rows + row0) * a.tiles_n + tn : nullptr;
 #pragma unroll
       for (int i = 0; i < kVpt; ++i) {
         const int v = tid + kCtThreads * i;
@@ -183,7 +185,7 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
         if ((tid & 15) == 0) {
           const float rs = ScaleFromAmax(BitsFloat(rm), Fp8MaxOf<E5>(), 0.0f, a.power_2);
           row_scale[v >> 4] = rs;
-          if (a.scale_inv_out) a.scale_inv_out[(b * a.rows + row0 + (v >> 4)) * a.tiles_n + tn] = 1.0f / rs;
+          if (s_row) s_row[(v >> 4) * a.tiles_n] = 1.0f / rs;
         }
       }
       const int lane = tid & 31;

@@ -24,8 +24,15 @@ struct TileCfg {
   static constexpr int kTN = kMx ? 64 : 128;
   static constexpr int kBlk = kMx ? 32 : 128;
   static constexpr int kThreads = kMx ? 128 : 512;
-  static constexpr int kMinBlocks = kMx ? 4 : 2;  // register cap that keeps enough loads in flight
 };
+
+// Resident blocks per SM (a register cap that keeps enough loads in flight):
+// MXFP8 of 2-byte inputs fits 64 registers at 8 blocks (1024 threads); 4-byte
+// inputs would spill there and keep 4.
+template <typename T, bool kMx>
+constexpr int BlockMinBlocks() {
+  return kMx ? (sizeof(T) <= 2 ? 8 : 4) : 2;
+}
 
 struct BlockArgs {
   const void* x;
@@ -53,7 +60,7 @@ __device__ __forceinline__ float BlockMultiplier(uint32_t m, bool power_2, void*
 }
 
 template <typename T, bool E5, bool kMx>
-__global__ void __launch_bounds__(TileCfg<kMx>::kThreads, TileCfg<kMx>::kMinBlocks) BlockTileKernel(BlockArgs a) {
+__global__ void __launch_bounds__(TileCfg<kMx>::kThreads, BlockMinBlocks<T, kMx>()) BlockTileKernel(BlockArgs a) {
   using C = TileCfg<kMx>;
   constexpr int kTM = C::kTM, kTN = C::kTN, kBlk = C::kBlk, kNT = C::kThreads;
   constexpr int kVecPerRow = kTN / 8;
@@ -249,41 +256,25 @@ ffi::Error QuantizeFp8Block(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
   TE_RETURN_IF_ERROR(CheckOutput(*s_t, "s_t", colwise, mb.batch, mb.cols / brows, mb.rows / kFp8Block));
   if (!rowwise && !colwise) return ffi::Error::Success();
   const bool e5 = fmt.mant_bits == 2;
-  if (block_2d) {
-    // Same scale for both copies; the s/s_t not asked for go to a dummy.
-    CtArgs c{};
-    c.x = x.untyped_data();
-    c.rows = mb.rows;
-    c.cols = mb.cols;
-    c.power_2 = power_2;
-    c.q = rowwise ? DataOf<uint8_t>(*q) : nullptr;
-    c.q_t = colwise ? DataOf<uint8_t>(*q_t) : nullptr;
-    c.scale_inv_out = rowwise ? s->typed_data() : nullptr;
-    c.s_t_out = colwise ? s_t->typed_data() : nullptr;
-    if (!CastTransposeFits(mb, c.x, c.q, c.q_t)) {
-      return ffi::Error::Internal("te_jax CUDA: Float8 128x128 blocks need 16-byte aligned buffers");
-    }
+  // The cast-transpose kernel: 128x128 blocks, and 1x128 blocks when both sides are multiples of 128.
+  CtArgs c{};
+  c.x = x.untyped_data();
+  c.power_2 = power_2;
+  c.q = rowwise ? DataOf<uint8_t>(*q) : nullptr;
+  c.q_t = colwise ? DataOf<uint8_t>(*q_t) : nullptr;
+  c.scale_inv_out = rowwise ? s->typed_data() : nullptr;
+  c.s_t_out = colwise ? s_t->typed_data() : nullptr;
+  const bool fits = CastTransposeFits(mb, c.x, c.q, c.q_t);
+  if (block_2d && !fits) return ffi::Error::Internal("te_jax CUDA: Float8 128x128 blocks need 16-byte aligned buffers");
+  if (block_2d || (fits && mb.rows % kFp8Block == 0 && mb.cols % kFp8Block == 0)) {
     return DispatchInput(x.element_type(), [&](auto tag) {
       return DispatchBool(e5, [&](auto e5c) {
-        return LaunchFp8CastTranspose<decltype(tag), decltype(e5c)::value, CtScale::kBlock2d>(stream, mb, c);
+        using T = decltype(tag);
+        constexpr bool E5 = decltype(e5c)::value;
+        return block_2d ? LaunchFp8CastTranspose<T, E5, CtScale::kBlock2d>(stream, mb, c)
+                        : LaunchFp8CastTranspose<T, E5, CtScale::kBlock1d>(stream, mb, c);
       });
     });
-  }
-  if (mb.rows % kFp8Block == 0 && mb.cols % kFp8Block == 0) {
-    CtArgs c{};
-    c.x = x.untyped_data();
-    c.power_2 = power_2;
-    c.q = rowwise ? DataOf<uint8_t>(*q) : nullptr;
-    c.q_t = colwise ? DataOf<uint8_t>(*q_t) : nullptr;
-    c.scale_inv_out = rowwise ? s->typed_data() : nullptr;
-    c.s_t_out = colwise ? s_t->typed_data() : nullptr;
-    if (CastTransposeFits(mb, c.x, c.q, c.q_t)) {
-      return DispatchInput(x.element_type(), [&](auto tag) {
-        return DispatchBool(e5, [&](auto e5c) {
-          return LaunchFp8CastTranspose<decltype(tag), decltype(e5c)::value, CtScale::kBlock1d>(stream, mb, c);
-        });
-      });
-    }
   }
   BlockArgs a{};
   a.x = x.untyped_data();
