@@ -29,8 +29,10 @@
 #                   "flax-fp8" is the same model through flax.linen's Fp8DotGeneral; RECIPE+inspect
 #                   adds --inspect (statistics at each evaluation step), RECIPE+inspectK also
 #                   --inspect-every K (every K-th row).
-# --lt-probe=M,N,K  tools/lt_probe.cu: every cuBLASLt candidate of the per-tensor FP8 GEMM, te_jax's and XLA's
-#                   descriptors, with and without workspace, timed in turns at the power cap.
+# --lt-probe=M,N,K[,SCALES]  tools/lt_probe.cu: every cuBLASLt candidate of the per-tensor FP8 GEMM, te_jax's
+#                   and XLA's descriptors, with and without workspace, timed in turns at the power cap;
+#                   SCALES 1dx2d, 2dx1d or 1dx1d probes the Float8 block-scaled GEMM instead. Each
+#                   probe is one job on one GPU; $LT_PROBE_ARGS adds flags (e.g. "--exhaustive 12").
 # --deadline=S      every job ends within S seconds of the script's start (default 570).
 #                   Time estimates that decide what still starts: $TESTS_EST_S, $BENCH_EST_S (default 120).
 set -uo pipefail
@@ -73,6 +75,8 @@ sys.exit(f'{sys.argv[1]}: expected one CUDA module, found {m}') if len(m) != 1 e
 print('bench with the CUDA module', m[0], 'of', sys.argv[1])" "$wheel_path" "$base" || return 1
     pypath=$base${pypath:+:$pypath}
   fi
+  local job=${GPU_JOB:-bench_$1}
+  tag+=${job#"bench_$1"}  # "_2", "_3" for a benchmark listed again (see the job list below)
   cd /tmp && PYTHONPATH=$pypath $PY "$ROOT/benchmarks/bench_$name.py" --out "$OUT/bench_$tag.json" \
     --md "$OUT/bench_$tag.md" "${args[@]}"
 }
@@ -111,7 +115,7 @@ scaling_job() {  # the 125m GPT on the first GPU at batch 32, then on all of the
       >> "$OUT/multi_gpu.log"
   done
 }
-lt_probe_job() {  # M N K: tools/lt_probe.cu against the cuBLASLt that te_jax's CUDA module loads
+lt_probe_job() {  # M N K [SCALES]: tools/lt_probe.cu against the cuBLASLt that te_jax's CUDA module loads
   local so lib exe=/tmp/lt_probe_$GPU_JOB
   so=$(cd /tmp && $PY -c "import glob, os, te_jax; print(glob.glob(os.path.join(os.path.dirname(te_jax.__file__), \
 '_te_jax_cuda*.so'))[0])") || return 1
@@ -120,7 +124,9 @@ lt_probe_job() {  # M N K: tools/lt_probe.cu against the cuBLASLt that te_jax's 
   nvcc -O2 -std=c++17 -arch=sm_90a -I"$(dirname "$lib")/../include" "$ROOT/tools/lt_probe.cu" \
     -L"$(dirname "$lib")" -l:"$(basename "$lib")" \
     -Xlinker -rpath -Xlinker "$(dirname "$lib")" -o "$exe" || return 1
-  "$exe" "$@" | tee "$OUT/lt_probe_${1}x${2}x${3}.txt"
+  local scales=${4:-tensor}
+  # shellcheck disable=SC2086  # LT_PROBE_ARGS holds several flags
+  "$exe" "$1" "$2" "$3" --scales "$scales" ${LT_PROBE_ARGS:-} | tee "$OUT/lt_probe_${1}x${2}x${3}_${scales}.txt"
   return "${PIPESTATUS[0]}"
 }
 export -f tests_job bench_job train_job mesh_job scaling_job lt_probe_job
@@ -162,9 +168,9 @@ for arg in "${ordered[@]}"; do
     --tests) [ $run_tests -eq 1 ] && jobs+=("$tests_line") ;;
     --lt-probe=*)
       IFS=, read -ra dims <<< "${arg#--lt-probe=}"
-      [[ ${#dims[@]} -eq 3 && "${dims[*]}" =~ ^[0-9]+\ [0-9]+\ [0-9]+$ ]] \
-        || { echo "gpu_check: --lt-probe takes M,N,K (three integers), got ${arg#--lt-probe=}"; exit 2; }
-      jobs+=("lt_probe_${dims[0]}x${dims[1]}x${dims[2]}|150|1|lt_probe_job ${dims[*]}") ;;
+      [[ "${dims[*]}" =~ ^[0-9]+\ [0-9]+\ [0-9]+(\ (tensor|1dx2d|2dx1d|1dx1d))?$ ]] \
+        || { echo "gpu_check: --lt-probe takes M,N,K[,tensor|1dx2d|2dx1d|1dx1d], got ${arg#--lt-probe=}"; exit 2; }
+      jobs+=("lt_probe_${dims[0]}x${dims[1]}x${dims[2]}_${dims[3]:-tensor}|${LT_PROBE_EST_S:-150}|1|lt_probe_job ${dims[*]}") ;;
     --multi-gpu) jobs+=("mesh|200|2|mesh_job" "dp_scaling|150|2|scaling_job") ;;
     --multi-gpu=*)
       [[ ,${arg#--multi-gpu=}, == *,mesh,* ]] && jobs+=("mesh|200|2|mesh_job")
@@ -201,6 +207,13 @@ fi
 (cd /tmp && $PY -c "import te_jax, te_jax._ffi as f; assert f.CUDA_BUILT, 'CUDA handlers missing'; print('te_jax CUDA handlers:', f.TARGETS)") \
   >> "$LOGS/machine.log" 2>&1 || { echo "gpu_check: te_jax import failed"; tail -20 "$LOGS/machine.log"; exit 1; }
 
+# A job listed again gets "_2", "_3", ... after its name, so its log and results do not replace the first's.
+declare -A seen=()
+for i in "${!jobs[@]}"; do
+  name=${jobs[$i]%%|*}
+  seen[$name]=$(( ${seen[$name]:-0} + 1 ))
+  [ "${seen[$name]}" -gt 1 ] && jobs[$i]="${name}_${seen[$name]}|${jobs[$i]#*|}"
+done
 printf '%s\n' "${jobs[@]}" > "$LOGS/jobs.txt"
 gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)
 # SM clock, power and temperature every 2 s while the jobs run (a power-capped GPU slows as it heats).

@@ -1,4 +1,4 @@
-// A standalone cuBLASLt probe for the per-tensor FP8 GEMM D[M,N] (bf16) =
+// A standalone cuBLASLt probe for the FP8 GEMM D[M,N] (bf16) =
 // A[M,K] . B[N,K]^T with e4m3 operands, fast accumulation and scale pointers:
 // every candidate algorithm of several descriptor variants, timed at the
 // GPU's power cap, in turns. It asks why te_jax's GEMM runs 7-8% slower
@@ -22,8 +22,24 @@
 // median per candidate is printed with its cuBLASLt configuration, fastest
 // first.
 //
+// --scales 1dx2d | 2dx1d | 1dx1d probes the Float8 block-scaled GEMM instead
+// (our A's scales, then our B's: 1d = VEC128_32F, 2d = BLK128x128_32F; no
+// fast accumulation): te_jax's descriptor only, as XLA has no such GEMM.
+//
+// --exhaustive N adds configurations the heuristic does not offer: every
+// algorithm id with every tile and stages id it reports, the cluster shapes
+// auto, 1x1, 2x1, 4x1, 1x2, 2x2, 4x2, 1x4 and 2x4, custom options 0 to
+// min(its maximum, 7) and CTA swizzle off/on where supported (split-K off),
+// each checked by cublasLtMatmulAlgoCheck
+// (enumeration stops at --exhaustive-limit accepted ones, default 1200, in
+// the order id, tile, stages, cluster, custom option, swizzle), then screened
+// by one short timing (3 calls, after the warm-up); the N fastest join
+// the heuristic's candidates (te_jax's descriptor) in the timed rounds, as
+// "exhaust".
+//
 //   nvcc -O2 -std=c++17 -arch=sm_90a tools/lt_probe.cu -lcublasLt -o lt_probe
-//   ./lt_probe 8192 28672 8192 [--iters 20] [--rounds 7] [--warm-s 3]
+//   ./lt_probe 8192 28672 8192 [--scales tensor] [--exhaustive 0] [--exhaustive-limit 1200] [--iters 20]
+//              [--rounds 7] [--warm-s 3]
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -113,54 +129,177 @@ int ArgInt(int argc, char** argv, const char* flag, int fallback) {
   return fallback;
 }
 
+const char* ArgStr(int argc, char** argv, const char* flag, const char* fallback) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], flag) == 0) return argv[i + 1];
+  }
+  return fallback;
+}
+
+__global__ void FillFloat(float* out, int64_t count, float value) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+    out[i] = value;
+  }
+}
+
+template <typename T>
+bool SetConfig(cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttributes_t attr, T value) {
+  return cublasLtMatmulAlgoConfigSetAttribute(&algo, attr, &value, sizeof(value)) == CUBLAS_STATUS_SUCCESS;
+}
+
+// A capability that is an array of uint32 ids (tiles, stages); {0} (undefined) when the algorithm lists none.
+std::vector<uint32_t> CapIds(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr) {
+  size_t bytes = 0;
+  if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, nullptr, 0, &bytes) != CUBLAS_STATUS_SUCCESS || bytes == 0) {
+    return {0u};
+  }
+  std::vector<uint32_t> ids(bytes / sizeof(uint32_t));
+  if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, ids.data(), bytes, &bytes) != CUBLAS_STATUS_SUCCESS) return {0u};
+  return ids.empty() ? std::vector<uint32_t>{0u} : ids;
+}
+
+template <typename T>
+T CapValue(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t attr, T fallback) {
+  T value = fallback;
+  size_t bytes = 0;
+  if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, &value, sizeof(value), &bytes) != CUBLAS_STATUS_SUCCESS) {
+    return fallback;
+  }
+  return value;
+}
+
+// Every configuration cublasLtMatmulAlgoCheck accepts for this descriptor (split-K off), at most `limit`.
+std::vector<cublasLtMatmulAlgo_t> EnumerateAlgos(cublasLtHandle_t lt, cublasLtMatmulDesc_t desc,
+                                                 cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,
+                                                 cublasLtMatrixLayout_t ld, size_t workspace, size_t limit) {
+  int ids[256];
+  int n_ids = 0;
+  CHECK_LT(cublasLtMatmulAlgoGetIds(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF,
+                                    CUDA_R_16BF, 256, ids, &n_ids));
+  const uint16_t clusters[] = {0, 2, 3, 4, 5, 6, 7, 8, 9};  // auto, 1x1, 2x1, 4x1, 1x2, 2x2, 4x2, 1x4, 2x4
+  std::vector<cublasLtMatmulAlgo_t> out;
+  size_t checked = 0;
+  for (int i = 0; i < n_ids && out.size() < limit; ++i) {
+    cublasLtMatmulAlgo_t base;
+    if (cublasLtMatmulAlgoInit(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF,
+                               CUDA_R_16BF, ids[i], &base) != CUBLAS_STATUS_SUCCESS) {
+      continue;
+    }
+    const std::vector<uint32_t> tiles = CapIds(base, CUBLASLT_ALGO_CAP_TILE_IDS);
+    const std::vector<uint32_t> stages = CapIds(base, CUBLASLT_ALGO_CAP_STAGES_IDS);
+    const int32_t custom_max = std::min(CapValue<int32_t>(base, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, 0), 7);
+    const int32_t swizzle_max = CapValue<uint32_t>(base, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, 0u) ? 1 : 0;
+    for (uint32_t tile : tiles) {
+      for (uint32_t stage : stages) {
+        for (uint16_t cluster : clusters) {
+          for (int32_t custom = 0; custom <= custom_max; ++custom) {
+            for (int32_t swizzle = 0; swizzle <= swizzle_max; ++swizzle) {
+              if (out.size() >= limit) break;
+              cublasLtMatmulAlgo_t algo = base;
+              if (!SetConfig(algo, CUBLASLT_ALGO_CONFIG_TILE_ID, tile) ||
+                  !SetConfig(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, stage) ||
+                  !SetConfig(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, cluster) ||
+                  !SetConfig(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, static_cast<uint32_t>(custom)) ||
+                  !SetConfig(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, static_cast<uint32_t>(swizzle)) ||
+                  !SetConfig(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, int32_t{1})) {
+                continue;
+              }
+              cublasLtMatmulHeuristicResult_t result = {};
+              ++checked;
+              if (cublasLtMatmulAlgoCheck(lt, desc, la, lb, ld, ld, &algo, &result) == CUBLAS_STATUS_SUCCESS &&
+                  result.workspaceSize <= workspace) {
+                out.push_back(algo);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("exhaustive: %d algorithm ids, %zu configurations checked, %zu accepted\n", n_ids, checked,
+              out.size());
+  return out;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: %s M N K [--iters I] [--rounds R] [--warm-s S]\n", argv[0]);
+    std::fprintf(stderr,
+                 "usage: %s M N K [--scales tensor|1dx2d|2dx1d|1dx1d] [--exhaustive N] [--exhaustive-limit L] [--iters I] "
+                 "[--rounds R] [--warm-s S]\n",
+                 argv[0]);
     return 2;
   }
   const int64_t m = std::atoll(argv[1]), n = std::atoll(argv[2]), k = std::atoll(argv[3]);
   const int iters = std::max(1, ArgInt(argc, argv, "--iters", 20));
   const int rounds = std::max(1, ArgInt(argc, argv, "--rounds", 7));
   const int warm_s = std::max(0, ArgInt(argc, argv, "--warm-s", 3));
+  const int exhaustive = std::max(0, ArgInt(argc, argv, "--exhaustive", 0));
+  const int exhaustive_limit = std::max(1, ArgInt(argc, argv, "--exhaustive-limit", 1200));
+  const std::string scales_arg = ArgStr(argc, argv, "--scales", "tensor");
+  const bool block = scales_arg != "tensor";
+  if (block && scales_arg != "1dx2d" && scales_arg != "2dx1d" && scales_arg != "1dx1d") {
+    std::fprintf(stderr, "--scales takes tensor, 1dx2d, 2dx1d or 1dx1d, got %s\n", scales_arg.c_str());
+    return 2;
+  }
+  const bool a_2d = scales_arg == "2dx1d", b_2d = scales_arg == "1dx2d";
+  if (block && (k % 128 != 0 || (a_2d && m % 128 != 0) || (b_2d && n % 128 != 0))) {
+    std::fprintf(stderr, "block scales need K (and a 128x128 operand's rows) a multiple of 128\n");
+    return 2;
+  }
 
   __nv_fp8_e4m3 *a = nullptr, *b = nullptr;
   __nv_bfloat16* d = nullptr;
-  float* scales = nullptr;
   void* workspace = nullptr;
   CHECK_CUDA(cudaMalloc(&a, m * k));
   CHECK_CUDA(cudaMalloc(&b, n * k));
   CHECK_CUDA(cudaMalloc(&d, m * n * sizeof(__nv_bfloat16)));
-  CHECK_CUDA(cudaMalloc(&scales, 2 * kScaleSlot * sizeof(float)));
   CHECK_CUDA(cudaMalloc(&workspace, kWorkspaceBytes));
   FillE4m3<<<1024, 256>>>(a, m * k, 1u, 64.0f);
   FillE4m3<<<1024, 256>>>(b, n * k, 2u, 64.0f);
-  const float host_scale = 1.0f / 64.0f;
-  CHECK_CUDA(cudaMemcpy(scales, &host_scale, sizeof(float), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMemcpy(scales + kScaleSlot, &host_scale, sizeof(float), cudaMemcpyHostToDevice));
+  // Per-tensor: one float each, in its own 256-byte slot. Block: enough floats for either layout
+  // (1x128: [K/128, rows]; 128x128: [rows/128, round_up(K/128, 4)]), all 1/64.
+  auto scale_count = [&](int64_t rows) {
+    return block ? std::max((k / 128) * rows, (rows / 128 + 1) * ((k / 128 + 3) / 4 * 4)) : int64_t{kScaleSlot};
+  };
+  float *a_scales = nullptr, *b_scales = nullptr;
+  CHECK_CUDA(cudaMalloc(&a_scales, scale_count(m) * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&b_scales, scale_count(n) * sizeof(float)));
+  FillFloat<<<256, 256>>>(a_scales, scale_count(m), 1.0f / 64.0f);
+  FillFloat<<<256, 256>>>(b_scales, scale_count(n), 1.0f / 64.0f);
   CHECK_CUDA(cudaDeviceSynchronize());
 
   cublasLtHandle_t lt;
   CHECK_LT(cublasLtCreate(&lt));
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreate(&stream));
-  const Variant variants[] = {{"te_jax", false, kWorkspaceBytes},
-                              {"xla_rowA", true, kWorkspaceBytes},
-                              {"te_jax ws0", false, 0},
-                              {"xla_rowA ws0", true, 0}};
+  const Variant tensor_variants[] = {{"te_jax", false, kWorkspaceBytes},
+                                     {"xla_rowA", true, kWorkspaceBytes},
+                                     {"te_jax ws0", false, 0},
+                                     {"xla_rowA ws0", true, 0}};
+  const Variant block_variants[] = {{"te_jax", false, kWorkspaceBytes}};
+  const Variant* variants = block ? block_variants : tensor_variants;
+  const int n_variants = block ? 1 : 4;
   const float one = 1.0f, zero = 0.0f;
-  const void* a_scale_ptr = scales;      // cuBLAS A is our B
-  const void* b_scale_ptr = scales + kScaleSlot;  // cuBLAS B is our A
+  const void* a_scale_ptr = b_scales;  // cuBLAS A is our B
+  const void* b_scale_ptr = a_scales;  // cuBLAS B is our A
 
   std::vector<Runner> runners;
-  for (int v = 0; v < static_cast<int>(sizeof(variants) / sizeof(variants[0])); ++v) {
+  for (int v = 0; v < n_variants; ++v) {
     const Variant& var = variants[v];
     cublasLtMatmulDesc_t desc;
     CHECK_LT(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     SetDesc(desc, CUBLASLT_MATMUL_DESC_TRANSA, var.row_order_a ? CUBLAS_OP_N : CUBLAS_OP_T);
     SetDesc(desc, CUBLASLT_MATMUL_DESC_TRANSB, CUBLAS_OP_N);
-    SetDesc(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{1});
+    if (block) {
+      SetDesc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+              b_2d ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+      SetDesc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+              a_2d ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F);
+    } else {
+      SetDesc(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{1});
+    }
     SetDesc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a_scale_ptr);
     SetDesc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b_scale_ptr);
     cublasLtMatrixLayout_t la, lb, ld;
@@ -187,29 +326,40 @@ int main(int argc, char** argv) {
       if (results[c].state != CUBLAS_STATUS_SUCCESS || results[c].workspaceSize > ws) continue;
       runners.push_back(Runner{v, c, desc, la, lb, ld, results[c].algo, AlgoConfig(results[c].algo), {}});
     }
+    if (v == 0 && exhaustive > 0) {
+      int c = 0;
+      for (const cublasLtMatmulAlgo_t& algo : EnumerateAlgos(lt, desc, la, lb, ld, ws, exhaustive_limit)) {
+        runners.push_back(Runner{-1, c++, desc, la, lb, ld, algo, AlgoConfig(algo), {}});
+      }
+    }
   }
   if (runners.empty()) {
     std::fprintf(stderr, "no candidates\n");
     return 1;
   }
+  auto name_of = [&](const Runner& r) { return r.variant < 0 ? "exhaust" : variants[r.variant].name; };
 
   auto run = [&](const Runner& r) {
-    const size_t ws = variants[r.variant].heuristic_ws;
+    const size_t ws = r.variant < 0 ? kWorkspaceBytes : variants[r.variant].heuristic_ws;
     return cublasLtMatmul(lt, r.desc, &one, b, r.la, a, r.lb, &zero, d, r.ld, d, r.ld, &r.algo,
                           ws ? workspace : nullptr, ws, stream);
   };
-  // Refused candidates are dropped before timing.
+  // Refused candidates are dropped before timing (exhaustive ones silently: they are many).
   std::vector<Runner> usable;
+  int refused_exhaustive = 0;
   for (const Runner& r : runners) {
     const cublasStatus_t st = run(r);
-    if (st == CUBLAS_STATUS_SUCCESS) {
+    if (st == CUBLAS_STATUS_SUCCESS && cudaStreamSynchronize(stream) == cudaSuccess) {
       usable.push_back(r);
+    } else if (r.variant < 0) {
+      ++refused_exhaustive;
     } else {
-      std::fprintf(stderr, "%-13s #%d refused: %s (%d)\n", variants[r.variant].name, r.candidate,
-                   cublasLtGetStatusString(st), int(st));
+      std::fprintf(stderr, "%-13s #%d refused: %s (%d)\n", name_of(r), r.candidate, cublasLtGetStatusString(st),
+                   int(st));
     }
   }
-  CHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK_CUDA(cudaGetLastError());
+  if (refused_exhaustive > 0) std::printf("exhaustive: %d refused at run time\n", refused_exhaustive);
   if (usable.empty()) {
     std::fprintf(stderr, "cuBLASLt refused every candidate\n");
     return 1;
@@ -218,6 +368,34 @@ int main(int argc, char** argv) {
   while (std::chrono::steady_clock::now() < warm_end) {
     for (int i = 0; i < 20; ++i) CHECK_LT(run(usable[0]));
     CHECK_CUDA(cudaStreamSynchronize(stream));
+  }
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  if (exhaustive > 0) {
+    // Screen the enumerated configurations: 3 back-to-back calls each, keep the `exhaustive` fastest.
+    std::vector<std::pair<float, size_t>> screen;
+    std::vector<Runner> kept;
+    for (size_t i = 0; i < usable.size(); ++i) {
+      if (usable[i].variant >= 0) {
+        kept.push_back(usable[i]);
+        continue;
+      }
+      CHECK_CUDA(cudaEventRecord(e0, stream));
+      for (int it = 0; it < 3; ++it) CHECK_LT(run(usable[i]));
+      CHECK_CUDA(cudaEventRecord(e1, stream));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float t = 0.0f;
+      CHECK_CUDA(cudaEventElapsedTime(&t, e0, e1));
+      screen.emplace_back(t / 3.0f, i);
+    }
+    std::sort(screen.begin(), screen.end());
+    std::printf("exhaustive: %zu screened, fastest %.4f ms, slowest %.4f ms\n", screen.size(),
+                screen.empty() ? 0.0f : screen.front().first, screen.empty() ? 0.0f : screen.back().first);
+    for (size_t j = 0; j < screen.size() && j < static_cast<size_t>(exhaustive); ++j) {
+      kept.push_back(usable[screen[j].second]);
+    }
+    usable.swap(kept);
   }
   std::vector<cudaEvent_t> ev(2 * usable.size());
   for (cudaEvent_t& e : ev) CHECK_CUDA(cudaEventCreate(&e));
@@ -239,12 +417,13 @@ int main(int argc, char** argv) {
   std::sort(usable.begin(), usable.end(),
             [](const Runner& x, const Runner& y) { return x.ms[x.ms.size() / 2] < y.ms[y.ms.size() / 2]; });
   const double flop = 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  std::printf("M=%lld N=%lld K=%lld, %d rounds of %d calls after %d s of warm-up; median ms per call:\n",
-              static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k), rounds, iters, warm_s);
+  std::printf("M=%lld N=%lld K=%lld scales %s, %d rounds of %d calls after %d s of warm-up; median ms per call:\n",
+              static_cast<long long>(m), static_cast<long long>(n), static_cast<long long>(k), scales_arg.c_str(),
+              rounds, iters, warm_s);
   for (const Runner& r : usable) {
     const float med = r.ms[r.ms.size() / 2];
     std::printf("  %.4f ms %6.0f TFLOP/s  %-13s #%d  %s  (rounds %.4f-%.4f)\n", med, flop / (med * 1e-3) / 1e12,
-                variants[r.variant].name, r.candidate, r.config.c_str(), r.ms.front(), r.ms.back());
+                name_of(r), r.candidate, r.config.c_str(), r.ms.front(), r.ms.back());
   }
   return 0;
 }
