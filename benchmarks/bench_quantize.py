@@ -8,7 +8,8 @@ rotating input buffers so the 60 MB L2 cannot help) it times, side by side:
 * (e) current scaling rowwise+colwise, XLA vs ``quantize_fp8_current``;
 * (f) MXFP8 rowwise+colwise vs the jitted pure-JAX reference;
 * (g) Float8 block scaling 1x128 and 128x128, rowwise+colwise, vs the reference;
-* (h) NVFP4 1D (stochastic rounding on both copies, RHT on the columnwise one) and 16x16 2D, vs the reference.
+* (h) NVFP4 1D (stochastic rounding on both copies, RHT on the columnwise one: gradients; RHT alone:
+  inputs; neither), and 16x16 2D (weights), vs the reference.
 
 Timing: warm-up, then ``--trials`` runs of ``--iters`` back-to-back calls
 (cycling through the input buffers, ended by block_until_ready); the median
@@ -95,6 +96,14 @@ def cases(m: int, n: int):
          lambda x: qops.quantize_nvfp4(x, key, rowwise=True, colwise=True, rht=True, stochastic_rounding=True),
          lambda x: ref.quantize_nvfp4(x, key, rowwise=True, colwise=True, rht=True, stochastic_rounding=True),
          "reference", 2 * el + el + nv_scales),
+        ("h NVFP4 1D row+col, RHT colwise (inputs)",
+         lambda x: qops.quantize_nvfp4(x, key, rowwise=True, colwise=True, rht=True),
+         lambda x: ref.quantize_nvfp4(x, key, rowwise=True, colwise=True, rht=True), "reference",
+         2 * el + el + nv_scales),
+        ("h NVFP4 1D row+col, no RHT, no SR",
+         lambda x: qops.quantize_nvfp4(x, key, rowwise=True, colwise=True),
+         lambda x: ref.quantize_nvfp4(x, key, rowwise=True, colwise=True), "reference",
+         2 * el + el + nv_scales),
         ("h NVFP4 16x16 row+col",
          lambda x: qops.quantize_nvfp4(x, rowwise=True, colwise=True, block_2d=True),
          lambda x: ref.quantize_nvfp4(x, rowwise=True, colwise=True, block_2d=True), "reference",
