@@ -34,7 +34,8 @@
 #                   SCALES 1dx2d, 2dx1d or 1dx1d probes the Float8 block-scaled GEMM instead. Each
 #                   probe is one job on one GPU; $LT_PROBE_ARGS adds flags (e.g. "--exhaustive 12").
 # --deadline=S      every job ends within S seconds of the script's start (default 570).
-#                   Time estimates that decide what still starts: $TESTS_EST_S, $BENCH_EST_S (default 120).
+#                   Time estimates that decide what still starts: $TESTS_EST_S, $BENCH_EST_S (default 120),
+#                   $LT_PROBE_EST_S (default 150).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -126,7 +127,7 @@ lt_probe_job() {  # M N K [SCALES]: tools/lt_probe.cu against the cuBLASLt that 
     -Xlinker -rpath -Xlinker "$(dirname "$lib")" -o "$exe" || return 1
   local scales=${4:-tensor}
   # shellcheck disable=SC2086  # LT_PROBE_ARGS holds several flags
-  "$exe" "$1" "$2" "$3" --scales "$scales" ${LT_PROBE_ARGS:-} | tee "$OUT/lt_probe_${1}x${2}x${3}_${scales}.txt"
+  "$exe" "$1" "$2" "$3" --scales "$scales" ${LT_PROBE_ARGS:-} | tee "$OUT/${GPU_JOB:-lt_probe_${1}x${2}x${3}_$scales}.txt"
   return "${PIPESTATUS[0]}"
 }
 export -f tests_job bench_job train_job mesh_job scaling_job lt_probe_job

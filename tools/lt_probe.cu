@@ -30,15 +30,15 @@
 // algorithm id with every tile and stages id it reports, the cluster shapes
 // auto, 1x1, 2x1, 4x1, 1x2, 2x2, 4x2, 1x4 and 2x4, custom options 0 to
 // min(its maximum, 7) and CTA swizzle off/on where supported (split-K off),
-// each checked by cublasLtMatmulAlgoCheck
-// (enumeration stops at --exhaustive-limit accepted ones, default 1200, in
-// the order id, tile, stages, cluster, custom option, swizzle), then screened
-// by one short timing (3 calls, after the warm-up); the N fastest join
-// the heuristic's candidates (te_jax's descriptor) in the timed rounds, as
-// "exhaust".
+// each checked by cublasLtMatmulAlgoCheck. If more than --exhaustive-limit
+// (default 2000) are accepted, that many are kept, spread over the ids (each
+// id's list shuffled with a fixed seed, the ids taken in turns). The kept ones
+// that are not heuristic candidates are screened by one short timing (3
+// calls, after the warm-up); the N fastest join the heuristic's candidates
+// (te_jax's descriptor) in the timed rounds, as "exhaust".
 //
 //   nvcc -O2 -std=c++17 -arch=sm_90a tools/lt_probe.cu -lcublasLt -o lt_probe
-//   ./lt_probe 8192 28672 8192 [--scales tensor] [--exhaustive 0] [--exhaustive-limit 1200] [--iters 20]
+//   ./lt_probe 8192 28672 8192 [--scales tensor] [--exhaustive 0] [--exhaustive-limit 2000] [--iters 20]
 //              [--rounds 7] [--warm-s 3]
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -51,6 +51,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -81,7 +82,8 @@ constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 constexpr int kMaxCandidates = 32;
 // Each scale pointer gets its own 256-byte slot. With both in one 8-byte allocation every
 // candidate was refused (CUBLAS_STATUS_NOT_SUPPORTED) at run time, though the heuristic offered
-// it; the misaligned second pointer is the suspected cause (this version has not run yet).
+// it; the misaligned second pointer was the suspected cause, and with separate slots (sessions 8
+// and 10) every candidate ran.
 constexpr int kScaleSlot = 64;
 
 // Roughly normal values (sum of four uniforms from a hash), times `scale`, as saturated e4m3.
@@ -168,7 +170,9 @@ T CapValue(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoCapAttributes_t a
   return value;
 }
 
-// Every configuration cublasLtMatmulAlgoCheck accepts for this descriptor (split-K off), at most `limit`.
+// Configurations cublasLtMatmulAlgoCheck accepts for this descriptor (split-K off). Every
+// combination of every algorithm id is checked; if more than `limit` are accepted, each id's list is
+// shuffled (fixed seed) and the ids are taken in turns, so the kept ones spread over ids and tiles.
 std::vector<cublasLtMatmulAlgo_t> EnumerateAlgos(cublasLtHandle_t lt, cublasLtMatmulDesc_t desc,
                                                  cublasLtMatrixLayout_t la, cublasLtMatrixLayout_t lb,
                                                  cublasLtMatrixLayout_t ld, size_t workspace, size_t limit) {
@@ -177,9 +181,9 @@ std::vector<cublasLtMatmulAlgo_t> EnumerateAlgos(cublasLtHandle_t lt, cublasLtMa
   CHECK_LT(cublasLtMatmulAlgoGetIds(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF,
                                     CUDA_R_16BF, 256, ids, &n_ids));
   const uint16_t clusters[] = {0, 2, 3, 4, 5, 6, 7, 8, 9};  // auto, 1x1, 2x1, 4x1, 1x2, 2x2, 4x2, 1x4, 2x4
-  std::vector<cublasLtMatmulAlgo_t> out;
-  size_t checked = 0;
-  for (int i = 0; i < n_ids && out.size() < limit; ++i) {
+  std::vector<std::vector<cublasLtMatmulAlgo_t>> per_id;
+  size_t checked = 0, accepted = 0;
+  for (int i = 0; i < n_ids; ++i) {
     cublasLtMatmulAlgo_t base;
     if (cublasLtMatmulAlgoInit(lt, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF,
                                CUDA_R_16BF, ids[i], &base) != CUBLAS_STATUS_SUCCESS) {
@@ -189,12 +193,13 @@ std::vector<cublasLtMatmulAlgo_t> EnumerateAlgos(cublasLtHandle_t lt, cublasLtMa
     const std::vector<uint32_t> stages = CapIds(base, CUBLASLT_ALGO_CAP_STAGES_IDS);
     const int32_t custom_max = std::min(CapValue<int32_t>(base, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, 0), 7);
     const int32_t swizzle_max = CapValue<uint32_t>(base, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, 0u) ? 1 : 0;
+    std::vector<cublasLtMatmulAlgo_t> ok;
+    size_t id_checked = 0;
     for (uint32_t tile : tiles) {
       for (uint32_t stage : stages) {
         for (uint16_t cluster : clusters) {
           for (int32_t custom = 0; custom <= custom_max; ++custom) {
             for (int32_t swizzle = 0; swizzle <= swizzle_max; ++swizzle) {
-              if (out.size() >= limit) break;
               cublasLtMatmulAlgo_t algo = base;
               if (!SetConfig(algo, CUBLASLT_ALGO_CONFIG_TILE_ID, tile) ||
                   !SetConfig(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, stage) ||
@@ -205,19 +210,34 @@ std::vector<cublasLtMatmulAlgo_t> EnumerateAlgos(cublasLtHandle_t lt, cublasLtMa
                 continue;
               }
               cublasLtMatmulHeuristicResult_t result = {};
-              ++checked;
+              ++id_checked;
               if (cublasLtMatmulAlgoCheck(lt, desc, la, lb, ld, ld, &algo, &result) == CUBLAS_STATUS_SUCCESS &&
                   result.workspaceSize <= workspace) {
-                out.push_back(algo);
+                ok.push_back(algo);
               }
             }
           }
         }
       }
     }
+    checked += id_checked;
+    accepted += ok.size();
+    if (!ok.empty()) {
+      std::printf("exhaustive: id %d: %zu tiles, %zu stages ids, %zu checked, %zu accepted\n", ids[i], tiles.size(),
+                  stages.size(), id_checked, ok.size());
+      std::mt19937 rng(12345u + static_cast<uint32_t>(ids[i]));
+      std::shuffle(ok.begin(), ok.end(), rng);
+      per_id.push_back(std::move(ok));
+    }
   }
-  std::printf("exhaustive: %d algorithm ids, %zu configurations checked, %zu accepted\n", n_ids, checked,
-              out.size());
+  std::vector<cublasLtMatmulAlgo_t> out;
+  for (size_t j = 0; out.size() < std::min(limit, accepted); ++j) {
+    for (const auto& list : per_id) {
+      if (j < list.size() && out.size() < limit) out.push_back(list[j]);
+    }
+  }
+  std::printf("exhaustive: %d algorithm ids, %zu configurations checked, %zu accepted, %zu kept\n", n_ids, checked,
+              accepted, out.size());
   return out;
 }
 
@@ -236,7 +256,7 @@ int main(int argc, char** argv) {
   const int rounds = std::max(1, ArgInt(argc, argv, "--rounds", 7));
   const int warm_s = std::max(0, ArgInt(argc, argv, "--warm-s", 3));
   const int exhaustive = std::max(0, ArgInt(argc, argv, "--exhaustive", 0));
-  const int exhaustive_limit = std::max(1, ArgInt(argc, argv, "--exhaustive-limit", 1200));
+  const int exhaustive_limit = std::max(1, ArgInt(argc, argv, "--exhaustive-limit", 2000));
   const std::string scales_arg = ArgStr(argc, argv, "--scales", "tensor");
   const bool block = scales_arg != "tensor";
   if (block && scales_arg != "1dx2d" && scales_arg != "2dx1d" && scales_arg != "1dx1d") {
@@ -327,10 +347,18 @@ int main(int argc, char** argv) {
       runners.push_back(Runner{v, c, desc, la, lb, ld, results[c].algo, AlgoConfig(results[c].algo), {}});
     }
     if (v == 0 && exhaustive > 0) {
-      int c = 0;
+      int c = 0, duplicates = 0;
       for (const cublasLtMatmulAlgo_t& algo : EnumerateAlgos(lt, desc, la, lb, ld, ws, exhaustive_limit)) {
-        runners.push_back(Runner{-1, c++, desc, la, lb, ld, algo, AlgoConfig(algo), {}});
+        const std::string config = AlgoConfig(algo);
+        const bool offered = std::any_of(runners.begin(), runners.end(),
+                                         [&](const Runner& r) { return r.variant == 0 && r.config == config; });
+        if (offered) {
+          ++duplicates;  // the heuristic's own candidate: timed once, under its heuristic name
+          continue;
+        }
+        runners.push_back(Runner{-1, c++, desc, la, lb, ld, algo, config, {}});
       }
+      std::printf("exhaustive: %d of the kept configurations are heuristic candidates\n", duplicates);
     }
   }
   if (runners.empty()) {
@@ -349,16 +377,22 @@ int main(int argc, char** argv) {
   int refused_exhaustive = 0;
   for (const Runner& r : runners) {
     const cublasStatus_t st = run(r);
-    if (st == CUBLAS_STATUS_SUCCESS && cudaStreamSynchronize(stream) == cudaSuccess) {
+    const cudaError_t ran = st == CUBLAS_STATUS_SUCCESS ? cudaStreamSynchronize(stream) : cudaGetLastError();
+    if (ran != cudaSuccess && cudaStreamSynchronize(stream) != cudaSuccess) {
+      // A sticky error (a fault in the kernel): nothing later can run; name the configuration.
+      std::fprintf(stderr, "%-13s #%d (%s): CUDA error %s; stopping\n", name_of(r), r.candidate, r.config.c_str(),
+                   cudaGetErrorString(ran));
+      return 1;
+    }
+    if (st == CUBLAS_STATUS_SUCCESS && ran == cudaSuccess) {
       usable.push_back(r);
     } else if (r.variant < 0) {
       ++refused_exhaustive;
     } else {
-      std::fprintf(stderr, "%-13s #%d refused: %s (%d)\n", name_of(r), r.candidate, cublasLtGetStatusString(st),
-                   int(st));
+      std::fprintf(stderr, "%-13s #%d refused: %s (%d), CUDA %s\n", name_of(r), r.candidate,
+                   cublasLtGetStatusString(st), int(st), cudaGetErrorString(ran));
     }
   }
-  CHECK_CUDA(cudaGetLastError());
   if (refused_exhaustive > 0) std::printf("exhaustive: %d refused at run time\n", refused_exhaustive);
   if (usable.empty()) {
     std::fprintf(stderr, "cuBLASLt refused every candidate\n");
