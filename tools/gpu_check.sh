@@ -15,9 +15,9 @@
 # the order given (all the benchmarks last when --bench is not given). Each takes one GPU except the multi-GPU ones.
 # --bench=NAME,...  benchmarks/bench_NAME.py; extra arguments from $BENCH_<NAME>_ARGS
 #                   (e.g. BENCH_LAYERS_ARGS="--sections mlp --trials 3"). NAME@base runs it again with
-#                   the CUDA module (kernels) of the wheel $BASELINE_WHEEL (a path from the repository root),
-#                   for a before/after in one call; NAME@TAG does the same with the wheel $WHEEL_<TAG>, and takes its
-#                   arguments from $BENCH_<NAME>_<TAG>_ARGS when that is set.
+#                   the CUDA module (kernels) of the wheel $WHEEL_BASE (or $BASELINE_WHEEL; a path from the
+#                   repository root), for a before/after in one call; NAME@TAG does the same with the wheel
+#                   $WHEEL_<TAG>, and takes its arguments from $BENCH_<NAME>_<TAG>_ARGS when that is set.
 # --multi-gpu[=mesh,scaling]  (2 or more GPUs; default both) "mesh": the layer mesh checks of
 #                   tests/mesh_multidevice.py, dp and tp over two GPUs against one, NCCL collectives
 #                   (models from $MESH_MODELS, meshes from $MESH_MESHES, recipes from $MESH_RECIPES;
@@ -62,8 +62,9 @@ bench_job() {  # NAME, or NAME@TAG: the same benchmark with the CUDA module of a
   eval "args=(${!var:-})"
   if [[ $1 == *@* ]]; then
     local wheel_tag=${1##*@} wheel_var
-    wheel_var=$([ "$wheel_tag" = base ] && echo BASELINE_WHEEL || echo "WHEEL_${wheel_tag^^}")
-    [ -n "${!wheel_var:-}" ] || { echo "bench $1: set $wheel_var (a path from the repository root)"; return 1; }
+    wheel_var=WHEEL_${wheel_tag^^}
+    [[ $wheel_tag == base && -z ${!wheel_var:-} ]] && wheel_var=BASELINE_WHEEL  # the older name of WHEEL_BASE
+    [ -n "${!wheel_var:-}" ] || { echo "bench $1: set WHEEL_${wheel_tag^^} (a path from the repository root)"; return 1; }
     tag=${name}_$wheel_tag
     local base=/tmp/te_base_$GPU_JOB site wheel_path=${!wheel_var}
     [[ $wheel_path == /* ]] || wheel_path=$ROOT/$wheel_path
@@ -127,7 +128,7 @@ lt_probe_job() {  # M N K [SCALES]: tools/lt_probe.cu against the cuBLASLt that 
     -Xlinker -rpath -Xlinker "$(dirname "$lib")" -o "$exe" || return 1
   local scales=${4:-tensor}
   # shellcheck disable=SC2086  # LT_PROBE_ARGS holds several flags
-  "$exe" "$1" "$2" "$3" --scales "$scales" ${LT_PROBE_ARGS:-} | tee "$OUT/${GPU_JOB:-lt_probe_${1}x${2}x${3}_$scales}.txt"
+  "$exe" "$1" "$2" "$3" --scales "$scales" ${LT_PROBE_ARGS:-} | tee "$OUT/$GPU_JOB.txt"
   return "${PIPESTATUS[0]}"
 }
 export -f tests_job bench_job train_job mesh_job scaling_job lt_probe_job

@@ -124,18 +124,16 @@ void SetDesc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, con
   CHECK_LT(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)));
 }
 
-int ArgInt(int argc, char** argv, const char* flag, int fallback) {
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], flag) == 0) return std::atoi(argv[i + 1]);
-  }
-  return fallback;
-}
-
 const char* ArgStr(int argc, char** argv, const char* flag, const char* fallback) {
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::strcmp(argv[i], flag) == 0) return argv[i + 1];
   }
   return fallback;
+}
+
+int ArgInt(int argc, char** argv, const char* flag, int fallback) {
+  const char* value = ArgStr(argc, argv, flag, nullptr);
+  return value ? std::atoi(value) : fallback;
 }
 
 __global__ void FillFloat(float* out, int64_t count, float value) {
