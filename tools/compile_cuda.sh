@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Compiles every CUDA source in csrc/cuda (and tools/, the cuBLASLt probe) for sm_90a and sm_100a (objects only,
-# nothing linked), so a CUDA compile error fails CI on a machine without a GPU.
+# Compiles every CUDA source in csrc/cuda for sm_90a and sm_100a (objects only, nothing linked),
+# so a CUDA compile error fails CI on a machine without a GPU.
 # cuBLASLt headers come from the nvidia-cublas wheel (downloaded once into
 # .cache/, only its include/ folder unpacked).
 set -euo pipefail
@@ -27,7 +27,7 @@ out=$(mktemp -d)
 flags=(-std=c++17 -O1 --expt-relaxed-constexpr --ftz=true -Xcompiler=-fPIC -Icsrc -isystem "$ffi_inc"
        -isystem "$inc_dir" -isystem "$nb_inc" -isystem "$py_inc" -Werror=all-warnings)
 shopt -s nullglob
-sources=(csrc/cuda/*.cu csrc/cuda/*.cc tools/*.cu)
+sources=(csrc/cuda/*.cu csrc/cuda/*.cc)
 if [ ${#sources[@]} -eq 0 ]; then
   echo "compile_cuda: no CUDA sources"; exit 0
 fi

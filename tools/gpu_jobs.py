@@ -1,17 +1,14 @@
-"""Runs the GPU check's jobs on a machine's GPUs in parallel, in order, within a deadline.
+"""Runs jobs on a machine's GPUs in parallel, in order, within a deadline (used by tools/gpu_check.py).
 
-Each line of the job file is ``name|estimated seconds|GPUs needed|shell command``. Jobs start
-in file order: the next job waits until enough GPUs are free, and is skipped (said so in the log)
-when its estimate no longer fits before the deadline. Each runs with ``CUDA_VISIBLE_DEVICES`` set
-to the GPUs it holds, its output in ``<logs>/<name>.log``, and is killed at the deadline. One JSON
-line per job goes to ``--log``: name, GPUs, exit status, seconds, and the log's tail on failure.
-
-Usage: python3 tools/gpu_jobs.py --gpus 0,1 --deadline-s 540 --log OUT/jobs.log --logs DIR jobs.txt
+Jobs start in list order: the next job waits until enough GPUs are free, and is skipped (said so
+in the log) when its estimate no longer fits before the deadline. Each runs with
+``CUDA_VISIBLE_DEVICES`` set to the GPUs it holds, its output in ``<logs>/<name>.log``, and is
+killed (with everything it started) at the deadline. One JSON line per job goes to the log file:
+name, GPUs, exit status, seconds, and the output's tail on failure.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -24,31 +21,35 @@ GRACE_S = 5  # the scheduler's own margin before the caller's limit
 
 @dataclasses.dataclass
 class Job:
+    """One command to run on ``gpus_needed`` GPUs.
+
+    Attributes:
+        name: unique name; also the name of its log file.
+        estimate_s: rough seconds it takes (decides whether it still starts before the deadline).
+        gpus_needed: how many GPUs it holds while it runs.
+        argv: the command.
+        cwd: the folder it runs in.
+        env: variables added to this process's environment.
+    """
+
     name: str
     estimate_s: float
     gpus_needed: int
-    command: str
+    argv: list[str]
+    cwd: str = "/tmp"
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
-class Running:
+class _Running:
     job: Job
     gpus: list[str]
     process: subprocess.Popen
     started: float
 
 
-def parse_jobs(text: str) -> list[Job]:
-    jobs = []
-    for line in text.splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        name, estimate, gpus, command = line.split("|", 3)
-        jobs.append(Job(name.strip(), float(estimate), int(gpus), command.strip()))
-    return jobs
-
-
 def tail(path: pathlib.Path, lines: int = 25) -> str:
+    """The last ``lines`` lines of a text file ("" when it cannot be read)."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -56,9 +57,14 @@ def tail(path: pathlib.Path, lines: int = 25) -> str:
 
 
 def run(jobs: list[Job], gpus: list[str], deadline: float, log: pathlib.Path, logs: pathlib.Path) -> int:
+    """Runs ``jobs`` on ``gpus`` until all ended or ``deadline`` (a ``time.monotonic()`` value).
+
+    Returns:
+        The number of jobs that failed or were killed (skipped jobs are logged, not counted).
+    """
     logs.mkdir(parents=True, exist_ok=True)
     free = list(gpus)
-    running: list[Running] = []
+    running: list[_Running] = []
     pending = list(jobs)
     failures = 0
 
@@ -75,7 +81,7 @@ def run(jobs: list[Job], gpus: list[str], deadline: float, log: pathlib.Path, lo
                 continue
             if code is None:  # past the deadline: stop it and everything it started
                 os.killpg(r.process.pid, 9)
-                code = r.process.wait()
+                r.process.wait()
                 code = "killed at deadline"
             running.remove(r)
             free.extend(r.gpus)
@@ -98,28 +104,11 @@ def run(jobs: list[Job], gpus: list[str], deadline: float, log: pathlib.Path, lo
                 break
             pending.pop(0)
             held, free = free[: job.gpus_needed], free[job.gpus_needed :]
-            env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(held), GPU_JOB=job.name)
+            env = dict(os.environ, **job.env, CUDA_VISIBLE_DEVICES=",".join(held))
             with (logs / f"{job.name}.log").open("w") as out:
-                process = subprocess.Popen(["bash", "-c", job.command], env=env, stdout=out,
-                                           stderr=subprocess.STDOUT, start_new_session=True)
-            running.append(Running(job, held, process, now))
+                process = subprocess.Popen(job.argv, cwd=job.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+            running.append(_Running(job, held, process, now))
             print(f"gpu_jobs: started {job.name} on GPU {','.join(held)}", flush=True)
         time.sleep(0.5)
     return failures
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("jobs", type=pathlib.Path)
-    p.add_argument("--gpus", required=True, help="comma-separated GPU indices to share out")
-    p.add_argument("--deadline-s", type=float, required=True, help="seconds from now by which every job ends")
-    p.add_argument("--log", type=pathlib.Path, required=True)
-    p.add_argument("--logs", type=pathlib.Path, required=True, help="folder for each job's output")
-    args = p.parse_args()
-    deadline = time.monotonic() + args.deadline_s - GRACE_S
-    failures = run(parse_jobs(args.jobs.read_text()), args.gpus.split(","), deadline, args.log, args.logs)
-    raise SystemExit(1 if failures else 0)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,15 +1,21 @@
-"""Merges the GPU check's jobs, test results, benchmark tables, training runs and multi-GPU checks
-into summary.json and summary.md."""
+"""Merges the GPU check's results into summary.json and summary.md (used by tools/gpu_check.py).
+
+Reads from the output folder: jobs.log (one JSON line per job), junit.xml (the tests),
+bench_*.json / bench_*.md (each benchmark run), train_*.json (each training run) and
+multi_gpu.log (JSON lines of the mesh check).
+"""
 
 from __future__ import annotations
 
 import json
 import pathlib
-import sys
 import xml.etree.ElementTree as ET
+
+TRAIN_COLUMNS = ["run", "recipe", "preset", "steps", "final_train_loss", "final_eval_loss", "tokens_per_s"]
 
 
 def test_counts(junit: pathlib.Path) -> dict:
+    """Counts of a pytest junit file, with the names of at most 50 failed tests."""
     if not junit.exists():
         return {"ran": False}
     suite = ET.parse(junit).getroot()
@@ -30,12 +36,15 @@ def test_counts(junit: pathlib.Path) -> dict:
 
 
 def json_lines(path: pathlib.Path) -> list[dict]:
+    """The JSON objects of a file's lines that start with "{" ([] when the file does not exist)."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
 
 
 def table(rows: list[dict], columns: list[str]) -> list[str]:
+    """A markdown table of ``rows`` with ``columns`` (missing cells empty)."""
+
     def cell(value) -> str:
         if isinstance(value, float):
             return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
@@ -45,15 +54,31 @@ def table(rows: list[dict], columns: list[str]) -> list[str]:
     return lines + ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
 
 
-def main(out: pathlib.Path) -> None:
+def training_rows(out: pathlib.Path) -> list[dict]:
+    """One row per train_<job>.json that examples/gpt/train.py wrote (its first run)."""
+    rows = []
+    for path in sorted(out.glob("train_*.json")):
+        result = json.loads(path.read_text())[0]
+        rows.append({"run": path.stem.removeprefix("train_")} | {k: result.get(k) for k in TRAIN_COLUMNS[1:]})
+    return rows
+
+
+def summarize(out: pathlib.Path, header: list[str], extra: dict[str, tuple[object, list[str]]]) -> str:
+    """Writes summary.json and summary.md under ``out`` and returns the markdown.
+
+    Args:
+        out: the output folder holding the jobs' results.
+        header: markdown lines that open the summary (machine, software).
+        extra: more sections, name -> (JSON value, markdown lines), placed after the benchmarks.
+    """
     summary = {
+        "jobs": json_lines(out / "jobs.log"),
         "tests": test_counts(out / "junit.xml"),
         "benchmarks": {},
-        "jobs": json_lines(out / "jobs.log"),
-        "training": json_lines(out / "train.log"),
+        "training": training_rows(out),
         "multi_gpu": json_lines(out / "multi_gpu.log"),
     }
-    md = ["# te_jax GPU check", ""]
+    md = ["# te_jax GPU check", ""] + header + [""]
     if summary["jobs"]:
         md += ["## jobs", ""] + table(summary["jobs"], ["job", "gpus", "rc", "seconds", "why"]) + [""]
     t = summary["tests"]
@@ -65,17 +90,14 @@ def main(out: pathlib.Path) -> None:
         bench_md = path.with_suffix(".md")
         if bench_md.exists():
             md += ["", f"## {path.stem}", "", bench_md.read_text().strip()]
+    for name, (value, lines) in extra.items():
+        summary[name] = value
+        md += ["", f"## {name}", ""] + lines
     if summary["training"]:
-        columns = ["recipe", "run", "preset", "steps", "final_train_loss", "final_eval_loss", "tokens_per_s", "gpu"]
-        if any("overhead" in row for row in summary["training"]):  # runs with --inspect: the example's timing
-            columns += ["step_ms", "inspect_step_ms", "overhead"]
-        md += ["", "## training", ""] + table(summary["training"], columns)
+        md += ["", "## training", ""] + table(summary["training"], TRAIN_COLUMNS)
     if summary["multi_gpu"]:
         md += ["", "## multi-GPU", ""] + [json.dumps(row) for row in summary["multi_gpu"]]
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "summary.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-
-
-if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    text = "\n".join(md) + "\n"
+    (out / "summary.md").write_text(text)
+    return text

@@ -1,9 +1,8 @@
 // A standalone cuBLASLt probe for the FP8 GEMM D[M,N] (bf16) =
 // A[M,K] . B[N,K]^T with e4m3 operands, fast accumulation and scale pointers:
 // every candidate algorithm of several descriptor variants, timed at the
-// GPU's power cap, in turns. It asks why te_jax's GEMM runs 7-8% slower
-// sustained than XLA's call to the same library at LLM shapes, and 5% slower
-// than XLA's with its autotuning off (benchmarks/README.md, session 6). The
+// GPU's power cap, in turns. It compares te_jax's cuBLASLt descriptor with
+// XLA's description of the same GEMM, candidate by candidate. The
 // te_jax variant is te_jax's plan for 256-byte aligned buffers (te_jax lowers
 // its alignment preferences for less aligned ones):
 //
@@ -37,7 +36,7 @@
 // calls, after the warm-up); the N fastest join the heuristic's candidates
 // (te_jax's descriptor) in the timed rounds, as "exhaust".
 //
-//   nvcc -O2 -std=c++17 -arch=sm_90a tools/lt_probe.cu -lcublasLt -o lt_probe
+//   nvcc -O2 -std=c++17 -arch=sm_90a tools/research/lt_probe.cu -lcublasLt -o lt_probe
 //   ./lt_probe 8192 28672 8192 [--scales tensor] [--exhaustive 0] [--exhaustive-limit 2000] [--iters 20]
 //              [--rounds 7] [--warm-s 3]
 #include <cublasLt.h>
@@ -55,7 +54,7 @@
 #include <string>
 #include <vector>
 
-#include "../csrc/cuda/lt_algo_config.h"
+#include "../../csrc/cuda/lt_algo_config.h"
 
 using te_jax::AlgoConfig;
 

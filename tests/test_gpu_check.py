@@ -1,0 +1,132 @@
+"""tools/gpu_check.py on the CPU: argument parsing, the jobs it builds, --dry-run and the base/new ratios."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import shlex
+
+import pytest
+
+TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("gpu_check", TOOLS / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check = _load()
+
+
+def _jobs(argv: list[str], tmp_path: pathlib.Path):
+    args = gpu_check.build_parser().parse_args(argv)
+    layout = gpu_check.Layout(tmp_path / "out", tmp_path / "work")
+    return gpu_check.make_jobs(args, layout, python="py"), layout
+
+
+def test_device_command_runs_tests_then_benchmarks_from_outside_the_source_tree(tmp_path):
+    jobs, layout = _jobs(["--tests", "--bench", "layers,quantize"], tmp_path)
+    assert [j.name for j in jobs] == ["tests", "bench_layers", "bench_quantize"]
+    tests = jobs[0]
+    assert tests.cwd == str(gpu_check.ROOT / "tests")
+    assert tests.argv[:3] == ["py", "-m", "pytest"]
+    assert tests.argv[-3:] == ["-n", "8", "."]
+    for job in jobs:
+        assert job.env["PYTHONPATH"] == str(layout.site("new"))
+        assert job.gpus_needed == 1
+    assert jobs[1].cwd == "/tmp"
+    assert jobs[1].argv[1] == str(gpu_check.ROOT / "benchmarks" / "bench_layers.py")
+    assert jobs[1].argv[2:4] == ["--out", str(layout.out / "bench_layers.json")]
+
+
+def test_pytest_arguments_are_split_and_relative_to_tests(tmp_path):
+    jobs, _ = _jobs(["--tests", "tests/test_norm.py -k 'mxfp8 and not slow'"], tmp_path)
+    assert jobs[0].argv[-3:] == ["test_norm.py", "-k", "mxfp8 and not slow"]
+
+
+def test_bench_args_go_to_their_benchmark_only(tmp_path):
+    jobs, _ = _jobs(["--bench", "layers", "--bench", "gemm", "--bench-args", 'layers=--sections mlp --only "te (a|b)"'],
+                    tmp_path)
+    by_name = {j.name: j for j in jobs}
+    assert by_name["bench_layers"].argv[-4:] == ["--sections", "mlp", "--only", "te (a|b)"]
+    assert by_name["bench_gemm"].argv[-1].endswith("bench_gemm.md")
+
+
+def test_baseline_alternates_base_and_new_in_separate_install_folders(tmp_path):
+    jobs, layout = _jobs(["--bench", "quantize", "--baseline-wheel", "old.whl", "--rounds", "2"], tmp_path)
+    assert [j.name for j in jobs] == ["bench_quantize_base1", "bench_quantize_new1",
+                                      "bench_quantize_base2", "bench_quantize_new2"]
+    assert [j.env["PYTHONPATH"] for j in jobs] == [str(layout.site(w)) for w in ("base", "new", "base", "new")]
+    assert layout.site("base") != layout.site("new")
+
+
+def test_a_benchmark_listed_twice_gets_a_second_name(tmp_path):
+    jobs, _ = _jobs(["--bench", "gemm,gemm"], tmp_path)
+    assert [j.name for j in jobs] == ["bench_gemm", "bench_gemm_2"]
+
+
+def test_train_runs(tmp_path):
+    jobs, layout = _jobs(["--train", "delayed@1.3b:40,bf16", "--train", "mxfp8@tiny"], tmp_path)
+    assert [j.name for j in jobs] == ["train_delayed_1.3b_40", "train_bf16_125m", "train_mxfp8_tiny"]
+    first = jobs[0].argv
+    assert first[first.index("--preset") + 1] == "1.3b"
+    assert first[first.index("--recipe") + 1] == "delayed"
+    assert first[first.index("--steps") + 1] == "40"
+    assert first[first.index("--json") + 1] == str(layout.out / "train_delayed_1.3b_40.json")
+    assert "--steps" not in jobs[1].argv
+
+
+def test_multi_gpu_holds_two_gpus(tmp_path):
+    jobs, _ = _jobs(["--multi-gpu"], tmp_path)
+    assert [(j.name, j.gpus_needed) for j in jobs] == [("mesh", 2)]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "nothing to run"),
+    (["--bench", "nosuch"], "no benchmark 'nosuch'"),
+    (["--bench", "gemm", "--bench-args", "layers=--quick"], "which --bench does not name"),
+    (["--bench", "gemm", "--bench-args", "gemm"], "NAME="),
+    (["--train", "delayed@125m:many"], "RECIPE[@PRESET[:STEPS]]"),
+    (["--train", "@125m"], "RECIPE[@PRESET[:STEPS]]"),
+])
+def test_bad_arguments_say_what_to_do(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("(", r"\(")):
+        _jobs(argv, tmp_path)
+
+
+def test_dry_run_prints_the_jobs_and_touches_nothing(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = gpu_check.main(["--tests", "--bench", "layers,quantize", "--out", str(out), "--dry-run"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "pip wheel" in printed and "cmake.define.TE_JAX_CUDA=ON" in printed
+    assert [line.split(":")[0] for line in printed.splitlines() if line.startswith("job ")] == [
+        "job tests", "job bench_layers", "job bench_quantize"]
+    assert not out.exists()
+
+
+def test_ratios_pair_the_same_timing_of_base_and_new_runs(tmp_path):
+    def result(ms_a: float, ms_b: float) -> dict:
+        return {"rows": [{"case": "fp8", "ours": {"ms": ms_a}, "base": {"ms": 9.0}},
+                         {"case": "mx", "ours": {"ms": ms_b}, "base": {"error": "x"}}], "copy_ms": 1.0}
+
+    for name, ms_a, ms_b in [("base1", 2.0, 4.0), ("new1", 1.0, 4.0), ("base2", 4.0, 4.0), ("new2", 1.0, 2.0)]:
+        (tmp_path / f"bench_q_{name}.json").write_text(json.dumps(result(ms_a, ms_b)))
+    rows = {r["timing"]: r for r in gpu_check.ratio_rows(tmp_path, ["bench_q"], rounds=2)}
+    assert set(rows) == {"fp8 / ours", "fp8 / base", "mx / ours"}
+    assert rows["fp8 / ours"]["base/new"] == pytest.approx(3.0)  # medians 3.0 and 1.0
+    assert rows["mx / ours"]["base/new"] == pytest.approx(4.0 / 3.0)
+    assert rows["fp8 / base"]["base/new"] == pytest.approx(1.0)
+
+
+def test_usage_examples_in_the_docstring_parse(tmp_path):
+    for line in gpu_check.__doc__.replace("\\\n", " ").splitlines():
+        line = line.strip()
+        if line.startswith("python3 tools/gpu_check.py"):
+            argv = shlex.split(line.split("#")[0].replace("$OUT", str(tmp_path)))[2:]
+            argv = [a for a in argv if a != "\\"]
+            gpu_check.build_parser().parse_args(argv)

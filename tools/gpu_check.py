@@ -1,0 +1,346 @@
+"""te_jax's GPU check: build the CUDA wheel, install it into a private folder, run tests, benchmarks
+and training runs on the machine's GPUs in parallel within a deadline, and write a summary.
+
+The wheel is built from this checkout with its CUDA handlers (or taken from --wheel) and installed
+with ``pip install --target`` into a folder of its own; every job runs with ``PYTHONPATH`` pointing
+there, and from outside the source tree (the tests from tests/, the rest from /tmp), so it imports
+the installed te_jax with its compiled modules, never the source tree's te_jax/. No installed
+package is modified. A before/after comparison (--baseline-wheel) installs the second wheel into a
+second folder and runs each benchmark with the two in turns.
+
+Writes under --out: summary.md and summary.json (tests, benchmarks, base/new ratios, training,
+jobs), jobs.log (one JSON line per job), logs.tgz (the build log and every job's output) and the
+wheel it built (pass it back with --wheel to skip the build).
+
+Examples:
+  python3 tools/gpu_check.py --tests --bench layers,quantize --out $OUT
+  python3 tools/gpu_check.py --tests "test_norm.py -k mxfp8"
+  python3 tools/gpu_check.py --wheel new.whl --baseline-wheel old.whl --rounds 2 \\
+      --bench layers --bench-args layers="--sections mlp --trials 5"
+  python3 tools/gpu_check.py --train delayed@125m:200,bf16@125m:200
+  python3 tools/gpu_check.py --tests --bench gemm --dry-run    # print the jobs, run nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import gpu_jobs  # noqa: E402  (a sibling module of this script)
+import gpu_summary  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PRESET_STEPS = {"tiny": 200, "125m": 500, "1.3b": 500}  # examples/gpt/presets.py, for time estimates only
+BUILD_FLAGS = ["-C", "cmake.define.TE_JAX_CUDA=ON", "-C", "cmake.define.CMAKE_CUDA_ARCHITECTURES=90a"]
+BENCH_ESTIMATE_S = 120
+TESTS_ESTIMATE_S = 300
+MESH_ESTIMATE_S = 200
+TEST_WORKERS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the check keeps its files.
+
+    Attributes:
+        out: results (summary, logs.tgz, the built wheel).
+        work: scratch: the build, the install folders, the job logs.
+    """
+
+    out: pathlib.Path
+    work: pathlib.Path
+
+    @property
+    def logs(self) -> pathlib.Path:
+        return self.work / "logs"
+
+    def site(self, which: str) -> pathlib.Path:
+        """The folder a wheel is installed into: "new" (the wheel under test) or "base"."""
+        return self.work / f"site_{which}"
+
+
+def parse_bench_args(items: list[str]) -> dict[str, list[str]]:
+    """Maps ``NAME=ARGS`` items (ARGS a shell-quoted string) to benchmark name -> argument list."""
+    parsed = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"gpu_check: --bench-args takes NAME=\"ARGS\", got {item!r}")
+        parsed[name] = shlex.split(value)
+    return parsed
+
+
+def parse_train_run(run: str, default_preset: str = "125m") -> tuple[str, str, int | None]:
+    """Splits ``RECIPE[@PRESET[:STEPS]]`` into (recipe, preset, steps or None: the preset's)."""
+    recipe, _, spec = run.partition("@")
+    preset, _, steps = (spec or default_preset).partition(":")
+    if not recipe or not preset or (steps and not steps.isdigit()):
+        raise SystemExit(f"gpu_check: --train takes RECIPE[@PRESET[:STEPS]], got {run!r}")
+    return recipe, preset, int(steps) if steps else None
+
+
+def train_estimate_s(recipe: str, preset: str, steps: int | None) -> float:
+    """Rough seconds for a training run: compilation and evaluation, then the steps."""
+    per_step = {"tiny": 0.05, "125m": 0.16}.get(preset, 1.3)
+    if recipe in ("mxfp8", "nvfp4", "flax-fp8"):
+        per_step *= 1.5
+    return 60 + (steps or PRESET_STEPS.get(preset, 500)) * per_step
+
+
+def split_names(values: list[str]) -> list[str]:
+    """The comma-separated names of repeated flags, in order."""
+    return [name for value in values for name in value.split(",") if name]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--wheel", type=pathlib.Path, help="install this wheel instead of building one")
+    p.add_argument("--baseline-wheel", type=pathlib.Path,
+                   help="run every benchmark also with this wheel (its own install folder), in turns, and "
+                        "write the base/new ratio of each timing")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --baseline-wheel: base/new pairs per benchmark (base, new, base, new, ...)")
+    p.add_argument("--tests", nargs="?", const="", metavar="PYTEST_ARGS",
+                   help="run the test suite (pytest -n 8 from tests/); an optional quoted string of pytest "
+                        "arguments narrows it, e.g. \"test_norm.py -k mxfp8\"")
+    p.add_argument("--bench", action="append", default=[], metavar="NAME[,NAME]",
+                   help="run benchmarks/bench_NAME.py (repeatable)")
+    p.add_argument("--bench-args", action="append", default=[], metavar="NAME=\"ARGS\"",
+                   help="extra arguments for one benchmark, e.g. layers=\"--sections mlp\" (repeatable)")
+    p.add_argument("--train", action="append", default=[], metavar="RECIPE[@PRESET[:STEPS]][,...]",
+                   help="examples/gpt/train.py runs, one GPU each (default preset 125m)")
+    p.add_argument("--multi-gpu", action="store_true",
+                   help="the layer mesh check over two GPUs (tests/mesh_multidevice.py --check)")
+    p.add_argument("--deadline", type=float, default=570, help="seconds from the start by which every job ends")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", "gpu_out")),
+                   help="output folder (default: $OUT, else ./gpu_out)")
+    p.add_argument("--dry-run", action="store_true", help="print what would run and stop")
+    return p
+
+
+def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.executable) -> list[gpu_jobs.Job]:
+    """The jobs, in the order they start: the tests, the benchmarks, the mesh check, the training runs."""
+    new_env = {"PYTHONPATH": str(layout.site("new")), "PYTHONUNBUFFERED": "1"}
+    jobs: list[gpu_jobs.Job] = []
+    if args.tests is not None:
+        pytest_args = [a.removeprefix("tests/") for a in shlex.split(args.tests)] or ["."]
+        jobs.append(gpu_jobs.Job(
+            "tests", TESTS_ESTIMATE_S, 1,
+            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={layout.out / 'junit.xml'}",
+             "--maxfail=30", "-n", str(TEST_WORKERS), *pytest_args],
+            cwd=str(ROOT / "tests"), env=new_env | {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
+    bench_args = parse_bench_args(args.bench_args)
+    unknown = set(bench_args) - set(split_names(args.bench))
+    if unknown:
+        raise SystemExit(f"gpu_check: --bench-args for {sorted(unknown)}, which --bench does not name")
+    seen: dict[str, int] = {}
+    for name in split_names(args.bench):
+        script = ROOT / "benchmarks" / f"bench_{name}.py"
+        if not script.exists():
+            raise SystemExit(f"gpu_check: no benchmark {name!r} ({script} does not exist)")
+        seen[name] = seen.get(name, 0) + 1
+        stem = f"bench_{name}" + (f"_{seen[name]}" if seen[name] > 1 else "")
+        if args.baseline_wheel is None:
+            runs = [(stem, "new")]
+        else:
+            runs = [(f"{stem}_{which}{r}", which) for r in range(1, args.rounds + 1) for which in ("base", "new")]
+        for job_name, which in runs:
+            jobs.append(gpu_jobs.Job(
+                job_name, BENCH_ESTIMATE_S, 1,
+                [python, str(script), "--out", str(layout.out / f"{job_name}.json"),
+                 "--md", str(layout.out / f"{job_name}.md"), *bench_args.get(name, [])],
+                env=new_env | {"PYTHONPATH": str(layout.site(which))}))
+    if args.multi_gpu:
+        jobs.append(gpu_jobs.Job(
+            "mesh", MESH_ESTIMATE_S, 2,
+            [python, "mesh_multidevice.py", "--meshes", "dp2,tp2",
+             "--recipes", "delayed,current,delayed_split,current_split", "--check"],
+            cwd=str(ROOT / "tests"), env=new_env))
+    for run in split_names(args.train):
+        recipe, preset, steps = parse_train_run(run)
+        job_name = f"train_{recipe}_{preset}" + (f"_{steps}" if steps else "")
+        argv = [python, str(ROOT / "examples" / "gpt" / "train.py"), "--preset", preset, "--recipe", recipe,
+                "--no-progress", "--log-every", "100", "--json", str(layout.out / f"{job_name}.json")]
+        jobs.append(gpu_jobs.Job(job_name, train_estimate_s(recipe, preset, steps), 1,
+                                 argv + (["--steps", str(steps)] if steps else []), env=new_env))
+    names = [job.name for job in jobs]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"gpu_check: a job is listed twice: {names}")
+    if not jobs:
+        raise SystemExit("gpu_check: nothing to run; give --tests, --bench, --train or --multi-gpu")
+    return jobs
+
+
+def ms_timings(result, label: str = "") -> dict[str, float]:
+    """Every ``"ms"`` value in a benchmark's JSON result, keyed by where it sits.
+
+    A list item is named by its "section", "case" and "name" fields when it has them (else its index),
+    so the same row of two runs gets the same key.
+    """
+    found: dict[str, float] = {}
+    if isinstance(result, dict):
+        for key, value in result.items():
+            if key == "ms" and isinstance(value, (int, float)):
+                found[label or "ms"] = float(value)
+            else:
+                found |= ms_timings(value, f"{label} / {key}" if label else key)
+    elif isinstance(result, list):
+        for i, item in enumerate(result):
+            parts = [str(item[k]) for k in ("section", "case", "name") if isinstance(item, dict) and k in item]
+            found |= ms_timings(item, " ".join(parts) if parts else f"{label}[{i}]")
+    return found
+
+
+def ratio_rows(out: pathlib.Path, bench_stems: list[str], rounds: int) -> list[dict]:
+    """Base/new rows for each benchmark run with --baseline-wheel: median ms of each over its rounds."""
+    rows = []
+    for stem in bench_stems:
+        runs = {which: [json.loads(p.read_text()) for r in range(1, rounds + 1)
+                        if (p := out / f"{stem}_{which}{r}.json").exists()] for which in ("base", "new")}
+        base = [ms_timings(r) for r in runs["base"]]
+        new = [ms_timings(r) for r in runs["new"]]
+        for key in sorted(set().union(*base, *new)):
+            base_ms = [t[key] for t in base if key in t]
+            new_ms = [t[key] for t in new if key in t]
+            if base_ms and new_ms:
+                b, n = statistics.median(base_ms), statistics.median(new_ms)
+                rows.append({"benchmark": stem, "timing": key, "base_ms": b, "new_ms": n, "base/new": b / n})
+    return rows
+
+
+def step(what: str, argv: list[str], log: pathlib.Path, **kwargs) -> None:
+    """Runs a setup command, its output appended to ``log``; stops the check with its tail on failure."""
+    start = time.monotonic()
+    with log.open("a") as f:
+        f.write(f"$ {shlex.join(argv)}\n")
+        f.flush()
+        code = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, **kwargs).returncode
+    if code != 0:
+        raise SystemExit(f"gpu_check: {what} failed (exit {code}):\n{gpu_jobs.tail(log, 40)}")
+    print(f"gpu_check: {what} ({time.monotonic() - start:.0f} s)", flush=True)
+
+
+def install(wheel: pathlib.Path, site: pathlib.Path, log: pathlib.Path, python: str) -> None:
+    """Installs ``wheel`` (without dependencies) into ``site`` and checks that jobs import it, CUDA module included."""
+    shutil.rmtree(site, ignore_errors=True)
+    step(f"install {wheel.name} into {site}", [python, "-m", "pip", "install", "--no-deps", "--no-index",
+                                                "--target", str(site), str(wheel)], log)
+    check = ("import pathlib, sys, te_jax, te_jax._ffi; site = pathlib.Path(sys.argv[1]).resolve(); "
+             "pkg = pathlib.Path(te_jax.__file__).resolve().parent; "
+             "assert pkg.parent == site, f'imported {pkg}, not the one in {site}'; "
+             "assert list(pkg.glob('_te_jax_cuda*')), f'{pkg} has no CUDA module'; print('te_jax from', pkg)")
+    step(f"import check of {site}", [python, "-c", check, str(site)], log, cwd=str(ROOT / "tests"),
+         env=dict(os.environ, PYTHONPATH=str(site)))
+
+
+def machine_info(python: str) -> list[str]:
+    """Markdown lines naming the GPUs, driver, jax and Python."""
+    gpus = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
+                           "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    jax = subprocess.run([python, "-c", "import jax, sys; print('jax', jax.__version__, '| python', "
+                          "sys.version.split()[0])"], capture_output=True, text=True, cwd="/tmp").stdout.strip()
+    return [f"- GPU {line}" for line in gpus.splitlines()] + [f"- {jax}"]
+
+
+def clock_summary(csv: pathlib.Path) -> list[str]:
+    """One line per GPU: SM clock min/median/max, power and temperature maxima over the run."""
+    by_gpu: dict[str, list[tuple[float, float, float]]] = {}
+    for line in csv.read_text().splitlines() if csv.exists() else []:
+        fields = [x.strip() for x in line.split(",")]
+        try:
+            by_gpu.setdefault(fields[1], []).append((float(fields[2]), float(fields[3]), float(fields[4])))
+        except (IndexError, ValueError):
+            continue
+    lines = []
+    for gpu, samples in sorted(by_gpu.items()):
+        clock, power, temp = zip(*samples)
+        lines.append(f"- GPU {gpu}, {len(samples)} samples: SM clock {min(clock):.0f}/{statistics.median(clock):.0f}/"
+                     f"{max(clock):.0f} MHz (min/median/max), power max {max(power):.0f} W, "
+                     f"temperature max {max(temp):.0f} C")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()
+    args = build_parser().parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit("gpu_check: --rounds must be at least 1")
+    python = sys.executable
+    layout = Layout(args.out.resolve(), pathlib.Path(tempfile.gettempdir()) / "te_jax_gpu_check")
+    jobs = make_jobs(args, layout, python)
+    if args.dry_run:
+        print(f"build: {'use ' + str(args.wheel) if args.wheel else 'pip wheel ' + ' '.join(BUILD_FLAGS)}")
+        print(f"install: new -> {layout.site('new')}"
+              + (f", base {args.baseline_wheel} -> {layout.site('base')}" if args.baseline_wheel else ""))
+        for job in jobs:
+            print(f"job {job.name}: {job.gpus_needed} GPU, ~{job.estimate_s:.0f} s, in {job.cwd}, "
+                  f"{' '.join(f'{k}={v}' for k, v in job.env.items())} {shlex.join(job.argv)}")
+        return 0
+
+    shutil.rmtree(layout.work, ignore_errors=True)
+    layout.logs.mkdir(parents=True)
+    layout.out.mkdir(parents=True, exist_ok=True)
+    build_log = layout.logs / "build.log"
+    wheel = args.wheel.resolve() if args.wheel else None
+    if wheel is None:
+        wheel_dir = layout.work / "wheel"
+        step("build the CUDA wheel", [python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-v",
+                                      "-w", str(wheel_dir), str(ROOT), *BUILD_FLAGS], build_log)
+        (wheel,) = wheel_dir.glob("te_jax-*.whl")
+        shutil.copy(wheel, layout.out / wheel.name)
+    install(wheel, layout.site("new"), build_log, python)
+    if args.baseline_wheel:
+        install(args.baseline_wheel.resolve(), layout.site("base"), build_log, python)
+
+    header = machine_info(python) + [f"- wheel {wheel.name}"]
+    if args.baseline_wheel:
+        header.append(f"- baseline wheel {args.baseline_wheel.name}, {args.rounds} round(s)")
+    gpus = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                          text=True, check=True).stdout.split()
+    # SM clock, power and temperature every 2 s while the jobs run (a power-capped GPU slows as it heats).
+    clocks_csv = layout.logs / "gpu_clocks.csv"
+    with clocks_csv.open("w") as f:
+        clocks = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu",
+                                   "--format=csv,noheader,nounits", "-lms", "2000"], stdout=f,
+                                  stderr=subprocess.STDOUT)
+    deadline = start + args.deadline - gpu_jobs.GRACE_S
+    try:
+        failures = gpu_jobs.run(jobs, gpus, deadline, layout.out / "jobs.log", layout.logs)
+    finally:
+        clocks.terminate()
+        clocks.wait()
+
+    mesh_log = layout.logs / "mesh.log"
+    if mesh_log.exists():  # the mesh check prints one JSON line per case
+        (layout.out / "multi_gpu.log").write_text(
+            "".join(line + "\n" for line in mesh_log.read_text().splitlines() if line.startswith("{")))
+    extra = {"clocks": (None, clock_summary(clocks_csv))}
+    if args.baseline_wheel:
+        stems = sorted({job.name.rsplit("_", 1)[0] for job in jobs if job.name.startswith("bench_")})
+        rows = ratio_rows(layout.out, stems, args.rounds)
+        extra["base/new"] = (rows, gpu_summary.table(rows, ["benchmark", "timing", "base_ms", "new_ms", "base/new"]))
+    print(gpu_summary.summarize(layout.out, header, extra))
+    for path in [*layout.out.glob("bench_*.json"), *layout.out.glob("bench_*.md"), *layout.out.glob("train_*.json")]:
+        shutil.move(path, layout.logs / path.name)
+    for name in ("junit.xml", "multi_gpu.log"):
+        if (layout.out / name).exists():
+            shutil.move(layout.out / name, layout.logs / name)
+    with tarfile.open(layout.out / "logs.tgz", "w:gz") as tar:
+        tar.add(layout.logs, arcname="logs")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
