@@ -79,10 +79,9 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 constexpr int kMaxCandidates = 32;
-// Each scale pointer gets its own 256-byte slot. With both in one 8-byte allocation every
-// candidate was refused (CUBLAS_STATUS_NOT_SUPPORTED) at run time, though the heuristic offered
-// it; the misaligned second pointer was the suspected cause, and with separate slots (sessions 8
-// and 10) every candidate ran.
+// Each scale pointer gets its own 256-byte slot: cuBLASLt reads a scale pointer as a 16-byte
+// aligned address, and refuses (CUBLAS_STATUS_NOT_SUPPORTED) at run time candidates the heuristic
+// offered when two scales share one 8-byte allocation.
 constexpr int kScaleSlot = 64;
 
 // Roughly normal values (sum of four uniforms from a hash), times `scale`, as saturated e4m3.
