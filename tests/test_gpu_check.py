@@ -80,6 +80,14 @@ def test_train_runs(tmp_path):
     assert "--steps" not in jobs[1].argv
 
 
+def test_estimates_match_by_name_prefix_the_longest_winning(tmp_path):
+    jobs, _ = _jobs(["--tests", "--bench", "layers,gemm", "--train", "delayed", "--estimate", "bench=60",
+                     "--estimate", "bench_layers=540", "--estimate", "tests=340"], tmp_path)
+    assert {j.name: j.estimate_s for j in jobs} == {
+        "tests": 340, "bench_layers": 540, "bench_gemm": 60,
+        "train_delayed_125m": gpu_check.train_estimate_s("delayed", "125m", None)}
+
+
 def test_multi_gpu_holds_two_gpus(tmp_path):
     jobs, _ = _jobs(["--multi-gpu"], tmp_path)
     assert [(j.name, j.gpus_needed) for j in jobs] == [("mesh", 2)]
@@ -92,6 +100,9 @@ def test_multi_gpu_holds_two_gpus(tmp_path):
     (["--bench", "gemm", "--bench-args", "gemm"], "NAME="),
     (["--train", "delayed@125m:many"], "RECIPE[@PRESET[:STEPS]]"),
     (["--train", "@125m"], "RECIPE[@PRESET[:STEPS]]"),
+    (["--bench", "gemm", "--rounds", "2"], "only with --baseline-wheel"),
+    (["--bench", "gemm", "--estimate", "bench=soon"], "NAME=SECONDS"),
+    (["--bench", "gemm", "--baseline-wheel", "old.whl", "--rounds", "0"], "--rounds takes a number >= 1"),
 ])
 def test_bad_arguments_say_what_to_do(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("(", r"\(")):

@@ -99,6 +99,21 @@ def train_estimate_s(recipe: str, preset: str, steps: int | None) -> float:
     return 60 + (steps or PRESET_STEPS.get(preset, 500)) * per_step
 
 
+def apply_estimates(jobs: list[gpu_jobs.Job], items: list[str]) -> None:
+    """Sets each job's estimate from ``NAME=SECONDS`` items whose NAME is the job's name or a prefix of it."""
+    estimates = {}
+    for item in items:
+        name, _, seconds = item.partition("=")
+        try:
+            estimates[name] = float(seconds)
+        except ValueError:
+            raise SystemExit(f"gpu_check: --estimate takes NAME=SECONDS, got {item!r}") from None
+    for job in jobs:
+        matches = [n for n in estimates if job.name == n or job.name.startswith(n + "_")]
+        if matches:
+            job.estimate_s = estimates[max(matches, key=len)]
+
+
 def split_names(values: list[str]) -> list[str]:
     """The comma-separated names of repeated flags, in order."""
     return [name for value in values for name in value.split(",") if name]
@@ -109,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wheel", type=pathlib.Path, help="install this wheel instead of building one")
     p.add_argument("--baseline-wheel", type=pathlib.Path,
                    help="run every benchmark also with this wheel (its own install folder), in turns, and "
-                        "write the base/new ratio of each timing")
+                        "write the base/new ratio of each timing; the benchmark scripts are this checkout's, "
+                        "so both wheels must have the API they use")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --baseline-wheel: base/new pairs per benchmark (base, new, base, new, ...)")
     p.add_argument("--tests", nargs="?", const="", metavar="PYTEST_ARGS",
@@ -124,6 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--multi-gpu", action="store_true",
                    help="the layer mesh check over two GPUs (tests/mesh_multidevice.py --check)")
     p.add_argument("--deadline", type=float, default=570, help="seconds from the start by which every job ends")
+    p.add_argument("--estimate", action="append", default=[], metavar="NAME=SECONDS",
+                   help="how long the jobs whose name is NAME or starts with NAME_ take (a job starts only when "
+                        "its estimate fits before the deadline), e.g. tests=340, bench=60, bench_layers=540 "
+                        "(repeatable; the longest matching NAME wins)")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path(os.environ.get("OUT", "gpu_out")),
                    help="output folder (default: $OUT, else ./gpu_out)")
     p.add_argument("--dry-run", action="store_true", help="print what would run and stop")
@@ -132,7 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.executable) -> list[gpu_jobs.Job]:
     """The jobs, in the order they start: the tests, the benchmarks, the mesh check, the training runs."""
-    new_env = {"PYTHONPATH": str(layout.site("new")), "PYTHONUNBUFFERED": "1"}
+    # NCCL_NVLS_ENABLE=0: NVLink multicast stays off on the lent multi-GPU machines.
+    if args.rounds < 1 or (args.rounds > 1 and args.baseline_wheel is None):
+        raise SystemExit("gpu_check: --rounds takes a number >= 1, and more than 1 only with --baseline-wheel")
+    new_env = {"PYTHONPATH": str(layout.site("new")), "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
     jobs: list[gpu_jobs.Job] = []
     if args.tests is not None:
         pytest_args = [a.removeprefix("tests/") for a in shlex.split(args.tests)] or ["."]
@@ -180,6 +203,7 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
         raise SystemExit(f"gpu_check: a job is listed twice: {names}")
     if not jobs:
         raise SystemExit("gpu_check: nothing to run; give --tests, --bench, --train or --multi-gpu")
+    apply_estimates(jobs, args.estimate)
     return jobs
 
 
@@ -275,8 +299,6 @@ def clock_summary(csv: pathlib.Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     args = build_parser().parse_args(argv)
-    if args.rounds < 1:
-        raise SystemExit("gpu_check: --rounds must be at least 1")
     python = sys.executable
     layout = Layout(args.out.resolve(), pathlib.Path(tempfile.gettempdir()) / "te_jax_gpu_check")
     jobs = make_jobs(args, layout, python)
@@ -308,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline_wheel:
         header.append(f"- baseline wheel {args.baseline_wheel.name}, {args.rounds} round(s)")
     gpus = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
-                          text=True, check=True).stdout.split()
+                          text=True, check=True).stdout.splitlines()
+    gpus = [g.strip() for g in gpus if g.strip()]
     # SM clock, power and temperature every 2 s while the jobs run (a power-capped GPU slows as it heats).
     clocks_csv = layout.logs / "gpu_clocks.csv"
     with clocks_csv.open("w") as f:

@@ -60,7 +60,7 @@ def run(jobs: list[Job], gpus: list[str], deadline: float, log: pathlib.Path, lo
     """Runs ``jobs`` on ``gpus`` until all ended or ``deadline`` (a ``time.monotonic()`` value).
 
     Returns:
-        The number of jobs that failed or were killed (skipped jobs are logged, not counted).
+        The number of jobs that did not succeed: failed, killed at the deadline, or skipped.
     """
     logs.mkdir(parents=True, exist_ok=True)
     free = list(gpus)
@@ -94,10 +94,12 @@ def run(jobs: list[Job], gpus: list[str], deadline: float, log: pathlib.Path, lo
             job = pending[0]
             if job.gpus_needed > len(gpus):
                 record({"job": job.name, "rc": "skipped", "why": f"needs {job.gpus_needed} GPUs, has {len(gpus)}"})
+                failures += 1
                 pending.pop(0)
                 continue
             if now + job.estimate_s > deadline:
                 record({"job": job.name, "rc": "skipped", "why": f"estimate {job.estimate_s:.0f} s past the deadline"})
+                failures += 1
                 pending.pop(0)
                 continue
             if len(free) < job.gpus_needed:
