@@ -10,7 +10,9 @@ second folder and runs each benchmark with the two in turns.
 
 Writes under --out: summary.md and summary.json (tests, benchmarks, base/new ratios, training,
 jobs), jobs.log (one JSON line per job), logs.tgz (the build log and every job's output) and the
-wheel it built (pass it back with --wheel to skip the build).
+wheel it built (pass it back with --wheel to skip the build). A job starts only when its time
+estimate still fits before --deadline (counted from the start, build included); --estimate
+NAME=SECONDS corrects the estimate of the jobs it names.
 
 Examples:
   python3 tools/gpu_check.py --tests --bench layers,quantize --out $OUT
