@@ -313,9 +313,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{' '.join(f'{k}={v}' for k, v in job.env.items())} {shlex.join(job.argv)}")
         return 0
 
+    if shutil.which("nvidia-smi") is None:
+        raise SystemExit("gpu_check: nvidia-smi not found; run this on a GPU machine (--dry-run shows the jobs)")
     shutil.rmtree(layout.work, ignore_errors=True)
     layout.logs.mkdir(parents=True)
     layout.out.mkdir(parents=True, exist_ok=True)
+    (layout.out / "jobs.log").unlink(missing_ok=True)  # results of an earlier check in the same folder
     build_log = layout.logs / "build.log"
     wheel = args.wheel.resolve() if args.wheel else None
     if wheel is None:
