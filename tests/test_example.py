@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -268,3 +269,60 @@ def test_readme_quick_start_runs(name, capsys):
     assert float(namespace["loss"]) < 0.5 * float(jax.numpy.mean(namespace["y"] ** 2))
     if name == "delayed":
         assert "fp8_meta" in namespace["state"].params
+
+
+def _commands(text: str, script: str) -> list[list[str]]:
+    """The arguments of every ``.venv/bin/python <script> ...`` command in ``text`` (comments dropped)."""
+    found = re.findall(rf"\.venv/bin/python\s+{re.escape(script)}([^`\n#]*)", text)
+    return [shlex.split(args) for args in found]
+
+
+def test_readme_python_commands_name_the_venv():
+    """Pasted into a fresh shell after the set-up commands, every Python command finds jax: it runs .venv's."""
+    text = (ROOT / "README.md").read_text()
+    interpreters = re.findall(r"([\w./-]*python3?)\s+(?:-m\s|examples/|benchmarks/|tools/)", text)
+    assert interpreters and set(interpreters) == {".venv/bin/python"}, interpreters
+    assert "tools/demo.sh" in text and "tools/run_tests.sh" in text
+
+
+def test_readme_and_docstring_train_commands_pass_the_flag_checks():
+    """Each train.py command of the README and of train.py's docstring parses and passes every check but the data's."""
+    commands = _commands((ROOT / "README.md").read_text(), "examples/gpt/train.py")
+    commands += _commands(train_lib.__doc__, "examples/gpt/train.py")
+    assert len(commands) >= 12 and ["--mesh", "dp=2,tp=2", "--batch", "8"] in commands
+    parser = train_lib.build_parser()
+    for argv in commands:
+        args = parser.parse_args(argv)
+        recipes = [r for r in args.recipe.split(",") if r]
+        train_lib.check_configs([train_lib.config_from_args(args, r).resolved() for r in recipes])
+
+
+def test_readme_transformer_engine_differences_hold():
+    """The facts the README's "Coming from TransformerEngine" section states about te_jax."""
+    import inspect
+
+    import te_jax
+    import te_jax.flax as tf
+    from te_jax.quantize import numerics
+
+    assert inspect.signature(te_jax.autocast).parameters["enabled"].default is True
+    assert not hasattr(te_jax, "fp8_autocast") and te_jax.FP8_COLLECTION == "fp8_meta"
+    assert numerics.MAX_SCALE == 2.0**126
+    for rec in (R.DelayedScaling(), R.Float8CurrentScaling(), R.MXFP8BlockScaling(), R.NVFP4BlockScaling(),
+                R.Float8BlockScaling()):
+        assert rec.quantizer("linear_output") is None and rec.quantizer("linear_grad_input") is None
+        assert (rec.fast_accumulation, rec.backward_fast_accumulation) == (True, False)
+        with pytest.raises(TypeError):
+            type(rec)(fp8_dpa=False)
+    assert {f.name for f in dataclasses.fields(te_jax.MeshResource)} == {"dp_resource", "tp_resource",
+                                                                          "fsdp_resource", "sp_resource"}
+    assert tf.DenseGeneral(4).use_bias and tf.LayerNormDenseGeneral(4).use_bias and tf.LayerNormMLP().use_bias
+    assert tf.DenseGeneral(4).dtype is None
+    assert {"activation", "dropout_rng_name"} <= set(tf.LayerNormMLP.__dataclass_fields__)
+    assert "intermediate_dim" in tf.TransformerLayer.__dataclass_fields__
+    layer = tf.TransformerLayer(num_attention_heads=2, intermediate_dim=8)
+    assert layer.mlp_activation == "gelu" and layer.enable_rotary_pos_emb and layer.hidden_dropout == 0.0
+    x = jnp.ones((2, 16))
+    assert set(tf.LayerNorm().init(jax.random.key(0), x)["params"]) == {"scale", "bias"}
+    wi = tf.LayerNormMLP(intermediate_dim=8).init(jax.random.key(0), x)["params"]["wi_kernel"]
+    assert wi.shape == (16, 8)
