@@ -599,9 +599,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for cfg in configs:
         result = train(cfg, corpus)
-        print(f"{result['recipe']}: {result['params'] / 1e6:.2f}M params, {TRAIN_LOSS_LABEL} "
+        print(f"{result['recipe']}: {result['params'] / 1e6:.2f}M params, final train loss "
               f"{result['final_train_loss']:.4f}, eval loss {result['final_eval_loss']:.4f}, "
-              f"{result['tokens_per_s']:,.0f} tokens/s")
+              f"{result['tokens_per_s']:,.0f} tokens/s (train loss: the mean of the last "
+              f"{TRAIN_LOSS_TAIL:.0%} of the steps)")
         results.append(result)
     print()
     print(format_table(results))
