@@ -31,6 +31,7 @@ import enum
 import importlib
 import importlib.util
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -394,12 +395,26 @@ class CustomRecipe(Recipe):
 
 
 BUILTIN = {
-    "delayed_scaling": DelayedScaling,
-    "float8_current_scaling": Float8CurrentScaling,
-    "mxfp8_block_scaling": MXFP8BlockScaling,
-    "nvfp4_block_scaling": NVFP4BlockScaling,
-    "float8_block_scaling": Float8BlockScaling,
+    "delayed": DelayedScaling,
+    "current": Float8CurrentScaling,
+    "block": Float8BlockScaling,
+    "mxfp8": MXFP8BlockScaling,
+    "nvfp4": NVFP4BlockScaling,
 }
+"""The built-in recipes by short name. ``load_recipe`` also takes each one's class
+name (``"DelayedScaling"``) and its snake case (``"delayed_scaling"``)."""
+
+
+def _snake_case(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
+
+
+def _builtin_by_name() -> dict[str, type[Recipe]]:
+    """Every spelling of every built-in recipe (short, class name, snake case), lower-cased."""
+    names = dict(BUILTIN)
+    for cls in BUILTIN.values():
+        names[cls.__name__.lower()] = names[_snake_case(cls.__name__)] = cls
+    return names
 
 
 def _gallery_dirs() -> list[Path]:
@@ -407,19 +422,37 @@ def _gallery_dirs() -> list[Path]:
     return [Path.cwd() / "recipes", here.parent / "recipes", here / "gallery"]
 
 
+def recipe_names() -> list[str]:
+    """The names ``load_recipe`` takes, besides file paths and module names.
+
+    The built-ins' short names, then their class names and snake cases, then
+    the gallery's recipes (``recipes/*.py`` wherever ``load_recipe`` looks).
+    """
+    builtins = list(BUILTIN)
+    for cls in BUILTIN.values():
+        builtins += [cls.__name__, _snake_case(cls.__name__)]
+    gallery = sorted({p.stem for d in _gallery_dirs() if d.is_dir() for p in d.glob("*.py")
+                      if not p.stem.startswith("_")})
+    return builtins + gallery
+
+
 def load_recipe(path_or_name: str, *, num_layers: int | None = None) -> Recipe:
-    """A recipe from a gallery file, a module, or a built-in name.
+    """A recipe from a file, a built-in or gallery name, or a module.
 
     Accepted, in this order:
 
     * a path to a ``.py`` file that defines ``qfactory(role)``
       (``"recipes/current_scaling_ref.py"``): wrapped in CustomRecipe;
+    * a built-in recipe with default fields, by short name (``BUILTIN``:
+      ``"delayed"``, ``"current"``, ``"block"``, ``"mxfp8"``, ``"nvfp4"``),
+      class name (``"DelayedScaling"``) or its snake case
+      (``"delayed_scaling"``), in any letter case;
     * a gallery name (``"current_scaling_ref"``): ``recipes/NAME.py`` in the
       working directory, in the repository te_jax was installed from, or in
       the copy of that gallery a wheel carries (``te_jax/gallery``);
-    * a built-in recipe, by class name or snake case (``"DelayedScaling"``,
-      ``"delayed_scaling"``), with default fields;
     * an importable module name that defines ``qfactory``.
+
+    ``recipe_names()`` lists the names.
 
     Args:
       path_or_name: one of the above.
@@ -428,28 +461,32 @@ def load_recipe(path_or_name: str, *, num_layers: int | None = None) -> Recipe:
         gets its factory from it (``recipes/nvfp4_first_last_bf16.py``). Without
         it such a module's own ``qfactory`` (its default depth) is used; other
         recipes ignore it.
+
+    Raises:
+      FileNotFoundError: a path (ending in ``.py`` or holding a ``/``) that is no file.
+      ValueError: a name that is none of the above (the message lists the
+        names), a module without ``qfactory``, or a bad ``num_layers``.
     """
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
                                    or num_layers < 1):
         raise ValueError(f"te_jax: load_recipe(num_layers=...) must be a positive int, got {num_layers!r}")
     text = str(path_or_name)
-    candidates = [Path(text)]
-    if not text.endswith(".py") and "/" not in text:
-        candidates += [d / f"{text}.py" for d in _gallery_dirs()]
-    for path in candidates:
-        if path.is_file():
-            return _from_file(path, num_layers)
-    by_name = {**BUILTIN, **{cls.__name__.lower(): cls for cls in BUILTIN.values()}}
-    if text.lower() in by_name:
-        return by_name[text.lower()]()
+    if Path(text).is_file():
+        return _from_file(Path(text), num_layers)
     if text.endswith(".py") or "/" in text:
         raise FileNotFoundError(f"te_jax: no recipe file {text!r}")
+    builtin = _builtin_by_name().get(text.lower())
+    if builtin is not None:
+        return builtin()
+    for path in (d / f"{text}.py" for d in _gallery_dirs()):
+        if path.is_file():
+            return _from_file(path, num_layers)
     try:
         module = importlib.import_module(text)
     except ImportError:
         raise ValueError(
-            f"te_jax: no recipe named {text!r}: not a file, not recipes/{text}.py, not a built-in "
-            f"({', '.join(BUILTIN)}), not an importable module"
+            f"te_jax: no recipe named {text!r}. Names: {', '.join(recipe_names())}; or a path to a .py file, "
+            "or an importable module, that defines qfactory(role)"
         ) from None
     return _wrap(module, text, num_layers)
 

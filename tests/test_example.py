@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from te_jax import recipe as R
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -19,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from examples.gpt import data as data_lib  # noqa: E402
 from examples.gpt import demo, parallel  # noqa: E402
 from examples.gpt import train as train_lib  # noqa: E402
+from examples.gpt.model import GPT  # noqa: E402
 
 STEPS, SAVE_AT = 20, 18
 SMALL = dict(preset="tiny", batch=8, seq_len=64, eval_every=10, eval_batches=1, log_every=2, progress=False)
@@ -55,14 +62,19 @@ def test_twenty_steps_loss_is_finite_and_decreases(twenty_steps):
     assert len(evals) == 2 and np.all(np.isfinite(evals)) and evals[-1] < evals[0], evals
     assert result["tokens_per_s"] > 0
     assert "fp8_meta" in result["state"].params  # delayed scaling keeps state
+    assert result["final_train_loss"] == pytest.approx(np.mean(losses[-2:]), rel=1e-6)  # the last 10% of 20
+    header = train_lib.format_table([result]).splitlines()[0]
+    assert "train loss (mean of last 10%)" in header and "eval loss" in header
 
 
-def test_resume_continues_bit_identically(twenty_steps, corpus, tmp_path):
+def test_resume_continues_bit_identically(twenty_steps, corpus, tmp_path, capsys):
     result, ckpt = twenty_steps
     only_18 = tmp_path / "ckpt"
     shutil.copytree(ckpt, only_18)
     cfg = train_lib.RunConfig(recipe="delayed", steps=STEPS, ckpt_dir=str(only_18), resume=str(SAVE_AT), **SMALL)
     resumed = train_lib.train(cfg, corpus, return_state=True)
+    said = f"delayed: resumed at step {SAVE_AT} from {only_18.absolute() / str(SAVE_AT)}"
+    assert said in capsys.readouterr().out and (only_18 / str(SAVE_AT)).is_dir()
     assert resumed["history"]["step"] == [SAVE_AT + 1, STEPS]
     a, b = result["state"], resumed["state"]
     assert int(a.step) == int(b.step) == STEPS
@@ -102,16 +114,93 @@ def test_inspect_writes_statistics_a_report_and_the_cost(tmp_path, capsys):
     # the statistics add work: on CPU the inspected step is not faster than half the plain one
     assert inspection["inspect_step_ms"] >= 0.5 * inspection["step_ms"] > 0
     assert "inspection costs" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="--inspect-every needs --inspect"):
-        train_lib.main(["--inspect-every", "2"])
 
 
-def test_bad_recipe_and_mesh_say_what_to_do():
-    with pytest.raises(ValueError, match="no recipe named"):
-        train_lib.make_recipe("fp9")
+def _usage_error(argv: list[str], capsys) -> str:
+    """What ``train.main(argv)`` prints on stderr when it exits with status 2 (argparse's usage error)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train_lib.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "usage: " in err and "Traceback" not in err, err
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--recipe", "fp9"], "no recipe named 'fp9'"),
+    (["--recipe", "recipes/nope.py"], "no recipe file"),
+    (["--recipe", " , "], "names no recipe"),
+    (["--preset", "huge"], "invalid choice: 'huge'"),
+    (["--mesh", "dp=two"], "--mesh: bad entry 'dp=two'"),
+    (["--mesh", "dp=2", "--batch", "3"], "--batch 3 must be divisible by dp*fsdp = 2"),
+    (["--mesh", "tp=3"], "--mesh tp=3 must divide the tiny preset's attention heads (4)"),
+    (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
+    (["--batch", "-4"], "--batch must be an integer >= 1"),
+    (["--log-every", "0"], "--log-every must be an integer >= 1"),
+    (["--warmup", "-1"], "--warmup must be an integer >= 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--clip", "0"], "--clip must be a finite number > 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0"),
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["--inspect-every", "2"], "--inspect-every needs --inspect"),
+    (["--inspect", "x", "--inspect-every", "0"], "--inspect-every must be an integer >= 1"),
+    (["--resume"], "--resume needs --ckpt-dir"),
+    (["--resume", "last", "--ckpt-dir", "."], "--resume takes 'latest' or a step number, got 'last'"),
+    (["--recipe", "bf16,delayed", "--ckpt-dir", "c"], "--ckpt-dir takes one --recipe at a time"),
+    (["--num-processes", "2"], "need --distributed"),
+    (["--data", "no_such_file.txt"], "--data no_such_file.txt: No such file or directory"),
+])
+def test_cli_mistakes_exit_2_with_a_message(argv, says, capsys):
+    assert says in _usage_error(argv, capsys)
+
+
+def test_cli_checks_the_checkpoint_and_the_data_before_training(twenty_steps, tmp_path, capsys):
+    _, ckpt = twenty_steps
+    assert "--recipe 'delayed', this run has 'current'" in _usage_error(
+        ["--recipe", "current", "--ckpt-dir", str(ckpt), "--resume"], capsys)
+    assert "--resume 7: no such checkpoint" in _usage_error(
+        ["--recipe", "delayed", "--ckpt-dir", str(ckpt), "--resume", "7"], capsys)
+    assert "is not a directory" in _usage_error(["--ckpt-dir", str(tmp_path / "none"), "--resume"], capsys)
+    short = tmp_path / "short.txt"
+    short.write_text("x" * 4000)
+    assert "shorter than --seq-len + 2" in _usage_error(["--data", str(short), "--seq-len", "1000"], capsys)
+
+
+def test_unknown_recipe_lists_the_names_the_cli_takes_in_a_fresh_process():
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "gpt" / "train.py"), "--recipe", "nonsense"],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
+    for name in ("bf16", "flax-fp8", "delayed", "current", "block", "mxfp8", "nvfp4", "DelayedScaling",
+                 "current_scaling_ref", "mixed_per_layer", "nvfp4_first_last_bf16"):
+        assert name in run.stderr, name
+    for name in ("delayed", "current", "block", "mxfp8", "nvfp4", "DelayedScaling", "mixed_per_layer"):
+        assert type(train_lib.make_recipe(name)) is type(R.load_recipe(name))
+    assert train_lib.make_recipe("bf16") is None and train_lib.make_recipe("flax-fp8") is None
+
+
+def test_mesh_parse():
     with pytest.raises(ValueError, match="dp=2"):
         parallel.parse_mesh("dp=two")
     assert parallel.parse_mesh("dp=2,tp=1") == {"dp": 2, "fsdp": 1, "tp": 1}
+
+
+def test_a_recipe_that_quantizes_no_layer_is_reported(capsys):
+    """nvfp4_first_last_bf16 keeps blocks 0 and n-1 in bf16: on the 2-block tiny model nothing is quantized."""
+    cfg = train_lib.RunConfig(recipe="nvfp4_first_last_bf16", **SMALL).resolved()
+    model = GPT(cfg.model_config())
+    tokens = jnp.zeros((2, 64), jnp.int32)
+    deeper = GPT(dataclasses.replace(cfg.model_config(), layers=4))
+    assert train_lib.quantized_layers(model, R.load_recipe("nvfp4_first_last_bf16", num_layers=2), tokens) == []
+    got = train_lib.quantized_layers(deeper, R.load_recipe("nvfp4_first_last_bf16", num_layers=4), tokens)
+    assert {path[0] for path in got} == {"TransformerLayer_1", "TransformerLayer_2"}
+    assert ("TransformerLayer_0", "mlp", "wi") in train_lib.quantized_layers(
+        model, R.load_recipe("mixed_per_layer"), tokens)
+    train_lib.warn_if_unquantized(cfg, model, R.load_recipe("nvfp4_first_last_bf16", num_layers=2), tokens)
+    err = capsys.readouterr().err
+    assert "warning: --recipe nvfp4_first_last_bf16 quantizes no layer of the 2-block tiny model" in err
+    for name in ("mixed_per_layer", "current"):
+        train_lib.warn_if_unquantized(cfg, model, train_lib.make_recipe(name), tokens)
+    assert capsys.readouterr().err == ""
 
 
 def test_mesh_data_and_tensor_parallel_on_fake_cpu_devices(tmp_path):
@@ -180,3 +269,60 @@ def test_readme_quick_start_runs(name, capsys):
     assert float(namespace["loss"]) < 0.5 * float(jax.numpy.mean(namespace["y"] ** 2))
     if name == "delayed":
         assert "fp8_meta" in namespace["state"].params
+
+
+def _commands(text: str, script: str) -> list[list[str]]:
+    """The arguments of every ``.venv/bin/python <script> ...`` command in ``text`` (comments dropped)."""
+    found = re.findall(rf"\.venv/bin/python\s+{re.escape(script)}([^`\n#]*)", text)
+    return [shlex.split(args) for args in found]
+
+
+def test_readme_python_commands_name_the_venv():
+    """Pasted into a fresh shell after the set-up commands, every Python command finds jax: it runs .venv's."""
+    text = (ROOT / "README.md").read_text()
+    interpreters = re.findall(r"([\w./-]*python3?)\s+(?:-m\s|examples/|benchmarks/|tools/)", text)
+    assert interpreters and set(interpreters) == {".venv/bin/python"}, interpreters
+    assert "tools/demo.sh" in text and "tools/run_tests.sh" in text
+
+
+def test_readme_and_docstring_train_commands_pass_the_flag_checks():
+    """Each train.py command of the README and of train.py's docstring parses and passes every check but the data's."""
+    commands = _commands((ROOT / "README.md").read_text(), "examples/gpt/train.py")
+    commands += _commands(train_lib.__doc__, "examples/gpt/train.py")
+    assert len(commands) >= 12 and ["--mesh", "dp=2,tp=2", "--batch", "8"] in commands
+    parser = train_lib.build_parser()
+    for argv in commands:
+        args = parser.parse_args(argv)
+        recipes = [r for r in args.recipe.split(",") if r]
+        train_lib.check_configs([train_lib.config_from_args(args, r).resolved() for r in recipes])
+
+
+def test_readme_transformer_engine_differences_hold():
+    """The facts the README's "Coming from TransformerEngine" section states about te_jax."""
+    import inspect
+
+    import te_jax
+    import te_jax.flax as tf
+    from te_jax.quantize import numerics
+
+    assert inspect.signature(te_jax.autocast).parameters["enabled"].default is True
+    assert not hasattr(te_jax, "fp8_autocast") and te_jax.FP8_COLLECTION == "fp8_meta"
+    assert numerics.MAX_SCALE == 2.0**126
+    for rec in (R.DelayedScaling(), R.Float8CurrentScaling(), R.MXFP8BlockScaling(), R.NVFP4BlockScaling(),
+                R.Float8BlockScaling()):
+        assert rec.quantizer("linear_output") is None and rec.quantizer("linear_grad_input") is None
+        assert (rec.fast_accumulation, rec.backward_fast_accumulation) == (True, False)
+        with pytest.raises(TypeError):
+            type(rec)(fp8_dpa=False)
+    assert {f.name for f in dataclasses.fields(te_jax.MeshResource)} == {"dp_resource", "tp_resource",
+                                                                          "fsdp_resource", "sp_resource"}
+    assert tf.DenseGeneral(4).use_bias and tf.LayerNormDenseGeneral(4).use_bias and tf.LayerNormMLP().use_bias
+    assert tf.DenseGeneral(4).dtype is None
+    assert {"activation", "dropout_rng_name"} <= set(tf.LayerNormMLP.__dataclass_fields__)
+    assert "intermediate_dim" in tf.TransformerLayer.__dataclass_fields__
+    layer = tf.TransformerLayer(num_attention_heads=2, intermediate_dim=8)
+    assert layer.mlp_activation == "gelu" and layer.enable_rotary_pos_emb and layer.hidden_dropout == 0.0
+    x = jnp.ones((2, 16))
+    assert set(tf.LayerNorm().init(jax.random.key(0), x)["params"]) == {"scale", "bias"}
+    wi = tf.LayerNormMLP(intermediate_dim=8).init(jax.random.key(0), x)["params"]["wi_kernel"]
+    assert wi.shape == (16, 8)

@@ -342,10 +342,29 @@ def test_load_recipe(tmp_path, monkeypatch):
         R.load_recipe(str(tmp_path / "empty.py"))
     with pytest.raises(FileNotFoundError):
         R.load_recipe("recipes/nope.py")
-    with pytest.raises(ValueError, match="no recipe named"):
+    with pytest.raises(ValueError, match="no recipe named 'no_such_recipe'. Names: delayed, current, block, mxfp8"):
         R.load_recipe("no_such_recipe")
     monkeypatch.chdir(tmp_path)  # the gallery is still found next to the package
     assert isinstance(R.load_recipe("current_scaling_ref"), R.CustomRecipe)
+
+
+def test_load_recipe_takes_every_listed_name():
+    """The short names the example's --recipe takes, class names and snake cases, in any case, and the gallery."""
+    short = {"delayed": R.DelayedScaling, "current": R.Float8CurrentScaling, "block": R.Float8BlockScaling,
+             "mxfp8": R.MXFP8BlockScaling, "nvfp4": R.NVFP4BlockScaling}
+    names = R.recipe_names()
+    assert names[:5] == list(short)
+    assert {"current_scaling_ref", "mixed_per_layer", "nvfp4_first_last_bf16"} <= set(names)
+    for name, cls in short.items():
+        assert R.load_recipe(name) == R.load_recipe(name.upper()) == cls()
+        assert type(R.load_recipe(cls.__name__.lower())) is cls and cls.__name__ in names
+    assert {"delayed_scaling", "float8_current_scaling", "float8_block_scaling", "mxfp8_block_scaling",
+            "nvfp4_block_scaling"} <= set(names)
+    for name in names:
+        assert isinstance(R.load_recipe(name), R.Recipe), name
+    with pytest.raises(ValueError) as err:
+        R.load_recipe("delayd")
+    assert all(name in str(err.value) for name in names)
 
 
 def test_init_state_of_delayed_quantizer():

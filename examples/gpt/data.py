@@ -77,6 +77,17 @@ def _tokens(raw: bytes) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8).copy()
 
 
+def check_seq_len(corpus: Corpus, seq_len: int) -> None:
+    """Raises ValueError when the training or held-out text is too short for one window of ``seq_len``."""
+    _check_length(corpus.train, "training", seq_len)
+    _check_length(corpus.eval, "held-out", seq_len)
+
+
+def _check_length(stream: np.ndarray, name: str, seq_len: int) -> None:
+    if len(stream) <= seq_len + 1:
+        raise ValueError(f"the {name} text ({len(stream)} bytes) is shorter than --seq-len + 2 ({seq_len + 2})")
+
+
 def _windows(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray:
     idx = starts[:, None] + np.arange(seq_len + 1)[None, :]
     return stream[idx].astype(np.int32)
@@ -84,8 +95,7 @@ def _windows(stream: np.ndarray, starts: np.ndarray, seq_len: int) -> np.ndarray
 
 def train_batch(corpus: Corpus, step: int, batch: int, seq_len: int, seed: int = 0) -> np.ndarray:
     """int32[batch, seq_len + 1]: random windows of the train stream, determined by (seed, step)."""
-    if len(corpus.train) <= seq_len + 1:
-        raise ValueError(f"the training text ({len(corpus.train)} bytes) is shorter than --seq-len + 1")
+    _check_length(corpus.train, "training", seq_len)
     rng = np.random.default_rng([seed, step])
     return _windows(corpus.train, rng.integers(0, len(corpus.train) - seq_len - 1, size=batch), seq_len)
 
@@ -93,8 +103,7 @@ def train_batch(corpus: Corpus, step: int, batch: int, seq_len: int, seed: int =
 def eval_batches(corpus: Corpus, num_batches: int, batch: int, seq_len: int) -> list[np.ndarray]:
     """Fixed held-out batches: evenly spaced windows of the held-out stream (the same for every run)."""
     n = num_batches * batch
-    if len(corpus.eval) <= seq_len + 1:
-        raise ValueError(f"the held-out text ({len(corpus.eval)} bytes) is shorter than --seq-len + 1")
+    _check_length(corpus.eval, "held-out", seq_len)
     starts = np.linspace(0, len(corpus.eval) - seq_len - 1, n).astype(np.int64)
     windows = _windows(corpus.eval, starts, seq_len)
     return [windows[i * batch:(i + 1) * batch] for i in range(num_batches)]

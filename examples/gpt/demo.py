@@ -1,7 +1,7 @@
 """The demo: train the tiny byte-level GPT with bf16 and two FP8 recipes, then compare them.
 
     bash tools/demo.sh                       # makes .venv, builds te_jax, runs this
-    python examples/gpt/demo.py [--steps N] [--recipes bf16,current,delayed] [--out DIR]
+    .venv/bin/python examples/gpt/demo.py [--steps N] [--recipes bf16,current,delayed] [--out DIR]
 
 Trains on the Python standard library's source (no download), prints a table
 of final train/eval loss and tokens/s per recipe, and writes a loss-curve PNG
@@ -24,7 +24,6 @@ if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
 import jax
 
 import te_jax
-from examples.gpt import data as data_lib
 from examples.gpt import report
 from examples.gpt import train as train_lib
 
@@ -58,20 +57,27 @@ def choose_backend() -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    configs = [train_lib.RunConfig(preset=args.preset, recipe=name, steps=args.steps, batch=args.batch,
+                                   seq_len=args.seq_len, eval_every=args.eval_every, data=args.data,
+                                   progress=not args.no_progress).resolved() for name in recipes]
+    try:
+        if not configs:
+            raise ValueError(f"--recipes {args.recipes!r} names no recipe")
+        train_lib.check_configs(configs)
+        corpus = train_lib.load_corpus(args.data, configs[0].data_bytes, configs[0].seq_len)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
     devices = jax.devices()
     print(f"te_jax {te_jax.__version__}, jax {jax.__version__}: {len(devices)} x {devices[0].device_kind} "
           f"({jax.default_backend()})")
-    corpus = data_lib.load(args.data)
     print(f"data: {corpus.describe()}")
     start = time.perf_counter()
     results = []
     with te_jax.backend.use(choose_backend()):
-        for name in recipes:
-            cfg = train_lib.RunConfig(preset=args.preset, recipe=name, steps=args.steps, batch=args.batch,
-                                      seq_len=args.seq_len, eval_every=args.eval_every, data=args.data,
-                                      progress=not args.no_progress)
+        for cfg in configs:
             results.append(train_lib.train(cfg, corpus))
     r0 = results[0]
     print(f"\n{args.preset} model: {r0['params'] / 1e6:.2f}M parameters, {r0['steps']} steps of "

@@ -1,16 +1,25 @@
 """Train the byte-level GPT with any te_jax recipe.
 
-    python examples/gpt/train.py --preset tiny --recipe current
-    python examples/gpt/train.py --preset tiny --recipe bf16,delayed,current --plot curves.png
-    python examples/gpt/train.py --preset 125m --recipe mxfp8 --ckpt-dir /tmp/ckpt   # ... --resume
-    python examples/gpt/train.py --recipe recipes/mixed_per_layer.py --data my_text.txt
-    python examples/gpt/train.py --preset tiny --recipe mxfp8,nvfp4 --inspect stats/   # quantization statistics
+    .venv/bin/python examples/gpt/train.py --preset tiny --recipe current
+    .venv/bin/python examples/gpt/train.py --preset tiny --recipe bf16,delayed,current --plot curves.png
+    .venv/bin/python examples/gpt/train.py --preset 125m --recipe mxfp8 --ckpt-dir /tmp/ckpt   # ... --resume
+    .venv/bin/python examples/gpt/train.py --recipe recipes/mixed_per_layer.py --data my_text.txt
+    .venv/bin/python examples/gpt/train.py --preset tiny --recipe mxfp8,nvfp4 --inspect stats/   # statistics
 
-``--recipe`` takes bf16 (no quantization), delayed, current, mxfp8, nvfp4,
-block, flax-fp8 (the same model through flax.linen's Fp8DotGeneral, the
-baseline), a path to a recipes/ module (``te_jax.recipe.load_recipe``), or a
-comma-separated list of those (trained one after the other, then compared in
-a table and, with ``--plot``, a loss-curve PNG).
+(``.venv`` is the environment ``tools/demo.sh`` and ``tools/run_tests.sh`` make.)
+``--recipe`` takes bf16 (no quantization), flax-fp8 (the same model through
+flax.linen's Fp8DotGeneral, the baseline), any name or path
+``te_jax.recipe.load_recipe`` takes (delayed, current, block, mxfp8, nvfp4, a
+class name such as DelayedScaling, a recipes/ gallery name, a recipes/*.py
+path), or a comma-separated list of those (trained one after the other, then
+compared in a table and, with ``--plot``, a loss-curve PNG). A recipe that
+quantizes no layer of the model is reported with a warning. The table's train
+loss is the mean over the last 10% of the steps; its eval loss, the last
+evaluation's.
+
+A bad flag (an unknown recipe, a mesh the batch or the model cannot be split
+over, a missing checkpoint, a number out of range) ends with a usage message
+and exit status 2 before anything is compiled.
 
 The FP8 parts of the train step are three lines (see ``make_train_step``):
 the model is initialized and applied inside ``te_jax.autocast``, gradients
@@ -52,81 +61,15 @@ from jax.sharding import PartitionSpec as P
 import te_jax
 from examples.gpt import data as data_lib
 from examples.gpt import parallel, report
+from examples.gpt.config import NO_RECIPE, RunConfig, make_recipe, recipe_label
 from examples.gpt.model import GPT, count_params
 from examples.gpt.presets import PRESETS
 from te_jax import inspect as te_inspect
 from te_jax import recipe as R
 from te_jax.train import TrainState
 
-RECIPES = {
-    "bf16": None,
-    "delayed": R.DelayedScaling,
-    "current": R.Float8CurrentScaling,
-    "mxfp8": R.MXFP8BlockScaling,
-    "nvfp4": R.NVFP4BlockScaling,
-    "block": R.Float8BlockScaling,
-    "flax-fp8": None,  # no te_jax recipe: the blocks use flax's Fp8DotGeneral (ModelConfig.flax_fp8)
-}
-
-
-def make_recipe(name: str, num_layers: int | None = None) -> R.Recipe | None:
-    """A recipe from its short name (None for bf16) or from a recipes/ path or name.
-
-    ``num_layers`` (the model's depth) reaches gallery recipes that place
-    quantization by block position (``recipes/nvfp4_first_last_bf16.py``).
-    """
-    if name in RECIPES:
-        cls = RECIPES[name]
-        return None if cls is None else cls()
-    return R.load_recipe(name, num_layers=num_layers)
-
-
-def recipe_label(name: str) -> str:
-    return Path(name).stem if name.endswith(".py") else name
-
-
-# ---- configuration -------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RunConfig:
-    preset: str = "tiny"
-    recipe: str = "bf16"
-    steps: int | None = None
-    batch: int | None = None
-    seq_len: int | None = None
-    lr: float | None = None
-    warmup: int | None = None
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    seed: int = 0
-    eval_every: int | None = None
-    eval_batches: int | None = None
-    log_every: int = 10
-    data: str | None = None
-    data_bytes: int = 16 << 20
-    mesh: str = ""
-    ckpt_dir: str | None = None
-    ckpt_every: int = 0
-    resume: str | None = None  # "latest" or a step number
-    tensorboard: str | None = None
-    progress: bool = True
-    dtype: str | None = None
-    inspect: str | None = None  # directory for te_jax.inspect statistics (None: off)
-    inspect_every: int = 1  # statistics read every k-th row of activations and gradients (te_jax.inspect.Sample)
-
-    def resolved(self) -> RunConfig:
-        """With the preset's values filled in where a field is None."""
-        p = PRESETS[self.preset]
-        fill = dict(steps=p.steps, batch=p.batch, seq_len=p.seq_len, lr=p.lr, warmup=p.warmup,
-                    eval_every=p.eval_every, eval_batches=p.eval_batches, dtype=p.model.dtype)
-        return dataclasses.replace(self, **{k: v for k, v in fill.items() if getattr(self, k) is None})
-
-    def model_config(self):
-        m = PRESETS[self.preset].model
-        return dataclasses.replace(m, max_len=max(m.max_len, self.seq_len), dtype=self.dtype,
-                                   flax_fp8=self.recipe == "flax-fp8")
+TRAIN_LOSS_TAIL = 0.1  # the reported train loss: the mean over this last fraction of the steps
+TRAIN_LOSS_LABEL = f"train loss (mean of last {TRAIN_LOSS_TAIL:.0%})"
 
 
 # ---- the model's train state, shardings and steps ----------------------------------------------
@@ -152,6 +95,34 @@ def autocast_for(recipe: R.Recipe | None, mesh_resource, inspect: bool | te_insp
     if recipe is None:
         return te_jax.autocast(enabled=False, mesh_resource=mesh_resource)
     return te_jax.autocast(recipe=recipe, mesh_resource=mesh_resource, inspect=inspect)
+
+
+def quantized_layers(model: GPT, recipe: R.CustomRecipe, tokens: jax.Array) -> list[tuple[str, ...]]:
+    """The module paths of the layers that ``recipe`` quantizes at least one tensor of.
+
+    Found by tracing ``model.init`` (shapes only, nothing is compiled) under a
+    recipe that records the paths of the roles ``recipe`` returns a quantizer for.
+    """
+    paths = set()
+
+    def recording(role: R.Role):
+        quantizer = recipe.qfactory(role)
+        if quantizer is not None:
+            paths.add(role.path)
+        return quantizer
+
+    key = jax.random.key(0)
+    with te_jax.autocast(recipe=R.CustomRecipe(qfactory=recording)):
+        jax.eval_shape(model.init, {"params": key, "quantize": key}, tokens)
+    return sorted(paths)
+
+
+def warn_if_unquantized(cfg: RunConfig, model: GPT, recipe: R.Recipe | None, tokens: jax.Array) -> None:
+    """Prints a warning when ``recipe``, a CustomRecipe, quantizes no layer of ``model`` (built-ins quantize all)."""
+    if isinstance(recipe, R.CustomRecipe) and not quantized_layers(model, recipe, tokens):
+        print(f"warning: --recipe {cfg.recipe} quantizes no layer of the {model.config.layers}-block {cfg.preset} "
+              f"model: its qfactory returned None for every tensor, so every GEMM runs in {cfg.dtype}, as with "
+              "--recipe bf16", file=sys.stderr)
 
 
 def cross_entropy(logits, targets):
@@ -214,23 +185,50 @@ def save_checkpoint(manager, state: TrainState, meta: dict) -> None:
                                                meta=ocp.args.JsonSave(meta)))
 
 
-def restore_checkpoint(manager, state: TrainState, which: str, meta: dict) -> TrainState:
-    """``state`` with step, params (fp8_meta included) and optimizer state from the checkpoint."""
+def find_checkpoint(manager, which: str, meta: dict) -> int:
+    """The step of the checkpoint ``--resume which`` names, after checking it was written by this preset and recipe.
+
+    Raises:
+      FileNotFoundError: no such checkpoint in the manager's directory.
+      ValueError: the checkpoint was written with another --preset or --recipe.
+    """
     import orbax.checkpoint as ocp
 
+    steps = list(manager.all_steps())
     step = manager.latest_step() if which == "latest" else int(which)
-    if step is None or step not in manager.all_steps():
-        raise FileNotFoundError(f"--resume {which}: no such checkpoint in {manager.directory} "
-                                f"(steps there: {list(manager.all_steps())})")
+    if step is None or step not in steps:
+        raise FileNotFoundError(f"--resume {which}: no such checkpoint in {manager.directory} (steps there: {steps})")
     saved_meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     for key in ("preset", "recipe"):
         if saved_meta.get(key) != meta[key]:
             raise ValueError(f"--resume: the checkpoint was written with --{key} {saved_meta.get(key)!r}, "
                              f"this run has {meta[key]!r}")
+    return step
+
+
+def restore_checkpoint(manager, state: TrainState, step: int) -> TrainState:
+    """``state`` with step, params (fp8_meta included) and optimizer state from the checkpoint of ``step``."""
+    import orbax.checkpoint as ocp
+
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                           if isinstance(x, jax.Array) else x, _ckpt_tree(state))
     tree = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
     return state.replace(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """Raises (FileNotFoundError, ValueError) unless ``cfg.resume`` names a checkpoint this run can continue."""
+    if not Path(cfg.ckpt_dir).is_dir():
+        raise FileNotFoundError(f"--resume: --ckpt-dir {cfg.ckpt_dir} is not a directory")
+    manager = _ckpt_manager(cfg)
+    try:
+        find_checkpoint(manager, cfg.resume, _ckpt_meta(cfg))
+    finally:
+        manager.close()
+
+
+def _ckpt_meta(cfg: RunConfig) -> dict:
+    return {"preset": cfg.preset, "recipe": cfg.recipe, "seed": cfg.seed}
 
 
 # ---- one run -------------------------------------------------------------------------------------
@@ -261,18 +259,17 @@ class Run:
 
 def build_run(cfg: RunConfig) -> Run:
     """The model, its sharded initial state and the jitted steps of ``cfg`` (resolved)."""
+    shape = cfg.check()
     label = recipe_label(cfg.recipe)
     recipe = make_recipe(cfg.recipe, cfg.model_config().layers)
-    sample = te_inspect.Sample(cfg.inspect_every)  # checked before any work, used only with cfg.inspect
-    shape = parallel.parse_mesh(cfg.mesh)
-    if cfg.batch % (shape["dp"] * shape["fsdp"]):
-        raise ValueError(f"--batch {cfg.batch} must be divisible by dp*fsdp = {shape['dp'] * shape['fsdp']}")
+    sample = te_inspect.Sample(cfg.inspect_every)  # used only with cfg.inspect
     mesh = parallel.make_mesh(shape)
     mesh_resource = parallel.MESH_RESOURCE
     batch_sharding = NamedSharding(mesh, P(parallel.BATCH))
     model = GPT(dataclasses.replace(cfg.model_config(), logical_axes=shape["tp"] > 1))
     init_key, quant_key = jax.random.split(jax.random.key(cfg.seed))
     dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
+    warn_if_unquantized(cfg, model, recipe, dummy)
     inspecting = bool(cfg.inspect) and recipe is not None
     with autocast_for(recipe, mesh_resource, inspecting):  # creates fp8_meta (stateful recipes), fp8_stats
         variables = jax.jit(model.init)({"params": init_key, "quantize": quant_key}, dummy)
@@ -304,12 +301,12 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
              for b in data_lib.eval_batches(corpus, cfg.eval_batches, cfg.batch, cfg.seq_len)]
     inspecting = inspect_step is not None
 
-    meta = {"preset": cfg.preset, "recipe": cfg.recipe, "seed": cfg.seed}
+    meta = _ckpt_meta(cfg)
     manager = _ckpt_manager(cfg) if cfg.ckpt_dir else None
     if cfg.resume:
-        if manager is None:
-            raise ValueError("--resume needs --ckpt-dir")
-        state = restore_checkpoint(manager, state, cfg.resume, meta)
+        step = find_checkpoint(manager, cfg.resume, meta)
+        state = restore_checkpoint(manager, state, step)
+        print(f"{label}: resumed at step {step} from {Path(manager.directory) / str(step)}")
     start = int(state.step)
     stats_log = StatsLog(cfg.inspect, label, cfg.tensorboard) if inspecting else None
 
@@ -389,7 +386,7 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
         print(f"{label}: inspection costs {step_ms['overhead']:+.1%} per step ({step_ms['step_ms']:.1f} ms -> "
               f"{step_ms['inspect_step_ms']:.1f} ms, {jax.default_backend()}); statistics: {inspection['jsonl']}"
               + (f", report: {inspection['report']}" if inspection["report"] else ""))
-    tail = hist["loss"][-max(1, len(hist["loss"]) // 10):]
+    tail = hist["loss"][-max(1, round(len(hist["loss"]) * TRAIN_LOSS_TAIL)):]
     result = {
         "recipe": label,
         "preset": cfg.preset,
@@ -479,9 +476,9 @@ def inspect_overhead(train_step, inspect_step, state, shardings, tokens, iters: 
 
 
 def format_table(results: list[dict]) -> str:
-    """A plain-text table: recipe, final train/eval loss, tokens/s (and relative to bf16 when present)."""
+    """A plain-text table: recipe, train loss (``TRAIN_LOSS_LABEL``), final eval loss, tokens/s (and vs bf16)."""
     base = next((r["tokens_per_s"] for r in results if r["recipe"] == "bf16"), None)
-    rows = [("recipe", "train loss", "eval loss", "tokens/s", "vs bf16")]
+    rows = [("recipe", TRAIN_LOSS_LABEL, "eval loss", "tokens/s", "vs bf16")]
     for r in results:
         rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         rows.append((r["recipe"], f"{r['final_train_loss']:.4f}", f"{r['final_eval_loss']:.4f}",
@@ -497,8 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--recipe", default="bf16",
-                   help="bf16|delayed|current|mxfp8|nvfp4|block|flax-fp8, a recipes/*.py path, "
-                        "or a comma-separated list")
+                   help=f"{', '.join(NO_RECIPE)}, a te_jax.recipe name ({', '.join(R.BUILTIN)}, a class name such "
+                        "as DelayedScaling, a recipes/ gallery name), a recipes/*.py path, or a comma-separated "
+                        "list (trained in turn, then compared)")
     p.add_argument("--steps", type=int)
     p.add_argument("--batch", type=int, help="global batch size (sequences)")
     p.add_argument("--seq-len", type=int)
@@ -544,27 +542,67 @@ def config_from_args(args, recipe: str) -> RunConfig:
         inspect=args.inspect, inspect_every=args.inspect_every)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    args = build_parser().parse_args(argv)
+def prepare(args: argparse.Namespace) -> tuple[list[RunConfig], data_lib.Corpus]:
+    """Every run's resolved config and the corpus, after checking every flag (before anything compiles).
+
+    Raises:
+      ValueError, OSError: a flag's value no run can use; the message names the flag.
+    """
     if args.inspect_every != 1 and not args.inspect:
-        raise SystemExit("--inspect-every needs --inspect")
+        raise ValueError("--inspect-every needs --inspect")
+    if not args.distributed and any(v is not None for v in (args.coordinator, args.num_processes, args.process_id)):
+        raise ValueError("--coordinator, --num-processes and --process-id need --distributed")
     recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
+    if not recipes:
+        raise ValueError(f"--recipe {args.recipe!r} names no recipe")
     if len(recipes) > 1 and args.ckpt_dir:
-        raise SystemExit("--ckpt-dir takes one --recipe at a time")
+        raise ValueError("--ckpt-dir takes one --recipe at a time")
+    configs = [config_from_args(args, r).resolved() for r in recipes]
+    check_configs(configs)
     parallel.setup_devices(args.mesh, args.distributed, args.coordinator, args.num_processes, args.process_id)
-    for r in recipes:
-        make_recipe(r)  # fail on a bad name before loading data
-    corpus = data_lib.load(args.data, args.data_bytes)
+    parallel.make_mesh(parallel.parse_mesh(args.mesh))  # enough devices for the mesh
+    corpus = load_corpus(args.data, args.data_bytes, configs[0].seq_len)
+    if args.resume:
+        check_resume(configs[0])
+    return configs, corpus
+
+
+def check_configs(configs: list[RunConfig]) -> None:
+    """Raises ValueError, naming the flag, for settings or a recipe that a run cannot use."""
+    for cfg in configs:
+        cfg.check()
+        make_recipe(cfg.recipe, cfg.model_config().layers)
+
+
+def load_corpus(data: str | None, data_bytes: int, seq_len: int) -> data_lib.Corpus:
+    """``data_lib.load``, raising ValueError naming --data or --seq-len for a file it cannot train on."""
+    try:
+        corpus = data_lib.load(data, data_bytes)
+    except OSError as err:
+        raise ValueError(f"--data {data}: {err.strerror or err}") from None
+    data_lib.check_seq_len(corpus, seq_len)
+    return corpus
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """The command line: trains each --recipe in turn and compares them. A bad flag exits with status 2."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        configs, corpus = prepare(args)
+    except (ValueError, OSError) as err:
+        parser.error(str(err))
     preset = PRESETS[args.preset]
     print(f"data: {corpus.describe()}")
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind} ({jax.default_backend()}); "
           f"preset {args.preset}: {preset.model}")
     results = []
-    for r in recipes:
-        result = train(config_from_args(args, r), corpus)
+    for cfg in configs:
+        result = train(cfg, corpus)
         print(f"{result['recipe']}: {result['params'] / 1e6:.2f}M params, final train loss "
               f"{result['final_train_loss']:.4f}, eval loss {result['final_eval_loss']:.4f}, "
-              f"{result['tokens_per_s']:,.0f} tokens/s")
+              f"{result['tokens_per_s']:,.0f} tokens/s (train loss: the mean of the last "
+              f"{TRAIN_LOSS_TAIL:.0%} of the steps)")
         results.append(result)
     print()
     print(format_table(results))
