@@ -175,3 +175,18 @@ def test_grouped_reference_matches_ragged_dot_and_zeros_past_the_sum():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[56:], 0)
     np.testing.assert_allclose(got[30:51], x[30:51] @ kernel[4], rtol=1e-5, atol=1e-5)
+
+
+def test_nan_token_stays_in_its_row():
+    """A NaN in one token's input or router logits makes that token's output NaN and no other's."""
+    x = jax.random.normal(jax.random.key(12), (T, H))
+    logits = routing_logits(13, T, E, "random")
+    w_in, w_out = moe_weights(14, E, H, F)
+    pipeline = jax.jit(_pipeline, static_argnums=4)
+    clean = pipeline(x, logits, w_in, w_out, 2)
+    for bad_x, bad_logits in ((x.at[5, 3].set(jnp.nan), logits), (x, logits.at[5].set(jnp.nan))):
+        y = pipeline(bad_x, bad_logits, w_in, w_out, 2)
+        assert np.all(np.isnan(y[5]))
+        np.testing.assert_array_equal(np.delete(np.asarray(y), 5, 0), np.delete(np.asarray(clean), 5, 0))
+        ids = moe.route(bad_logits, 2).expert_ids
+        assert np.all((0 <= ids) & (ids < E))
