@@ -64,16 +64,16 @@ def loss_of(fn, cotangent):
     return jax.grad(loss, argnums=(0, 1, 2, 3))
 
 
-def dropped_expected(expert_ids: np.ndarray, devices_on_tokens: int, ep_of_shard, capacity: int) -> np.ndarray:
+def dropped_expected(expert_ids: np.ndarray, devices_on_tokens: int, ep_size, capacity: int) -> np.ndarray:
     """Which assignments [T, k] a per-pair capacity drops: per token shard and destination, those past
     ``capacity`` in the shard's stable by-expert order."""
     tokens_per_shard = expert_ids.shape[0] // devices_on_tokens
     k = expert_ids.shape[1]
-    experts_per_device = E // ep_of_shard
+    experts_per_device = E // ep_size
     dropped = np.zeros(expert_ids.size, bool)
     for shard in range(devices_on_tokens):
         flat = expert_ids[shard * tokens_per_shard:(shard + 1) * tokens_per_shard].reshape(-1)
-        seen = np.zeros(ep_of_shard, int)
+        seen = np.zeros(ep_size, int)
         for a in np.argsort(flat, kind="stable"):
             dest = flat[a] // experts_per_device
             dropped[shard * tokens_per_shard * k + a] = seen[dest] >= capacity
