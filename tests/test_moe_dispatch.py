@@ -27,7 +27,7 @@ from te_jax import moe
 
 HERE = Path(__file__).parent
 DROPLESS = ("ep8:random:2", "ep8:skew:1", "dp2xep4:empty:2", "dp2xep4:skew:2")
-CAPPED = ("ep8:random:2:6",)
+CAPPED = ("ep8:random:2:6", "dp2xep4:skew:1:8")
 # Collectives of the compiled expert-parallel MoE. all-reduce: the router's global counts and mean
 # probabilities and the dropped-row count (combined by XLA into the numbers below); backward, the
 # weight gradients' sum over "dp" where there is one.
