@@ -1,0 +1,21 @@
+"""Mixture-of-experts building blocks: routing, dropless permutation and expert-parallel exchange.
+
+Pure functions, jit-compatible with static shapes; see docs/moe.md.
+"""
+
+from te_jax.moe.dispatch import ExpertExchange, apply_experts, combine, dispatch
+from te_jax.moe.permute import Permutation, permute, sort_assignments, unpermute
+from te_jax.moe.routing import (
+    SCORE_FUNCTIONS,
+    Routing,
+    expert_counts,
+    load_balancing_loss,
+    route,
+    update_expert_bias,
+)
+
+__all__ = [
+    "SCORE_FUNCTIONS", "ExpertExchange", "Permutation", "Routing", "apply_experts", "combine", "dispatch",
+    "expert_counts", "load_balancing_loss", "permute", "route", "sort_assignments", "unpermute",
+    "update_expert_bias",
+]

@@ -1,0 +1,114 @@
+"""Dropless token permutation: rows grouped by expert, and back.
+
+Each of the ``T`` tokens is assigned to ``k`` experts, ``T * k`` assignments
+in all, numbered ``t * k + j`` (token ``t``'s ``j``-th expert). ``permute``
+sorts them by expert, stably (so within an expert the tokens keep their
+order), and gathers one row of ``x`` per assignment::
+
+    x_sorted, perm = permute(x, routing.expert_ids, num_experts)
+    y_sorted = grouped_ffn(x_sorted, perm.group_sizes)   # rows of expert e are contiguous
+    y = unpermute(y_sorted, perm, routing.gates)         # [T, H] = sum_j gate_j * y of (t, j)
+
+No token is dropped and every shape is static: ``x_sorted`` always has
+``T * k`` rows; only ``group_sizes`` (int32 on the device, zeros allowed)
+depends on the routing. Both directions are gathers, so gradients flow to
+``x``, to ``y_sorted`` and to the gates.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from te_jax.moe.routing import expert_counts
+
+
+class Permutation(NamedTuple):
+    """How ``permute`` ordered the assignments, for ``unpermute``.
+
+    Attributes:
+      sorted_assignment: int32 ``[T * k]``: the assignment (``t * k + j``) at
+        each row of ``x_sorted``.
+      assignment_row: int32 ``[T * k]``: the row of ``x_sorted`` holding each
+        assignment (the inverse of ``sorted_assignment``).
+      group_sizes: int32 ``[E]``: rows per expert, in expert order.
+    """
+
+    sorted_assignment: jax.Array
+    assignment_row: jax.Array
+    group_sizes: jax.Array
+
+
+def sort_assignments(expert_ids: jax.Array, num_experts: int) -> Permutation:
+    """The stable by-expert order of the flattened ``expert_ids`` (any shape).
+
+    Args:
+      expert_ids: integer ids in ``[0, num_experts)``.
+      num_experts: ``E`` (static).
+
+    Returns:
+      A ``Permutation`` over ``expert_ids.size`` assignments.
+    """
+    flat = expert_ids.reshape(-1).astype(jnp.int32)
+    sorted_assignment = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    assignment_row = jnp.argsort(sorted_assignment).astype(jnp.int32)
+    return Permutation(sorted_assignment, assignment_row, expert_counts(flat, num_experts))
+
+
+def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, Permutation]:
+    """Gathers one row of ``x`` per (token, expert) assignment, grouped by expert.
+
+    Args:
+      x: ``[T, H]`` tokens.
+      expert_ids: int ``[T, k]``, each token's experts (``Routing.expert_ids``).
+      num_experts: ``E`` (static).
+
+    Returns:
+      ``x_sorted`` ``[T * k, H]`` (expert 0's rows first, then expert 1's, ...)
+      and the ``Permutation``.
+
+    Raises:
+      ValueError: at trace time, for ``x`` not 2-D or ``expert_ids`` not
+        ``[T, k]``.
+    """
+    if x.ndim != 2 or expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"te_jax.moe.permute: x must be [tokens, hidden] and expert_ids [tokens, k]; got {x.shape} and "
+            f"{expert_ids.shape}"
+        )
+    num_experts_per_tok = expert_ids.shape[1]
+    perm = sort_assignments(expert_ids, num_experts)
+    return x[perm.sorted_assignment // num_experts_per_tok], perm
+
+
+def unpermute(y_sorted: jax.Array, perm: Permutation, gates: jax.Array) -> jax.Array:
+    """Combines the experts' rows back per token: ``y[t] = sum_j gates[t, j] * y_sorted[row of (t, j)]``.
+
+    The products and the sum over ``k`` are in float32 (in the order
+    ``j = 0, 1, ...``); the result has ``y_sorted``'s dtype.
+
+    Args:
+      y_sorted: ``[T * k, H]`` expert outputs in ``permute``'s row order.
+      perm: the ``Permutation`` from ``permute``.
+      gates: ``[T, k]`` gate weights (``Routing.gates``).
+
+    Returns:
+      ``[T, H]``.
+
+    Raises:
+      ValueError: at trace time, when the shapes do not match.
+    """
+    num_tokens, num_experts_per_tok = gates.shape
+    if y_sorted.ndim != 2 or y_sorted.shape[0] != num_tokens * num_experts_per_tok:
+        raise ValueError(
+            f"te_jax.moe.unpermute: y_sorted must be [tokens * k = {num_tokens * num_experts_per_tok}, hidden], "
+            f"got {y_sorted.shape}"
+        )
+    per_assignment = y_sorted[perm.assignment_row].reshape(num_tokens, num_experts_per_tok, -1)
+    weighted = per_assignment.astype(jnp.float32) * gates.astype(jnp.float32)[..., None]
+    combined = weighted[:, 0]
+    for j in range(1, num_experts_per_tok):
+        combined = combined + weighted[:, j]
+    return combined.astype(y_sorted.dtype)
