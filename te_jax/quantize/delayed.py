@@ -1,7 +1,7 @@
 """Delayed scaling: per-tensor FP8 quantized with a scale derived from past amaxes.
 
 The state of one tensor is ``{"amax_history": f32[L], "scale": f32[1]}``,
-initially zeros and one. Each step (ARCHITECTURE.md, "Delayed scaling"):
+initially zeros and one. Each step:
 
 1. quantize with the stored scale (the kernel returns this step's amax from
    the same pass);
@@ -40,9 +40,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from te_jax.ops import quantize as qops
+from te_jax.ops.fused_cast import CastSpec
+from te_jax.quantize import modes
 from te_jax.quantize import numerics as nm
 from te_jax.quantize.quantizers import as_matrix
-from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
+from te_jax.quantize.scaled_tensor import ScaledTensor
 
 State = dict[str, jax.Array]
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -149,6 +151,8 @@ class DelayedScalingQuantizer:
         if self.amax_reduction not in AMAX_REDUCTIONS:
             raise ValueError(f"te_jax: amax_reduction must be one of {AMAX_REDUCTIONS}, got {self.amax_reduction!r}")
 
+    scaling_mode = modes.FP8_TENSOR
+
     @property
     def fp8_max(self) -> float:
         return nm.fp8_max(self.dtype)
@@ -180,6 +184,11 @@ class DelayedScalingQuantizer:
                 "amax_history_len."
             )
 
+    def fused_cast(self, state=None, *, rowwise=True, colwise=False):
+        """The fused cast with the stored scale (the kernel returns this step's amax)."""
+        self.check_state(state)
+        return CastSpec("fp8_tensor", self.dtype, rowwise, colwise), as_float32(state)["scale"]
+
     def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
         """Quantizes with ``state["scale"]``; the result's ``amax`` is this step's amax."""
         self.check_state(state)
@@ -188,15 +197,5 @@ class DelayedScalingQuantizer:
         q, q_t, amax, scale_inv = qops.quantize_fp8_tensor(
             x2, scale, qdtype=self.dtype, rowwise=rowwise, colwise=colwise, backend=backend
         )
-        return ScaledTensor(
-            data=q if rowwise else None,
-            scale_inv=scale_inv if rowwise else None,
-            colwise_data=q_t if colwise else None,
-            colwise_scale_inv=scale_inv if colwise else None,
-            amax=amax,
-            colwise_amax=None,
-            mode=ScalingMode.FP8_TENSOR,
-            qdtype=self.dtype,
-            shape=tuple(x.shape),
-            flatten_axis=flatten_axis,
-        )
+        return ScaledTensor.from_kernel_outputs(self.scaling_mode, self.dtype, x.shape, q=q, s=scale_inv, q_t=q_t,
+                                                amax=amax, rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis)
