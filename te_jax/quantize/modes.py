@@ -98,6 +98,8 @@ class ModeSpec:
       scale_dtype: dtype of the stored scales.
       pack: values per stored data element (2: NVFP4's packed codes).
       global_amax: each copy also keeps a float32 global amax (NVFP4).
+      hadamard: the columnwise copy may carry the 16-point random Hadamard
+        transform (NVFP4 with 1x16 blocks).
       cast_modes: the fused-cast modes (``CastSpec.mode``) that write this
         mode inside a norm / activation kernel; empty when it is never fused.
       quantize_target, dequantize_target, gemm_target: FFI targets.
@@ -120,6 +122,7 @@ class ModeSpec:
     scale_dtype: Any
     pack: int
     global_amax: bool
+    hadamard: bool
     cast_modes: tuple[str, ...]
     quantize_target: str
     dequantize_target: str
@@ -180,25 +183,36 @@ class ModeSpec:
 
 
 FP8_TENSOR = ModeSpec(
-    "fp8_tensor", ScalingMode.FP8_TENSOR, "per-tensor FP8", None, jnp.dtype(jnp.float32), 1, False,
-    ("fp8_tensor", "fp8_current"), "te_jax_quantize_fp8", "te_jax_dequantize_fp8", "te_jax_gemm_fp8", 16, 9.0,
-    _scale_slots, ref.quantize_fp8_tensor, _fp8_tensor_dequantize)
+    name="fp8_tensor", family=ScalingMode.FP8_TENSOR, label="per-tensor FP8", block=None,
+    scale_dtype=jnp.dtype(jnp.float32), pack=1, global_amax=False, hadamard=False,
+    cast_modes=("fp8_tensor", "fp8_current"), quantize_target="te_jax_quantize_fp8",
+    dequantize_target="te_jax_dequantize_fp8", gemm_target="te_jax_gemm_fp8", gemm_k_multiple=16,
+    native_gemm_capability=9.0, gemm_scratch=_scale_slots, reference_quantize=ref.quantize_fp8_tensor,
+    reference_dequantize=_fp8_tensor_dequantize)
 MXFP8 = ModeSpec(
-    "mxfp8", ScalingMode.MXFP8, "MXFP8", (1, nm.MXFP8_BLOCK), jnp.dtype(jnp.uint8), 1, False, ("mxfp8",),
-    "te_jax_quantize_mxfp8", "te_jax_dequantize_mxfp8", "te_jax_gemm_mxfp8", 32, 10.0, _bf16_operands_scratch,
-    ref.quantize_mxfp8, _mxfp8_dequantize)
+    name="mxfp8", family=ScalingMode.MXFP8, label="MXFP8", block=(1, nm.MXFP8_BLOCK),
+    scale_dtype=jnp.dtype(jnp.uint8), pack=1, global_amax=False, hadamard=False, cast_modes=("mxfp8",),
+    quantize_target="te_jax_quantize_mxfp8", dequantize_target="te_jax_dequantize_mxfp8",
+    gemm_target="te_jax_gemm_mxfp8", gemm_k_multiple=32, native_gemm_capability=10.0,
+    gemm_scratch=_bf16_operands_scratch, reference_quantize=ref.quantize_mxfp8, reference_dequantize=_mxfp8_dequantize)
 FP8_BLOCK = ModeSpec(
-    "fp8_block", ScalingMode.FP8_BLOCK, "Float8 block scaling", (1, nm.FP8_BLOCK), jnp.dtype(jnp.float32), 1, False,
-    ("fp8_block",), "te_jax_quantize_fp8_block", "te_jax_dequantize_fp8_block", "te_jax_gemm_fp8_block", 16, 9.0,
-    _fp8_block_scratch, ref.quantize_fp8_block, _fp8_block_dequantize)
+    name="fp8_block", family=ScalingMode.FP8_BLOCK, label="Float8 block scaling", block=(1, nm.FP8_BLOCK),
+    scale_dtype=jnp.dtype(jnp.float32), pack=1, global_amax=False, hadamard=False, cast_modes=("fp8_block",),
+    quantize_target="te_jax_quantize_fp8_block", dequantize_target="te_jax_dequantize_fp8_block",
+    gemm_target="te_jax_gemm_fp8_block", gemm_k_multiple=16, native_gemm_capability=9.0,
+    gemm_scratch=_fp8_block_scratch, reference_quantize=ref.quantize_fp8_block,
+    reference_dequantize=_fp8_block_dequantize)
 FP8_BLOCK_2D = dataclasses.replace(
     FP8_BLOCK, name="fp8_block_2d", block=(nm.FP8_BLOCK, nm.FP8_BLOCK), cast_modes=(),
     reference_dequantize=_fp8_block_2d_dequantize)
 NVFP4 = ModeSpec(
-    "nvfp4", ScalingMode.NVFP4, "NVFP4", (1, nm.NVFP4_BLOCK), jnp.dtype(jnp.float8_e4m3fn), 2, True, ("nvfp4",),
-    "te_jax_quantize_nvfp4", "te_jax_dequantize_nvfp4", "te_jax_gemm_nvfp4", 32, 10.0, _nvfp4_scratch,
-    ref.quantize_nvfp4, _nvfp4_dequantize)
-NVFP4_2D = dataclasses.replace(NVFP4, name="nvfp4_2d", block=(nm.NVFP4_BLOCK, nm.NVFP4_BLOCK), cast_modes=())
+    name="nvfp4", family=ScalingMode.NVFP4, label="NVFP4", block=(1, nm.NVFP4_BLOCK),
+    scale_dtype=jnp.dtype(jnp.float8_e4m3fn), pack=2, global_amax=True, hadamard=True, cast_modes=("nvfp4",),
+    quantize_target="te_jax_quantize_nvfp4", dequantize_target="te_jax_dequantize_nvfp4",
+    gemm_target="te_jax_gemm_nvfp4", gemm_k_multiple=32, native_gemm_capability=10.0, gemm_scratch=_nvfp4_scratch,
+    reference_quantize=ref.quantize_nvfp4, reference_dequantize=_nvfp4_dequantize)
+NVFP4_2D = dataclasses.replace(NVFP4, name="nvfp4_2d", block=(nm.NVFP4_BLOCK, nm.NVFP4_BLOCK), hadamard=False,
+                               cast_modes=())
 
 MODES: dict[str, ModeSpec] = {m.name: m for m in (FP8_TENSOR, MXFP8, FP8_BLOCK, FP8_BLOCK_2D, NVFP4, NVFP4_2D)}
 CAST_MODES: tuple[str, ...] = ("none", *(c for m in MODES.values() for c in m.cast_modes))

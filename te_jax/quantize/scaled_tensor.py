@@ -74,6 +74,8 @@ class ScaledTensor:
         columnwise ``amax_t``), and ``rht`` marks NVFP4's transformed
         columnwise copy. Outputs of a copy that was not asked for are dropped.
         """
+        if rht and not spec.hadamard:
+            raise ValueError(f"te_jax: the Hadamard transform (rht) applies to NVFP4 1x16 blocks, not {spec.name}")
         return cls(
             data=q if rowwise else None,
             scale_inv=s if rowwise else None,
