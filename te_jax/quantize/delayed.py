@@ -112,6 +112,24 @@ def apply_state_gradient(state: State, grad: State) -> State:
     return {"amax_history": history, "scale": scale}
 
 
+def check_config(owner: str, *, margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo,
+                 amax_reduction) -> None:
+    """Raises a ValueError naming ``owner``'s field when a delayed-scaling setting is out of range."""
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"te_jax: {owner}.margin must be an int >= 0, got {margin!r}")
+    if isinstance(amax_history_len, bool) or not isinstance(amax_history_len, int) or amax_history_len < 1:
+        raise ValueError(f"te_jax: {owner}.amax_history_len must be an int >= 1, got {amax_history_len!r}")
+    if not callable(amax_compute_algo) and (isinstance(amax_compute_algo, bool)
+                                            or amax_compute_algo not in AMAX_COMPUTE_ALGOS):
+        raise ValueError(f"te_jax: {owner}.amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS} or a callable, "
+                         f"got {amax_compute_algo!r}")
+    if scaling_factor_compute_algo is not None and not callable(scaling_factor_compute_algo):
+        raise ValueError(f"te_jax: {owner}.scaling_factor_compute_algo must be None or a callable "
+                         f"f(amax, scale, fp8_max, margin), got {scaling_factor_compute_algo!r}")
+    if isinstance(amax_reduction, bool) or amax_reduction not in AMAX_REDUCTIONS:
+        raise ValueError(f"te_jax: {owner}.amax_reduction must be one of {AMAX_REDUCTIONS}, got {amax_reduction!r}")
+
+
 def is_state(tree: Any) -> bool:
     """Whether ``tree`` has the layout of a delayed-scaling state."""
     return isinstance(tree, dict) and set(tree) == {"amax_history", "scale"}
@@ -140,16 +158,9 @@ class DelayedScalingQuantizer:
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", qops.check_fp8_dtype(self.dtype))
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"te_jax: margin must be an int >= 0, got {self.margin!r}")
-        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
-                or self.amax_history_len < 1:
-            raise ValueError(f"te_jax: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
-        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-            raise ValueError(f"te_jax: amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS} or a callable, "
-                             f"got {self.amax_compute_algo!r}")
-        if self.amax_reduction not in AMAX_REDUCTIONS:
-            raise ValueError(f"te_jax: amax_reduction must be one of {AMAX_REDUCTIONS}, got {self.amax_reduction!r}")
+        check_config("DelayedScalingQuantizer", margin=self.margin, amax_history_len=self.amax_history_len,
+                     amax_compute_algo=self.amax_compute_algo,
+                     scaling_factor_compute_algo=self.scaling_factor_compute_algo, amax_reduction=self.amax_reduction)
 
     scaling_mode = modes.FP8_TENSOR
 

@@ -53,6 +53,11 @@ def _fp8_dtype(dtype) -> jnp.dtype:
     return qops.check_fp8_dtype(dtype)
 
 
+def _if_fused(quantizer, spec: CastSpec) -> tuple[CastSpec, None] | None:
+    """``(spec, None)`` when the kernels fuse ``quantizer``'s mode into a norm / activation, else None."""
+    return (spec, None) if spec.mode in quantizer.scaling_mode.cast_modes else None
+
+
 @dataclasses.dataclass(frozen=True)
 class CurrentScalingQuantizer:
     """Per-tensor FP8 with the scale computed from this tensor's own amax.
@@ -127,13 +132,12 @@ class Float8BlockQuantizer:
 
     @property
     def scaling_mode(self) -> modes.ModeSpec:
-        return modes.FP8_BLOCK_2D if self.block_2d else modes.FP8_BLOCK
+        return modes.mode_spec(modes.ScalingMode.FP8_BLOCK, self.block_2d)
 
     def fused_cast(self, state=None, *, rowwise=True, colwise=False):
-        """The fused cast (1x128 blocks only: 128x128 blocks are quantized unfused)."""
-        if self.block_2d:
-            return None
-        return CastSpec("fp8_block", self.dtype, rowwise, colwise, self.power_2_scales), None
+        """The fused cast, or None for 128x128 blocks (the kernels fuse 1x128 blocks only)."""
+        spec = CastSpec("fp8_block", self.dtype, rowwise, colwise, self.power_2_scales)
+        return _if_fused(self, spec)
 
     def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
         x2 = as_matrix(x, flatten_axis)
@@ -169,14 +173,13 @@ class NVFP4Quantizer:
 
     @property
     def scaling_mode(self) -> modes.ModeSpec:
-        return modes.NVFP4_2D if self.block_2d else modes.NVFP4
+        return modes.mode_spec(modes.ScalingMode.NVFP4, self.block_2d)
 
     def fused_cast(self, state=None, *, rowwise=True, colwise=False):
-        """The fused cast (1x16 blocks only: 16x16 blocks are quantized unfused)."""
-        if self.block_2d:
-            return None
-        return CastSpec("nvfp4", jnp.uint8, rowwise, colwise, rht=self.rht and colwise,
-                        stochastic_rounding=self.stochastic_rounding), None
+        """The fused cast, or None for 16x16 blocks (the kernels fuse 1x16 blocks only)."""
+        spec = CastSpec("nvfp4", jnp.uint8, rowwise, colwise, rht=self.rht and colwise,
+                        stochastic_rounding=self.stochastic_rounding)
+        return _if_fused(self, spec)
 
     def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
         x2 = as_matrix(x, flatten_axis)
