@@ -131,8 +131,9 @@ def test_unfused_quantizer_warns_and_quantizes_the_float32_output():
     with pytest.warns(qfused.UnfusedCastWarning, match="_HalvingQuantizer.*no fused_cast method"):
         y = qfused.activation(x, "gelu", quantizer, colwise=True)
     want = quantizer.quantize(qfused.activation(x, "gelu", out_dtype=jnp.float32), colwise=True)
+    assert jax.tree.structure(y) == jax.tree.structure(want)
     for got_leaf, want_leaf in zip(jax.tree.leaves(y), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(got_leaf.astype(jnp.float32)), np.asarray(want_leaf.astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(got_leaf, np.float32), np.asarray(want_leaf, np.float32))
 
 
 def test_fused_quantizer_does_not_warn():

@@ -296,7 +296,7 @@ def parallel_axes(mesh_resource: MeshResource | None) -> tuple[tuple[str, ...], 
 
 
 def call(lay: Layout, *args, mesh_resource: MeshResource | None = None):
-    """Runs the custom call; ``mesh_resource``'s tp/sp axes set ``keep_n``/``scatter_rows`` (unless ``lay`` has them)."""
+    """Runs the custom call; ``mesh_resource``'s tp/sp axes give ``keep_n``/``scatter_rows`` unless ``lay`` has them."""
     if not lay.keep_n and not lay.scatter_rows:
         keep_n, scatter_rows = parallel_axes(mesh_resource)
         lay = dataclasses.replace(lay, keep_n=keep_n, scatter_rows=scatter_rows)

@@ -440,4 +440,5 @@ def call(op: MatrixOp, *args) -> tuple:
     return run(*args)
 
 
-__all__ = ["MatrixOp", "ShardingGatherWarning", "Shards", "all_reduce", "call", "device_local", "ffi", "fold_shard_index", "per_matrix"]
+__all__ = ["MatrixOp", "ShardingGatherWarning", "Shards", "all_reduce", "call", "device_local", "ffi",
+           "fold_shard_index", "per_matrix"]

@@ -93,7 +93,7 @@ def _on(enabled: bool, tokens: str) -> str:
 def _fp8_tensor_kernel(x, scale, qdtype, rowwise, colwise):
     m, n = x.shape[-2:]
     results = (_sds(x, m, n, qdtype, rowwise), _sds(x, n, m, qdtype, colwise), _scalar_sds(x), _scalar_sds(x))
-    return tuple(partition.ffi("te_jax_quantize_fp8", results, x, scale, rowwise=rowwise, colwise=colwise))
+    return tuple(partition.ffi(modes.FP8_TENSOR.quantize_target, results, x, scale, rowwise=rowwise, colwise=colwise))
 
 
 def _fp8_tensor_body(op, shards, x, scale):
@@ -130,7 +130,7 @@ def _mxfp8_body(op, shards, x):
         _sds(x, m, n, qdtype, rowwise), _sds(x, m, n // b, jnp.uint8, rowwise),
         _sds(x, n, m, qdtype, colwise), _sds(x, n, m // b, jnp.uint8, colwise),
     )
-    return tuple(partition.ffi("te_jax_quantize_mxfp8", results, x, rowwise=rowwise, colwise=colwise))
+    return tuple(partition.ffi(modes.MXFP8.quantize_target, results, x, rowwise=rowwise, colwise=colwise))
 
 
 def _fp8_block_body(op, shards, x):
@@ -142,7 +142,7 @@ def _fp8_block_body(op, shards, x):
         _sds(x, m, n, qdtype, rowwise), _sds(x, m // br, n // b, jnp.float32, rowwise),
         _sds(x, n, m, qdtype, colwise), _sds(x, n // br, m // b, jnp.float32, colwise),
     )
-    return tuple(partition.ffi("te_jax_quantize_fp8_block", results, x, rowwise=rowwise, colwise=colwise,
+    return tuple(partition.ffi(modes.FP8_BLOCK.quantize_target, results, x, rowwise=rowwise, colwise=colwise,
                       block_2d=bool(block_2d), power_2=bool(power_2)))
 
 
@@ -156,7 +156,7 @@ def _nvfp4_kernel(x, words, flags: dict):
         _sds(x, n, m // 2, jnp.uint8, col), _sds(x, n, m // b, e4, col),
         _scalar_sds(x), _scalar_sds(x),
     )
-    return tuple(partition.ffi("te_jax_quantize_nvfp4", results, x, words, **flags))
+    return tuple(partition.ffi(modes.NVFP4.quantize_target, results, x, words, **flags))
 
 
 def _amax_rows(amax, amax_t, n: int, dtype, *, rowwise: bool, rht: bool):
@@ -232,7 +232,7 @@ def quantize_fp8_tensor(x, scale, *, qdtype=jnp.float8_e4m3fn, rowwise=True, col
     if backend_lib.resolve(backend) == "reference":
         return ref.quantize_fp8_tensor(x, scale, qdtype=qdtype, rowwise=rowwise, colwise=colwise)
     op = partition.MatrixOp(
-        "te_jax_quantize_fp8", _fp8_tensor_body, (qdtype, bool(rowwise), bool(colwise)), ("m n", "~"),
+        modes.FP8_TENSOR.quantize_target, _fp8_tensor_body, (qdtype, bool(rowwise), bool(colwise)), ("m n", "~"),
         (_on(rowwise, "m n"), _on(colwise, "n m"), "~", "~"), x.shape[-2:], reduce=(None, None, "max", None))
     return partition.call(op, x, scale)
 
@@ -272,7 +272,7 @@ def quantize_mxfp8(x, *, qdtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, 
     if backend_lib.resolve(backend) == "reference":
         return ref.quantize_mxfp8(x, qdtype=qdtype, rowwise=rowwise, colwise=colwise)
     results = (_on(rowwise, "m n"), _on(rowwise, "m n/32"), _on(colwise, "n m"), _on(colwise, "n m/32"))
-    op = partition.MatrixOp("te_jax_quantize_mxfp8", _mxfp8_body, (qdtype, bool(rowwise), bool(colwise)), ("m n",),
+    op = partition.MatrixOp(modes.MXFP8.quantize_target, _mxfp8_body, (qdtype, bool(rowwise), bool(colwise)), ("m n",),
                             results, x.shape[-2:])
     return partition.call(op, x)
 
@@ -296,7 +296,7 @@ def quantize_fp8_block(
     cols = "n/128" if block_2d else "n"
     results = (_on(rowwise, "m n"), _on(rowwise, f"{rows} n/128"), _on(colwise, "n m"), _on(colwise, f"{cols} m/128"))
     config = (qdtype, bool(rowwise), bool(colwise), bool(block_2d), bool(power_2))
-    op = partition.MatrixOp("te_jax_quantize_fp8_block", _fp8_block_body, config, ("m n",), results, x.shape[-2:])
+    op = partition.MatrixOp(modes.FP8_BLOCK.quantize_target, _fp8_block_body, config, ("m n",), results, x.shape[-2:])
     return partition.call(op, x)
 
 
@@ -332,7 +332,7 @@ def quantize_nvfp4(
     results = (_on(rowwise, "m n/2"), _on(rowwise, "m n/16"), _on(colwise, "n m/2"), _on(colwise, "n m/16"),
                "~", "~")
     align = (NVFP4_BLOCK if block_2d or rht else 1, NVFP4_BLOCK if block_2d else 1)
-    op = partition.MatrixOp("te_jax_quantize_nvfp4", _nvfp4_body, tuple(flags.items()), ("m n", "~"), results,
+    op = partition.MatrixOp(modes.NVFP4.quantize_target, _nvfp4_body, tuple(flags.items()), ("m n", "~"), results,
                             x.shape[-2:], align=align)
     return partition.call(op, x, words)
 
@@ -359,17 +359,15 @@ def _check_quantized(q, dtypes, what: str) -> None:
 
 
 def _dequantize_body(op, shards, q, *scales):
-    out_dtype, attrs = op.config
-    pack = 2 if op.target == "te_jax_dequantize_nvfp4" else 1
+    out_dtype, attrs, pack = op.config
     shape = (*q.shape[:-1], q.shape[-1] * pack)
     return tuple(partition.ffi(op.target, jax.ShapeDtypeStruct(shape, out_dtype), q, *scales, **dict(attrs)))
 
 
-def _dequantize(target: str, out_dtype, attrs: tuple, operands: tuple[str, ...], q, *scales):
-    """The dequantize custom call, partitioned like its data (block scales follow it)."""
-    pack = 2 if target == "te_jax_dequantize_nvfp4" else 1
-    op = partition.MatrixOp(target, _dequantize_body, (out_dtype, attrs), operands, ("m n",),
-                            (q.shape[-2], q.shape[-1] * pack))
+def _dequantize(mode: modes.ModeSpec, out_dtype, attrs: tuple, operands: tuple[str, ...], q, *scales):
+    """The dequantize custom call of ``mode``, partitioned like its data (block scales follow it)."""
+    op = partition.MatrixOp(mode.dequantize_target, _dequantize_body, (out_dtype, attrs, mode.pack), operands,
+                            ("m n",), (q.shape[-2], q.shape[-1] * mode.pack))
     return partition.call(op, q, *scales)[0]
 
 
@@ -380,7 +378,7 @@ def dequantize_fp8_tensor(q, scale_inv, *, out_dtype=jnp.float32, backend=None):
     scale_inv = jnp.asarray(scale_inv, jnp.float32).reshape(*q.shape[:-2], 1)
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_fp8_tensor(q, scale_inv, out_dtype=out_dtype)
-    return _dequantize("te_jax_dequantize_fp8", out_dtype, (), ("m n", "~"), q, scale_inv)
+    return _dequantize(modes.FP8_TENSOR, out_dtype, (), ("m n", "~"), q, scale_inv)
 
 
 def dequantize_mxfp8(q, s, *, out_dtype=jnp.float32, backend=None):
@@ -389,7 +387,7 @@ def dequantize_mxfp8(q, s, *, out_dtype=jnp.float32, backend=None):
     modes.MXFP8.check_tiles(q.shape, rowwise=True, colwise=False)
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_mxfp8(q, s, out_dtype=out_dtype)
-    return _dequantize("te_jax_dequantize_mxfp8", out_dtype, (), ("m n", "m n/32"), q, s.astype(jnp.uint8))
+    return _dequantize(modes.MXFP8, out_dtype, (), ("m n", "m n/32"), q, s.astype(jnp.uint8))
 
 
 def dequantize_fp8_block(q, s, *, block_2d=False, out_dtype=jnp.float32, backend=None):
@@ -399,7 +397,7 @@ def dequantize_fp8_block(q, s, *, block_2d=False, out_dtype=jnp.float32, backend
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_fp8_block(q, s, block_2d=block_2d, out_dtype=out_dtype)
     scales = "m/128 n/128" if block_2d else "m n/128"
-    return _dequantize("te_jax_dequantize_fp8_block", out_dtype, (("block_2d", bool(block_2d)),),
+    return _dequantize(_fp8_block_mode(block_2d), out_dtype, (("block_2d", bool(block_2d)),),
                        ("m n", scales), q, s.astype(jnp.float32))
 
 
@@ -410,7 +408,7 @@ def dequantize_nvfp4(q, s, amax, *, out_dtype=jnp.float32, backend=None):
     amax = jnp.asarray(amax, jnp.float32).reshape(*q.shape[:-2], 1)
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_nvfp4(q, s, amax, out_dtype=out_dtype)
-    return _dequantize("te_jax_dequantize_nvfp4", out_dtype, (), ("m n/2", "m n/16", "~"), q, s, amax)
+    return _dequantize(modes.NVFP4, out_dtype, (), ("m n/2", "m n/16", "~"), q, s, amax)
 
 
 # The dequantize op of each registry entry, called as ``(data, scales, amax, **kw)``.
