@@ -3,16 +3,14 @@
 A mode is everything te_jax knows about one way of laying out quantized data
 and its scales:
 
-=====================  =========  ==========  =============  ==================
-entry                  family     block       scale dtype    fused cast modes
-=====================  =========  ==========  =============  ==================
-``FP8_TENSOR``         FP8_TENSOR whole tensor float32 [1]   fp8_tensor (delayed), fp8_current
-``MXFP8``              MXFP8      1x32        uint8 (E8M0)   mxfp8
-``FP8_BLOCK``          FP8_BLOCK  1x128       float32        fp8_block
-``FP8_BLOCK_2D``       FP8_BLOCK  128x128     float32        (none: quantized unfused)
-``NVFP4``              NVFP4      1x16        float8_e4m3fn  nvfp4
-``NVFP4_2D``           NVFP4      16x16       float8_e4m3fn  (none: quantized unfused)
-=====================  =========  ==========  =============  ==================
+* ``FP8_TENSOR``: one float32 scale ``[1]`` per tensor (delayed and current
+  scaling); fused as the casts "fp8_tensor" (a given scale) and "fp8_current".
+* ``MXFP8``: 1x32 blocks, uint8 E8M0 scales; fused cast "mxfp8".
+* ``FP8_BLOCK``: 1x128 blocks, float32 scales; fused cast "fp8_block".
+* ``FP8_BLOCK_2D``: 128x128 blocks, float32 scales; not fused.
+* ``NVFP4``: 1x16 blocks, float8_e4m3fn scales and a float32 global amax,
+  optional Hadamard transform of the columnwise copy; fused cast "nvfp4".
+* ``NVFP4_2D``: 16x16 blocks, otherwise as NVFP4 (no Hadamard); not fused.
 
 Layout rules every mode follows: data is the matrix ``[M, N]`` (NVFP4: two
 E2M1 codes per byte, ``[M, N/2]``); block scales are ``[M/rows, N/cols]``
