@@ -1,18 +1,31 @@
-"""te_jax: FP8 and FP4 training for JAX and Flax on NVIDIA GPUs."""
+"""te_jax: FP8 and FP4 training for JAX and Flax on NVIDIA GPUs.
 
-from te_jax import _ffi, backend, ops, quantize
+``import te_jax`` loads the ops, quantization and sharding layers; the
+functional layers (``dense``, ``layernorm_dense``, ``layernorm_mlp``), the
+recipes, ``autocast``, the Flax helpers (``state``, ``train``, ``flax``) and
+``inspect`` are imported on first use, so that ``import te_jax.ops`` never
+loads Flax or anything above the ops layer.
+"""
+
+import importlib
+import sys
+import types
+
+from te_jax import _ffi, backend, ops, quantize, sharding
+from te_jax._names import FP8_COLLECTION, STATS_COLLECTION
+from te_jax.sharding import MeshResource
 
 __version__ = "0.1.0"
-FP8_COLLECTION = "fp8_meta"
 
-# Imported after FP8_COLLECTION, which te_jax.state reads from here.
-from te_jax import inspect, recipe, sharding, state, train  # noqa: E402
-from te_jax.autocast import autocast  # noqa: E402
-from te_jax.dense import DenseQuantizers, dense  # noqa: E402
-from te_jax.inspect.stats import STATS_COLLECTION  # noqa: E402
-from te_jax.layernorm_dense import layernorm_dense  # noqa: E402
-from te_jax.layernorm_mlp import MLPQuantizers, layernorm_mlp  # noqa: E402
-from te_jax.sharding import MeshResource  # noqa: E402
+_LAZY_MODULES = ("autocast", "dense", "flax", "inspect", "layernorm_dense", "layernorm_mlp", "recipe", "state", "train")
+_LAZY_NAMES = {
+    "DenseQuantizers": "te_jax.dense",
+    "MLPQuantizers": "te_jax.layernorm_mlp",
+    "dense": "te_jax.dense",
+    "layernorm_dense": "te_jax.layernorm_dense",
+    "layernorm_mlp": "te_jax.layernorm_mlp",
+    "autocast": "te_jax.autocast",
+}
 
 __all__ = [
     "FP8_COLLECTION", "STATS_COLLECTION", "DenseQuantizers", "MLPQuantizers", "MeshResource", "autocast", "backend",
@@ -21,9 +34,24 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # te_jax.flax (the Linen layers) is imported on first use, not with te_jax.
-    if name == "flax":
-        import importlib
+    # The functions dense / layernorm_dense / layernorm_mlp / autocast share their module's name: the function wins.
+    if name in _LAZY_NAMES:
+        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    elif name in _LAZY_MODULES:
+        value = importlib.import_module(f"te_jax.{name}")
+    else:
+        raise AttributeError(f"module 'te_jax' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
-        return importlib.import_module("te_jax.flax")
-    raise AttributeError(f"module 'te_jax' has no attribute {name!r}")
+
+class _Package(types.ModuleType):
+    """te_jax's module type: importing the submodule ``te_jax.dense`` (etc.) keeps ``te_jax.dense`` the function."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _LAZY_NAMES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

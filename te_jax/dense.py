@@ -332,7 +332,8 @@ def _forward(plan: _Plan, x, kernel, bias, state, key):
                                                flatten_axis=plan.nk, stats=stats)
     dims = (tuple(range(plan.nb, plan.nb + plan.nk)), tuple(range(plan.nk)))
     y = gemm(_either(xq, x), _either(kq, kernel), dims, out_dtype=jnp.result_type(x.dtype, kernel.dtype), bias=bias,
-             fast_accum=q.fast_accum)
+             fast_accum=q.fast_accum,
+             mesh_resource=current_autocast().mesh_resource)
     if q.output is not None:
         y, new[r[2]], grads[r[2]] = _qdq(plan, r[2], y, st.get(r[2]), key, plan.nb, stats)
     y = to_varying(y, plan.all_vary)  # custom calls drop shard_map's varying-axes types
@@ -370,11 +371,13 @@ def _dense_bwd(plan, res, cotangents):
     dy_n = tuple(range(plan.nb, plan.nb + plan.nn))
     k_n = tuple(range(plan.nk, plan.nk + plan.nn))
     # Backward GEMMs split their accumulation unless the recipe asks otherwise (more exact gradients).
-    dx = gemm(_either(dyq, dy), k_res, (dy_n, k_n), out_dtype=plan.x_dtype, fast_accum=q.backward_fast_accum)
+    dx = gemm(_either(dyq, dy), k_res, (dy_n, k_n), out_dtype=plan.x_dtype, fast_accum=q.backward_fast_accum,
+              mesh_resource=current_autocast().mesh_resource)
     if q.grad_input is not None:
         dx, _, grads[r[4]] = _qdq(plan, r[4], dx, st.get(r[4]), key, plan.nb, stats)
     batch = tuple(range(plan.nb))
-    dk = gemm(x_res, _either(dyq, dy), (batch, batch), out_dtype=plan.k_dtype, fast_accum=q.backward_fast_accum)
+    dk = gemm(x_res, _either(dyq, dy), (batch, batch), out_dtype=plan.k_dtype, fast_accum=q.backward_fast_accum,
+              mesh_resource=current_autocast().mesh_resource)
     dbias = None
     if plan.bias_dtype is not None:
         dbias = jnp.sum(dy.astype(jnp.float32), axis=batch).astype(plan.bias_dtype)

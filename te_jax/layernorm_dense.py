@@ -51,6 +51,7 @@ from te_jax.dense import QUANTIZED, DenseQuantizers, as_quantizers, name_quantiz
 from te_jax.inspect.stats import Sample, as_sample, primary_copy, stats_cotangent, stats_input, stats_leaves, tensor_stats
 from te_jax.ops import norm as norm_ops
 from te_jax.ops.gemm import gemm
+from te_jax.quantize import fused
 from te_jax.quantize.delayed import as_float32
 from te_jax.quantize.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
 from te_jax.quantize.scaled_tensor import ScaledTensor
@@ -253,12 +254,12 @@ def norm_input(norm: NormSpec | None, g: GemmQuant, x, gamma, beta, dtype, train
         return ln, (None, None)
 
     def fn(qz, st, key):
-        return norm_ops.norm(x, gamma, beta, qz, st, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
-                             epsilon=norm.epsilon, rowwise=True, colwise=training, key=key, out_dtype=dtype)
+        return fused.norm(x, gamma, beta, qz, st, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
+                          epsilon=norm.epsilon, rowwise=True, colwise=training, key=key, out_dtype=dtype)
 
     def reference(rows: slice) -> jax.Array:  # a norm is row by row: the rows asked for need only those rows of x
-        return norm_ops.norm(x[rows], gamma, beta, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
-                             epsilon=norm.epsilon, out_dtype=jnp.float32, backend="reference")[0]
+        return fused.norm(x[rows], gamma, beta, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
+                          epsilon=norm.epsilon, out_dtype=jnp.float32, backend="reference")[0]
 
     ln, mean, rsigma = g.run("input", fn, reference) if g.has("input") else fn(None, None, None)
     return ln, checkpoint_name((mean, rsigma), NORM_STATS)
@@ -423,7 +424,8 @@ def _forward(plan: _Plan, x, gamma, beta, kernel, bias, state, key, training: bo
     g = GemmQuant(plan.q, state, key, plan.mesh_resource, plan.inspect)
     ln, stats = norm_input(plan.norm, g, x, gamma, beta, kernel.dtype, training)
     kq = g.quantize("weight", kernel, rowwise=training, colwise=True, flatten_axis=1)
-    y = gemm(ln, kq, ((1,), (0,)), out_dtype=kernel.dtype, bias=bias, fast_accum=plan.q.fast_accum)
+    y = gemm(ln, kq, ((1,), (0,)), out_dtype=kernel.dtype, bias=bias, fast_accum=plan.q.fast_accum,
+             mesh_resource=current_autocast().mesh_resource)
     y = to_varying(g.qdq("output", y), plan.all_vary)
     res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(kq, "rowwise"), g.st,
            g.grads, key, g.stats)
@@ -448,8 +450,10 @@ def _bwd(plan: _Plan, res, cts):
     dyq = g.quantize("grad_output", dy, rowwise=True, colwise=True)
     # Backward GEMMs split their accumulation unless the recipe asks otherwise, as te_jax.dense does.
     fast = plan.q.backward_fast_accum
-    dln = g.qdq("grad_input", gemm(dyq, kq, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast))
-    dk = gemm(ln, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast)
+    dln = g.qdq("grad_input", gemm(dyq, kq, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast,
+                                   mesh_resource=current_autocast().mesh_resource))
+    dk = gemm(ln, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast,
+              mesh_resource=current_autocast().mesh_resource)
     db = None if plan.bias_dtype is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(plan.bias_dtype)
     dx, dgamma, dbeta = norm_backward(plan.norm, dln, x, gamma, beta, stats, plan.x_dtype)
     u = plan.all_vary

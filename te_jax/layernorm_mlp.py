@@ -54,6 +54,7 @@ from te_jax.layernorm_dense import (PRE_ACTIVATION, GemmQuant, NormSpec, as_norm
                                     raw_key, state_cotangent, state_leaves, vary_of)
 from te_jax.ops import activation as act_ops
 from te_jax.ops.gemm import gemm
+from te_jax.quantize import fused
 from te_jax.recipe import Recipe
 from te_jax.sharding import MeshResource, match_cotangent, to_varying
 
@@ -262,14 +263,14 @@ def _keys(key):
 def _activation_output(plan: _Plan, go: GemmQuant, hid, mask, training: bool):
     """``act(hid)`` written by wo's input quantizer (fused unless dropout sits in between)."""
     if mask is not None:
-        a = act_ops.activation(hid, plan.activation, out_dtype=plan.dtype) * mask
+        a = fused.activation(hid, plan.activation, out_dtype=plan.dtype) * mask
         return go.quantize("input", a, rowwise=True, colwise=training)
     if not go.has("input"):
-        return act_ops.activation(hid, plan.activation, out_dtype=plan.dtype)
-    return go.run("input", lambda qz, st, k: (act_ops.activation(hid, plan.activation, qz, st, rowwise=True,
-                                                                 colwise=training, key=k),),
-                  lambda rows: act_ops.activation(hid[rows], plan.activation, out_dtype=jnp.float32,
-                                                  backend="reference"))[0]
+        return fused.activation(hid, plan.activation, out_dtype=plan.dtype)
+    return go.run("input", lambda qz, st, k: (fused.activation(hid, plan.activation, qz, st, rowwise=True,
+                                                               colwise=training, key=k),),
+                  lambda rows: fused.activation(hid[rows], plan.activation, out_dtype=jnp.float32,
+                                                backend="reference"))[0]
 
 
 def _forward(plan: _Plan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, qstats, training: bool):
@@ -278,11 +279,13 @@ def _forward(plan: _Plan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, qsta
     go = GemmQuant(plan.q.wo, state["wo"], ko, plan.mesh_resource, plan.inspect)
     ln, stats = norm_input(plan.norm, gi, x, gamma, beta, plan.dtype, training)
     k1q = gi.quantize("weight", k1, rowwise=training, colwise=True, flatten_axis=1)
-    hid = gemm(ln, k1q, ((1,), (0,)), out_dtype=plan.dtype, bias=b1, fast_accum=plan.q.wi.fast_accum)
+    hid = gemm(ln, k1q, ((1,), (0,)), out_dtype=plan.dtype, bias=b1, fast_accum=plan.q.wi.fast_accum,
+               mesh_resource=current_autocast().mesh_resource)
     hid = checkpoint_name(gi.qdq("output", hid), PRE_ACTIVATION)
     a = _activation_output(plan, go, hid, mask, training)
     k2q = go.quantize("weight", k2, rowwise=training, colwise=True, flatten_axis=1)
-    y = gemm(a, k2q, ((1,), (0,)), out_dtype=plan.dtype, bias=b2, fast_accum=plan.q.wo.fast_accum)
+    y = gemm(a, k2q, ((1,), (0,)), out_dtype=plan.dtype, bias=b2, fast_accum=plan.q.wo.fast_accum,
+             mesh_resource=current_autocast().mesh_resource)
     y = to_varying(go.qdq("output", y), plan.all_vary)
     res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(k1q, "rowwise"), hid,
            keep(a, "colwise"), keep(k2q, "rowwise"), mask, {"wi": gi.st, "wo": go.st},
@@ -314,8 +317,10 @@ def _bwd(plan: _Plan, res, cts):
     # Second GEMM. Backward GEMMs split their accumulation unless the recipe asks otherwise, as te_jax.dense does.
     dyq = go.quantize("grad_output", dy, rowwise=True, colwise=True)
     fast_wo = plan.q.wo.backward_fast_accum
-    da = go.qdq("grad_input", gemm(dyq, k2q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wo))
-    dk2 = gemm(a, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wo)
+    da = go.qdq("grad_input", gemm(dyq, k2q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wo,
+                                   mesh_resource=current_autocast().mesh_resource))
+    dk2 = gemm(a, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wo,
+               mesh_resource=current_autocast().mesh_resource)
     db2 = None if plan.b2_dtype is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(plan.b2_dtype)
     if mask is not None:
         da = da * mask
@@ -323,19 +328,21 @@ def _bwd(plan: _Plan, res, cts):
     has_b1 = plan.b1_dtype is not None
 
     def act_grad(qz, s, k):
-        return act_ops.activation_grad(da, hid, plan.activation, qz, s, dbias=has_b1, rowwise=True, colwise=True,
-                                       key=k, out_dtype=None if qz is not None else plan.dtype)
+        return fused.activation_grad(da, hid, plan.activation, qz, s, dbias=has_b1, rowwise=True, colwise=True,
+                                     key=k, out_dtype=None if qz is not None else plan.dtype)
 
     def reference(rows: slice) -> jax.Array:
-        return act_ops.activation_grad(da[rows], hid[rows], plan.activation, out_dtype=jnp.float32,
-                                       backend="reference")[0]
+        return fused.activation_grad(da[rows], hid[rows], plan.activation, out_dtype=jnp.float32,
+                                     backend="reference")[0]
 
     dh, db1 = gi.run("grad_output", act_grad, reference) if gi.has("grad_output") else act_grad(None, None, None)
     db1 = None if not has_b1 else db1.astype(plan.b1_dtype)
     # First GEMM and the norm.
     fast_wi = plan.q.wi.backward_fast_accum
-    dln = gi.qdq("grad_input", gemm(dh, k1q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wi))
-    dk1 = gemm(ln, dh, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wi)
+    dln = gi.qdq("grad_input", gemm(dh, k1q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wi,
+                                    mesh_resource=current_autocast().mesh_resource))
+    dk1 = gemm(ln, dh, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wi,
+               mesh_resource=current_autocast().mesh_resource)
     dx, dgamma, dbeta = norm_backward(plan.norm, dln, x, gamma, beta, stats, plan.x_dtype)
     u = plan.all_vary
     vx, vg, vb, vk1, vb1, vk2, vb2, vm = plan.vary

@@ -65,7 +65,8 @@ PARAM_AXES = ("embed", "heads", "qkv", "kv", "mlp", "act")
 ACTIVATION_AXES = ("batch", "length", "hidden")
 
 
-def _axes_of(value: Resource) -> tuple[str, ...]:
+def axes_of(value: Resource) -> tuple[str, ...]:
+    """A MeshResource entry (None, an axis name or a tuple of them) as a tuple of axis names."""
     return () if value is None else ((value,) if isinstance(value, str) else tuple(value))
 
 
@@ -96,8 +97,8 @@ def logical_axis_rules(mesh_resource: MeshResource, rules=()) -> tuple[tuple[str
     if not isinstance(mesh_resource, MeshResource):
         raise TypeError(f"te_jax: logical_axis_rules needs a te_jax.MeshResource, got {type(mesh_resource).__name__}")
     rules = tuple((str(name), value) for name, value in rules)
-    dp, fsdp = _axes_of(mesh_resource.dp_resource), _axes_of(mesh_resource.fsdp_resource)
-    tp, sp = _axes_of(mesh_resource.tp_resource), _axes_of(mesh_resource.sp_resource)
+    dp, fsdp = axes_of(mesh_resource.dp_resource), axes_of(mesh_resource.fsdp_resource)
+    tp, sp = axes_of(mesh_resource.tp_resource), axes_of(mesh_resource.sp_resource)
     ours = (("embed", fsdp), ("heads", tp), ("mlp", tp), ("qkv", ()), ("kv", ()), ("act", ()),
             ("batch", dp + tuple(a for a in fsdp if a not in dp)), ("length", sp), ("hidden", ()))
     taken = {name for name, _ in rules}

@@ -19,6 +19,7 @@ import pytest
 from te_jax.ops import activation as aops
 from te_jax.ops.fused_cast import CastSpec
 from te_jax.quantize import CurrentScalingQuantizer, DelayedScalingQuantizer, MXFP8Quantizer, NVFP4Quantizer
+from te_jax.quantize import fused as qfused
 from te_jax.quantize import ref_norm_act as rna
 from norm_act_util import (
     CASE_IDS, CASE_SPECS, E4M3, E5M2, F32_NONE, KEY, SCALE, assert_cast_follows_spec, assert_close, kernel,
@@ -239,8 +240,8 @@ def test_activation_with_quantizer_equals_quantizing_its_output(case):
     state = quantizer.init_state() if hasattr(quantizer, "init_state") else None
 
     def fused(x, dy, state):
-        y = aops.activation(x, "geglu", quantizer, state, colwise=True, key=KEY)
-        dx, db = aops.activation_grad(dy, x, "geglu", quantizer, state, dbias=True, colwise=True, key=KEY)
+        y = qfused.activation(x, "geglu", quantizer, state, colwise=True, key=KEY)
+        dx, db = qfused.activation_grad(dy, x, "geglu", quantizer, state, dbias=True, colwise=True, key=KEY)
         return y, dx, db
 
     def unfused(x, dy, state):

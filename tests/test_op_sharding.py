@@ -19,6 +19,7 @@ import pytest
 from te_jax.ops import activation as A
 from te_jax.ops.fused_cast import CastSpec
 from te_jax.quantize import MXFP8Quantizer
+from te_jax.quantize import fused as qfused
 from qtest_util import run_on_fake_devices
 
 HELPER = pathlib.Path(__file__).with_name("op_sharding_multidevice.py")
@@ -77,8 +78,8 @@ def test_pair_axis_activation_grad_scaled_tensor():
     x = jnp.asarray(rng.normal(size=(64, 2, 64)), jnp.float32)
     dy = jnp.asarray(rng.normal(size=(64, 64)), jnp.float32)
     q = MXFP8Quantizer()
-    dx, db = A.activation_grad(dy, x, "geglu", q, dbias=True, colwise=True, pair_axis=True)
-    dx_flat, db_flat = A.activation_grad(dy, x.reshape(64, 128), "geglu", q, dbias=True, colwise=True)
+    dx, db = qfused.activation_grad(dy, x, "geglu", q, dbias=True, colwise=True, pair_axis=True)
+    dx_flat, db_flat = qfused.activation_grad(dy, x.reshape(64, 128), "geglu", q, dbias=True, colwise=True)
     assert dx.shape == (64, 2, 64) and dx.flatten_axis == -2 and dx.data.shape == (64, 128)
     np.testing.assert_array_equal(np.asarray(dx.dequantize()).reshape(64, 128), np.asarray(dx_flat.dequantize()))
     np.testing.assert_array_equal(np.asarray(db).reshape(-1), np.asarray(db_flat))

@@ -58,8 +58,7 @@ from te_jax import backend as backend_lib
 from te_jax.ops import partition
 from te_jax.ops import quantize as qops
 from te_jax.ops.fused_cast import (
-    BLOCKS, SPLIT_CASTS, CastOutputs, CastSpec, cast_operands, cast_reduce, cast_tokens, check_spec, result_shapes,
-    run_cast, split_cast,
+    SPLIT_CASTS, CastOutputs, CastSpec, cast_operands, cast_reduce, cast_tokens, check_spec, result_shapes, split_cast,
 )
 from te_jax.quantize import ref_norm_act as rna
 
@@ -104,9 +103,10 @@ def _x_tokens(act: str, pair_axis: bool) -> str:
 
 
 def _check_pair_blocks(spec: CastSpec, f: int) -> None:
-    if spec.mode in BLOCKS and f % BLOCKS[spec.mode]:
+    block = 1 if spec.mode == "none" else spec.scaling_mode.block_cols
+    if f % block:
         raise ValueError(f"te_jax: with pair_axis=True, the {spec.mode} cast of the gradient needs F={f} to be a "
-                         f"multiple of {BLOCKS[spec.mode]} (blocks may not straddle the [a | g] halves)")
+                         f"multiple of {block} (blocks may not straddle the [a | g] halves)")
 
 
 def _fwd_body(op, shards, x, scale, words):
@@ -226,16 +226,19 @@ def act_bwd(dy, x, *, act: str, spec: CastSpec = CastSpec(), scale=None, key=Non
     return CastOutputs(*outs[:7]), (outs[7] if dbias else None)
 
 
-# ---- quantizer-level and differentiable forms -----------------------------------------
+# ---- layouts and the differentiable unquantized form ------------------------------------
+#
+# The forms written through a quantizer (activation, activation_grad) live in te_jax.quantize.fused.
 
 
-def _out_shape(x, act, pair_axis=False):
+def out_shape(x, act: str, pair_axis: bool = False) -> tuple[int, ...]:
+    """The activation's output shape for an input ``x``."""
     if pair_axis:
         return (*x.shape[:-2], x.shape[-1])
     return (*x.shape[:-1], x.shape[-1] // 2 if act in GATED else x.shape[-1])
 
 
-def _matrix_form(outs: CastOutputs) -> CastOutputs:
+def matrix_form(outs: CastOutputs) -> CastOutputs:
     """Pair-form cast results (``[M, 2, F]``, ``[2, F, M]``) as the ``[M, 2F]`` / ``[2F, M]`` matrices."""
     def rows(a):
         return a.reshape(a.shape[0], -1) if a.ndim == 3 else a
@@ -246,52 +249,27 @@ def _matrix_form(outs: CastOutputs) -> CastOutputs:
     return outs._replace(q=rows(outs.q), s=rows(outs.s), q_t=cols(outs.q_t), s_t=cols(outs.s_t))
 
 
-def activation(x, act: str, quantizer=None, state=None, *, rowwise=True, colwise=False, key=None, out_dtype=None,
-               pair_axis=False, backend=None):
-    """``act(x)`` written through ``quantizer`` (a ScaledTensor), or an array when ``quantizer`` is None.
-
-    ``pair_axis``: a gated ``x [..., 2, F]`` (see ``act_fwd``); the output is ``[..., F]`` either way.
-    """
-    check_act_args(x, act, pair_axis)
-
-    def call(spec, scale, k):
-        return (act_fwd(x, act=act, spec=spec, scale=scale, key=k, pair_axis=pair_axis, backend=backend),)
-
-    return run_cast(call, _out_shape(x, act, pair_axis), x.dtype, quantizer, state, rowwise=rowwise,
-                    colwise=colwise, key=key, out_dtype=out_dtype)[0]
+def _unquantized(x, act, pair_axis, backend):
+    outs = act_fwd(x, act=act, spec=CastSpec("none", x.dtype), pair_axis=pair_axis, backend=backend)
+    return outs.q.reshape(out_shape(x, act, pair_axis))
 
 
-def activation_grad(dy, x, act: str, quantizer=None, state=None, *, dbias=False, rowwise=True, colwise=False,
-                    key=None, out_dtype=None, pair_axis=False, backend=None):
-    """``(dx, dbias)``: dx written through ``quantizer`` (the grad-output quantizer of the layer below).
-
-    With ``pair_axis`` (x ``[..., 2, F]``): dx has x's shape, a ScaledTensor
-    with ``flatten_axis=-2`` (the matrix ``[M, 2F]``, as the kernel wrote it;
-    where F is sharded that reshape is a resharding, so a tensor-parallel
-    consumer should take ``act_bwd``'s pair-form arrays), and dbias is ``[2, F]``.
-    """
-    check_act_args(x, act, pair_axis)
-
-    def call(spec, scale, k):
-        outs, db = act_bwd(dy, x, act=act, spec=spec, scale=scale, key=k, dbias=dbias, pair_axis=pair_axis,
-                           backend=backend)
-        return (_matrix_form(outs) if pair_axis and quantizer is not None else outs), db
-
-    return tuple(run_cast(call, x.shape, x.dtype, quantizer, state, rowwise=rowwise, colwise=colwise, key=key,
-                          out_dtype=out_dtype, flatten_axis=-2 if pair_axis else -1))
+def _unquantized_grad(dy, x, act, pair_axis, backend):
+    outs, _ = act_bwd(dy, x, act=act, spec=CastSpec("none", x.dtype), pair_axis=pair_axis, backend=backend)
+    return outs.q.reshape(x.shape)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _apply(x, act, pair_axis, backend):
-    return activation(x, act, pair_axis=pair_axis, backend=backend)
+    return _unquantized(x, act, pair_axis, backend)
 
 
 def _apply_fwd(x, act, pair_axis, backend):
-    return activation(x, act, pair_axis=pair_axis, backend=backend), x
+    return _unquantized(x, act, pair_axis, backend), x
 
 
 def _apply_bwd(act, pair_axis, backend, x, dy):
-    return (activation_grad(dy, x, act, pair_axis=pair_axis, backend=backend)[0],)
+    return (_unquantized_grad(dy, x, act, pair_axis, backend),)
 
 
 _apply.defvjp(_apply_fwd, _apply_bwd)
@@ -303,5 +281,5 @@ def apply_activation(x, act: str, *, pair_axis=False, backend=None):
     return _apply(x, act, bool(pair_axis), backend)
 
 
-__all__ = ["ACTIVATIONS", "DBIAS_ROWS", "GATED", "act_bwd", "act_fwd", "activation", "activation_grad",
-           "apply_activation", "check_act_args"]
+__all__ = ["ACTIVATIONS", "DBIAS_ROWS", "GATED", "act_bwd", "act_fwd", "apply_activation", "check_act_args",
+           "matrix_form", "out_shape"]

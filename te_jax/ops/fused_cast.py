@@ -1,17 +1,15 @@
-"""The cast half of the fused norm/activation ops: specs, result shapes, quantizers.
+"""The cast half of the fused norm/activation ops: the cast spec, result shapes, sharding.
 
 A fused op (``te_jax.ops.norm``, ``te_jax.ops.activation``) computes a float32
 output ``y [M, N]`` and writes it through a cast described by a ``CastSpec``
-(defined with the reference, ``te_jax.quantize.ref_norm_act``). Every fused
-FFI target has the same seven cast results (see ``cast_outputs`` there):
-``q, s, q_t, s_t, amax, amax_t, scale``, with the layouts of
-``te_jax.ops.quantize``, so a ``ScaledTensor`` is built from them directly.
+(its FFI attributes are ``CastSpec.attrs``). Every fused FFI target has the
+same seven cast results (``CastOutputs``): ``q, s, q_t, s_t, amax, amax_t,
+scale``, with the layouts of ``te_jax.ops.quantize``; the pure-JAX twin of the
+cast is ``te_jax.quantize.ref_norm_act.cast_outputs``. Which scaling mode a
+cast mode writes is the registry's (``te_jax.quantize.modes.by_cast_mode``).
 
-``spec_for_quantizer`` maps the built-in quantizers onto a spec;
-``run_cast`` is what the high-level ops use: it runs the fused kernel with
-the quantizer's spec and returns a ScaledTensor, or, for a quantizer it cannot
-fuse (a custom one, 2D blocks), runs the kernel unquantized in float32 and
-calls the quantizer on the result.
+Quantizers are the quantize layer's business: ``te_jax.quantize.fused`` maps a
+quantizer onto a ``CastSpec`` and wraps the results into a ScaledTensor.
 
 Sharding (``te_jax.ops.partition``): ``cast_tokens`` gives the seven results'
 axis tokens. A fused op whose rows are split and whose cast needs the whole
@@ -22,7 +20,8 @@ over the output (written and read once in float32), taken only when split.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,19 +29,50 @@ import numpy as np
 
 from te_jax.ops import partition
 from te_jax.ops import quantize as qops
-from te_jax.quantize.delayed import DelayedScalingQuantizer, as_float32
-from te_jax.quantize.quantizers import (
-    CurrentScalingQuantizer,
-    Float8BlockQuantizer,
-    MXFP8Quantizer,
-    NVFP4Quantizer,
-)
-from te_jax.quantize.ref_norm_act import CAST_MODES, CastSpec
-from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
+from te_jax.quantize import modes
+from te_jax.quantize.modes import CAST_MODES
 
-BLOCKS = {"mxfp8": qops.MXFP8_BLOCK, "fp8_block": qops.FP8_BLOCK, "nvfp4": qops.NVFP4_BLOCK}
 SPLIT_CASTS = ("fp8_current", "nvfp4")  # scale from the whole tensor's amax
-_MODE_NAMES = {"mxfp8": "MXFP8", "fp8_block": "Float8 block scaling", "nvfp4": "NVFP4"}
+
+
+@dataclasses.dataclass(frozen=True)
+class CastSpec:
+    """How a fused kernel writes its output (the FFI attribute contract of the cast).
+
+    Attributes:
+      mode: "none" (unquantized), "fp8_tensor" (given scale, delayed scaling),
+        "fp8_current", "mxfp8", "fp8_block" (1x128), "nvfp4" (1x16).
+      qdtype: the FP8 dtype (FP8 modes), the output dtype ("none"; None: the
+        input's dtype), ignored for "nvfp4".
+      rowwise, colwise: which copies ("none": rowwise only).
+      power_2: power-of-two scales ("fp8_current", "fp8_block").
+      epsilon: amax lower bound ("fp8_current").
+      rht: random Hadamard transform of the columnwise copy ("nvfp4").
+      stochastic_rounding: ("nvfp4"), needs a PRNG key.
+    """
+
+    mode: str = "none"
+    qdtype: Any = None
+    rowwise: bool = True
+    colwise: bool = False
+    power_2: bool = False
+    epsilon: float = 0.0
+    rht: bool = False
+    stochastic_rounding: bool = False
+
+    @property
+    def attrs(self) -> dict:
+        """The FFI attributes of the cast (``csrc/common/norm_act.h``: ParseCastSpec)."""
+        return dict(
+            mode=self.mode, rowwise=bool(self.rowwise), colwise=bool(self.colwise), power_2=bool(self.power_2),
+            amax_epsilon=np.float32(self.epsilon), rht=bool(self.rht and self.colwise),
+            stochastic_rounding=bool(self.stochastic_rounding),
+        )
+
+    @property
+    def scaling_mode(self) -> modes.ModeSpec:
+        """The registry entry this cast writes (not defined for "none")."""
+        return modes.by_cast_mode(self.mode)
 
 
 class CastOutputs(NamedTuple):
@@ -82,9 +112,7 @@ def check_spec(spec: CastSpec, in_dtype, m: int, n: int) -> CastSpec:
         raise ValueError(f"te_jax: amax_epsilon must be a finite number >= 0, got {spec.epsilon}")
     if m == 0 or n == 0:
         raise ValueError(f"te_jax: a quantized output needs a non-empty matrix, got [{m}, {n}]")
-    if spec.mode in BLOCKS:
-        qops.check_blocks((m, n), BLOCKS[spec.mode], rowwise=spec.rowwise, colwise=spec.colwise or spec.rht,
-                          mode=_MODE_NAMES[spec.mode])
+    spec.scaling_mode.check_tiles((m, n), rowwise=spec.rowwise, colwise=spec.colwise or spec.rht)
     if spec.mode == "nvfp4" and m * n >= 2**32:
         raise ValueError("te_jax: NVFP4 supports matrices of fewer than 2^32 elements")
     return spec
@@ -98,22 +126,16 @@ def result_shapes(spec: CastSpec, m: int, n: int) -> tuple[jax.ShapeDtypeStruct,
         return jax.ShapeDtypeStruct(shape if on else (0,), dtype)
 
     one = (1,)
-    mode = spec.mode
-    if mode == "none":
+    if spec.mode == "none":
         return (sds((m, n), spec.qdtype), sds(one, f32, False), sds(one, spec.qdtype, False),
                 *(sds(one, f32, False),) * 4)
-    if mode in ("fp8_tensor", "fp8_current"):
-        q = spec.qdtype
+    mode, q = spec.scaling_mode, spec.qdtype
+    if mode.per_tensor:
         return (sds((m, n), q, row), sds(one, f32), sds((n, m), q, col), sds(one, f32, False), sds(one, f32),
-                sds(one, f32, False), sds(one, f32, mode == "fp8_current"))
-    if mode in ("mxfp8", "fp8_block"):
-        b, q = BLOCKS[mode], spec.qdtype
-        st = jnp.uint8 if mode == "mxfp8" else f32
-        return (sds((m, n), q, row), sds((m, n // b), st, row), sds((n, m), q, col), sds((n, m // b), st, col),
-                *(sds(one, f32, False),) * 3)
-    b, e4 = BLOCKS[mode], jnp.float8_e4m3fn
-    return (sds((m, n // 2), jnp.uint8, row), sds((m, n // b), e4, row), sds((n, m // 2), jnp.uint8, col),
-            sds((n, m // b), e4, col), sds(one, f32), sds(one, f32), sds(one, f32, False))
+                sds(one, f32, False), sds(one, f32, spec.mode == "fp8_current"))
+    p, b, st = mode.pack, mode.block_cols, mode.scale_dtype
+    return (sds((m, n // p), q, row), sds((m, n // b), st, row), sds((n, m // p), q, col), sds((n, m // b), st, col),
+            sds(one, f32, mode.global_amax), sds(one, f32, mode.global_amax), sds(one, f32, False))
 
 
 def cast_operands(spec: CastSpec, scale, key):
@@ -155,12 +177,11 @@ def cast_tokens(spec: CastSpec, cols: tuple[str, ...] = ("n",)) -> tuple[str, ..
 
     if mode == "none":
         return (along(("m", *cols), 1), *("~",) * 6)
-    if mode in ("fp8_tensor", "fp8_current"):
+    spec_mode = spec.scaling_mode
+    if spec_mode.per_tensor:
         q, _, q_t, _ = copies(1, 1)
         return q, "~", q_t, "~", "~", "~", "~"
-    if mode in ("mxfp8", "fp8_block"):
-        return (*copies(1, BLOCKS[mode]), "~", "~", "~")
-    return (*copies(2, BLOCKS[mode]), "~", "~", "~")
+    return (*copies(spec_mode.pack, spec_mode.block_cols), "~", "~", "~")
 
 
 def cast_reduce(spec: CastSpec) -> tuple[str | None, ...]:
@@ -188,77 +209,5 @@ def split_cast(y, spec: CastSpec, words, shards: partition.Shards) -> tuple:
     return q, s, q_t, s_t, amax, amax_t, empty
 
 
-# ---- quantizers ------------------------------------------------------------------------
-
-
-def spec_for_quantizer(quantizer, state=None, *, rowwise=True, colwise=False):
-    """``(spec, scale)`` for a built-in quantizer, or None when the cast cannot be fused."""
-    if isinstance(quantizer, DelayedScalingQuantizer):
-        quantizer.check_state(state)
-        return CastSpec("fp8_tensor", quantizer.dtype, rowwise, colwise), as_float32(state)["scale"]
-    if isinstance(quantizer, CurrentScalingQuantizer):
-        return CastSpec("fp8_current", quantizer.dtype, rowwise, colwise, quantizer.power_2_scales,
-                        quantizer.amax_epsilon), None
-    if isinstance(quantizer, MXFP8Quantizer):
-        return CastSpec("mxfp8", quantizer.dtype, rowwise, colwise), None
-    if isinstance(quantizer, Float8BlockQuantizer) and not quantizer.block_2d:
-        return CastSpec("fp8_block", quantizer.dtype, rowwise, colwise, quantizer.power_2_scales), None
-    if isinstance(quantizer, NVFP4Quantizer) and not quantizer.block_2d:
-        return CastSpec("nvfp4", jnp.uint8, rowwise, colwise, rht=quantizer.rht and colwise,
-                        stochastic_rounding=quantizer.stochastic_rounding), None
-    return None
-
-
-def scaled_tensor(outs: CastOutputs, spec: CastSpec, quantizer, shape, flatten_axis: int = -1) -> ScaledTensor:
-    """The ScaledTensor of logical ``shape`` that ``quantizer.quantize`` would return."""
-    row, col, mode = spec.rowwise, spec.colwise, spec.mode
-    if mode in ("fp8_tensor", "fp8_current"):
-        smode, s, s_t, amax, amax_t, layout = ScalingMode.FP8_TENSOR, outs.s, outs.s, outs.amax, None, {}
-    elif mode == "mxfp8":
-        smode, s, s_t, amax, amax_t, layout = ScalingMode.MXFP8, outs.s, outs.s_t, None, None, {}
-    elif mode == "fp8_block":
-        smode, s, s_t, amax, amax_t, layout = ScalingMode.FP8_BLOCK, outs.s, outs.s_t, None, None, {}
-    else:
-        smode, s, s_t = ScalingMode.NVFP4, outs.s, outs.s_t
-        amax, amax_t, layout = outs.amax, (outs.amax_t if col else None), {"rht": bool(spec.rht and col)}
-    return ScaledTensor(
-        data=outs.q if row else None,
-        scale_inv=s if row else None,
-        colwise_data=outs.q_t if col else None,
-        colwise_scale_inv=s_t if col else None,
-        amax=amax,
-        colwise_amax=amax_t,
-        mode=smode,
-        qdtype=jnp.dtype(quantizer.dtype),
-        shape=tuple(shape),
-        flatten_axis=flatten_axis,
-        **layout,
-    )
-
-
-def run_cast(call: Callable, shape, in_dtype, quantizer, state, *, rowwise, colwise, key, out_dtype,
-             flatten_axis: int = -1):
-    """Runs ``call(spec, scale, key)`` (which returns ``(CastOutputs, *extras)``) for ``quantizer``.
-
-    ``shape`` is the logical output shape, viewed as a matrix around
-    ``flatten_axis`` (the kernel's ``[M, N]``). Returns ``(y, *extras)`` with ``y``
-    a ScaledTensor, or an array of ``shape`` in ``out_dtype`` (default
-    ``in_dtype``) when ``quantizer`` is None.
-    """
-    if quantizer is None:
-        outs, *extras = call(CastSpec("none", out_dtype or in_dtype), None, None)
-        return (outs.q.reshape(shape), *extras)
-    fused = spec_for_quantizer(quantizer, state, rowwise=rowwise, colwise=colwise)
-    if fused is None:
-        # Not fusable: the float32 output, then the quantizer itself.
-        outs, *extras = call(CastSpec("none", jnp.float32), None, None)
-        layout = {} if flatten_axis == -1 else {"flatten_axis": flatten_axis}
-        y = quantizer.quantize(outs.q.reshape(shape), state, rowwise=rowwise, colwise=colwise, key=key, **layout)
-        return (y, *extras)
-    spec, scale = fused
-    outs, *extras = call(spec, scale, key)
-    return (scaled_tensor(outs, spec, quantizer, shape, flatten_axis), *extras)
-
-
-__all__ = ["BLOCKS", "SPLIT_CASTS", "CastOutputs", "CastSpec", "cast_operands", "cast_reduce", "cast_tokens",
-           "check_spec", "result_shapes", "run_cast", "scaled_tensor", "spec_for_quantizer", "split_cast"]
+__all__ = ["CAST_MODES", "SPLIT_CASTS", "CastOutputs", "CastSpec", "cast_operands", "cast_reduce", "cast_tokens",
+           "check_spec", "result_shapes", "split_cast"]

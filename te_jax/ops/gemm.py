@@ -28,9 +28,12 @@ from jax import lax
 
 from te_jax import backend as backend_lib
 from te_jax.ops.gemm_call import CUBLAS_WORKSPACE_BYTES, Layout, call, workspace_bytes
+from te_jax.quantize import modes
 from te_jax.quantize import numerics as nm
 from te_jax.quantize import reference as ref
-from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
+from te_jax.quantize.modes import ScalingMode
+from te_jax.quantize.scaled_tensor import ScaledTensor
+from te_jax.sharding import MeshResource
 
 __all__ = ["CUBLAS_WORKSPACE_BYTES", "gemm", "gemm_fp8", "gemm_fp8_block", "gemm_mxfp8", "gemm_nvfp4",
            "workspace_bytes"]
@@ -42,7 +45,7 @@ OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.flo
 
 def _check_operands(a, b, *, block: int, mode: str) -> int:
     """A [..., M, K] and B [N, K] or [..., N, K] (NVFP4: packed, K/2 columns); returns K."""
-    nvfp4 = mode == "NVFP4"
+    nvfp4 = mode == modes.NVFP4.label
     if nvfp4 and not a.dtype == b.dtype == jnp.uint8:
         raise TypeError(f"te_jax: NVFP4 GEMM operands must be packed uint8, got {a.dtype} and {b.dtype}")
     if not nvfp4 and not {jnp.dtype(a.dtype), jnp.dtype(b.dtype)} <= {jnp.dtype(d) for d in nm.FP8_DTYPES}:
@@ -89,7 +92,7 @@ def _out_dtype(out_dtype) -> jnp.dtype:
     return jnp.dtype(out_dtype)
 
 
-def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, fast_accum: bool, backend):
+def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, fast_accum: bool, backend, mesh_resource):
     """Checks out_dtype and bias, then runs the custom call or its reference twin."""
     out_dtype = _out_dtype(out_dtype)
     a, b = args[lay.roles.index("a")], args[lay.roles.index("b")]
@@ -106,10 +109,11 @@ def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, fast_accum: bool
         return (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
     lay = dataclasses.replace(lay, attrs=(*lay.attrs, ("fast_accum", bool(fast_accum))), out_dtype=out_dtype,
                               has_bias=bias is not None, n_lead=a.ndim - 2, b_batched=b.ndim > 2)
-    return call(lay, *args, *(() if bias is None else (bias,)))
+    return call(lay, *args, *(() if bias is None else (bias,)), mesh_resource=mesh_resource)
 
 
-def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, backend=None):
+def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, backend=None,
+             mesh_resource: MeshResource | None = None):
     """Per-tensor FP8: ``out = cast((a * a_scale_inv) @ (b * b_scale_inv)^T + bias)``.
 
     Args:
@@ -118,60 +122,67 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat1
       bias: ``[N]`` (out_dtype or float32) or None. out_dtype: float32, bfloat16 or float16.
       fast_accum: Hopper FP8 fast accumulation (ignored on CPU).
       backend: "ffi" or "reference" (default: ``te_jax.backend``'s context).
+      mesh_resource: under sharding, the tensor / sequence parallel axes: a
+        weight split over them stays split along N, and sequence-parallel
+        partial products are reduce-scattered over M (None: neither).
     """
-    _check_operands(a, b, block=1, mode="per-tensor FP8")
+    _check_operands(a, b, block=1, mode=modes.FP8_TENSOR.label)
     (a_scale_inv, ra), (b_scale_inv, rb) = _tensor_scale(a_scale_inv, a, "a_scale_inv"), _tensor_scale(
         b_scale_inv, b, "b_scale_inv")
     deq = lambda: (ref.dequantize_fp8_tensor(a, a_scale_inv), ref.dequantize_fp8_tensor(b, b_scale_inv))  # noqa: E731
-    lay = Layout("te_jax_gemm_fp8", ("a", "b", ra, rb))
-    return _run(lay, (a, b, a_scale_inv, b_scale_inv), deq, bias, out_dtype, fast_accum, backend)
+    lay = Layout(modes.FP8_TENSOR.gemm_target, ("a", "b", ra, rb))
+    return _run(lay, (a, b, a_scale_inv, b_scale_inv), deq, bias, out_dtype, fast_accum, backend, mesh_resource)
 
 
 def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=False, out_dtype=jnp.bfloat16,
-                   fast_accum=True, backend=None):
+                   fast_accum=True, backend=None, mesh_resource: MeshResource | None = None):
     """Float8 block scaling: float32 1/scale per 1x128 block, or per 128x128 block when ``*_block_2d``.
 
     ``a_s`` is ``[..., M, K/128]`` (2D: ``[..., M/128, K/128]``), ``b_s``
     likewise for B; 128x128 x 128x128 is refused. Other args as ``gemm_fp8``.
     """
-    k = _check_operands(a, b, block=ref.FP8_BLOCK, mode="Float8 block scaling")
+    block = modes.FP8_BLOCK.block_cols
+    k = _check_operands(a, b, block=block, mode=modes.FP8_BLOCK.label)
     if a_block_2d and b_block_2d:
         raise ValueError("te_jax: 128x128 x 128x128 block-scaled GEMMs are not supported; quantize one operand "
                          "with 1x128 blocks (Float8BlockQuantizer(block_2d=False))")
-    ra, rb = (ref.FP8_BLOCK if a_block_2d else 1), (ref.FP8_BLOCK if b_block_2d else 1)
-    a_s = _block_scales(a_s, a, k, ra, ref.FP8_BLOCK, jnp.float32, "a_s")
-    b_s = _block_scales(b_s, b, k, rb, ref.FP8_BLOCK, jnp.float32, "b_s")
+    ra, rb = (block if a_block_2d else 1), (block if b_block_2d else 1)
+    a_s = _block_scales(a_s, a, k, ra, block, modes.FP8_BLOCK.scale_dtype, "a_s")
+    b_s = _block_scales(b_s, b, k, rb, block, modes.FP8_BLOCK.scale_dtype, "b_s")
     deq = lambda: (ref.dequantize_fp8_block(a, a_s, block_2d=a_block_2d),  # noqa: E731
                    ref.dequantize_fp8_block(b, b_s, block_2d=b_block_2d))
-    lay = Layout("te_jax_gemm_fp8_block", ("a", "a_s", "b", "b_s"), k_block=ref.FP8_BLOCK, a_rows=ra, b_rows=rb,
-                  attrs=(("a_block_2d", bool(a_block_2d)), ("b_block_2d", bool(b_block_2d))))
-    return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend)
+    lay = Layout(modes.FP8_BLOCK.gemm_target, ("a", "a_s", "b", "b_s"), k_block=block, a_rows=ra, b_rows=rb,
+                 attrs=(("a_block_2d", bool(a_block_2d)), ("b_block_2d", bool(b_block_2d))))
+    return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend, mesh_resource)
 
 
-def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, backend=None):
+def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, backend=None,
+               mesh_resource: MeshResource | None = None):
     """MXFP8: uint8 E8M0 scales ``a_s [..., M, K/32]``, ``b_s [..., N, K/32]``. Other args as ``gemm_fp8``."""
-    k = _check_operands(a, b, block=ref.MXFP8_BLOCK, mode="MXFP8")
-    a_s = _block_scales(a_s, a, k, 1, ref.MXFP8_BLOCK, jnp.uint8, "a_s")
-    b_s = _block_scales(b_s, b, k, 1, ref.MXFP8_BLOCK, jnp.uint8, "b_s")
+    mode = modes.MXFP8
+    k = _check_operands(a, b, block=mode.block_cols, mode=mode.label)
+    a_s = _block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
+    b_s = _block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
     deq = lambda: (ref.dequantize_mxfp8(a, a_s), ref.dequantize_mxfp8(b, b_s))  # noqa: E731
-    lay = Layout("te_jax_gemm_mxfp8", ("a", "a_s", "b", "b_s"), k_block=ref.MXFP8_BLOCK)
-    return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend)
+    lay = Layout(mode.gemm_target, ("a", "a_s", "b", "b_s"), k_block=mode.block_cols)
+    return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend, mesh_resource)
 
 
 def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True,
-               backend=None):
+               backend=None, mesh_resource: MeshResource | None = None):
     """NVFP4: packed E2M1 ``a [..., M, K/2]`` (uint8), E4M3 scales ``a_s [..., M, K/16]``, amax ``[1]`` or ``[..., 1]``.
 
     Each operand decodes as ``e2m1 * s_b * S_dec`` with ``S_dec = 1 /
     nvfp4_global_encode_scale(amax)``. Other args as ``gemm_fp8``.
     """
-    k = _check_operands(a, b, block=ref.NVFP4_BLOCK, mode="NVFP4")
-    a_s = _block_scales(a_s, a, k, 1, ref.NVFP4_BLOCK, jnp.float8_e4m3fn, "a_s")
-    b_s = _block_scales(b_s, b, k, 1, ref.NVFP4_BLOCK, jnp.float8_e4m3fn, "b_s")
+    mode = modes.NVFP4
+    k = _check_operands(a, b, block=mode.block_cols, mode=mode.label)
+    a_s = _block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
+    b_s = _block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
     (a_amax, ra), (b_amax, rb) = _tensor_scale(a_amax, a, "a_amax"), _tensor_scale(b_amax, b, "b_amax")
     deq = lambda: (ref.dequantize_nvfp4(a, a_s, a_amax), ref.dequantize_nvfp4(b, b_s, b_amax))  # noqa: E731
-    lay = Layout("te_jax_gemm_nvfp4", ("a", "a_s", ra, "b", "b_s", rb), pack=2, k_block=ref.NVFP4_BLOCK)
-    return _run(lay, (a, a_s, a_amax, b, b_s, b_amax), deq, bias, out_dtype, fast_accum, backend)
+    lay = Layout(mode.gemm_target, ("a", "a_s", ra, "b", "b_s", rb), pack=mode.pack, k_block=mode.block_cols)
+    return _run(lay, (a, a_s, a_amax, b, b_s, b_amax), deq, bias, out_dtype, fast_accum, backend, mesh_resource)
 
 
 # ---- dot_general on ScaledTensors ------------------------------------------------------
@@ -218,13 +229,14 @@ def _pick(t: ScaledTensor, contract: tuple[int, ...], batch: tuple[int, ...], si
     data, scale = (t.colwise_data, t.colwise_scale_inv) if colwise else (t.data, t.scale_inv)
     lead = tuple(t.shape[i] for i in batch_axes)
     data = data.reshape(*lead, -1, data.shape[-1])
-    if t.mode is not ScalingMode.FP8_TENSOR:
-        rows_per_scale = ref.FP8_BLOCK if t.block_2d and t.mode is ScalingMode.FP8_BLOCK else 1
+    spec = t.scaling_mode
+    if not spec.per_tensor:
+        rows_per_scale = spec.rows_per_scale_row
         if lead and data.shape[-2] % rows_per_scale:
             raise ValueError(f"te_jax: {side}: batching 2D-block scales needs the rows per batch element "
                              f"({data.shape[-2]}) to be a multiple of {rows_per_scale}")
         scale = scale.reshape(*lead, data.shape[-2] // rows_per_scale, scale.shape[-1])
-    amax = t.colwise_amax if colwise and t.mode is ScalingMode.NVFP4 else t.amax
+    amax = t.colwise_amax if colwise and spec.global_amax else t.amax
     return _Operand(data, scale, amax, tuple(t.shape[i] for i in free), colwise)
 
 
@@ -255,7 +267,7 @@ def _gemm_scaled(lhs: ScaledTensor, rhs: ScaledTensor, lc, rc, lb, rb, bias, **k
 
 
 def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_dtype=jnp.bfloat16, bias=None,
-         fast_accum=True, backend=None) -> jax.Array:
+         fast_accum=True, backend=None, mesh_resource: MeshResource | None = None) -> jax.Array:
     """``lax.dot_general`` of quantized operands through the GEMM custom calls.
 
     Each ScaledTensor contributes the copy whose rows run along the
@@ -278,6 +290,8 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_d
       bias: ``[N]`` or the shape of rhs's free axes, added in float32, or None.
       fast_accum: Hopper FP8 fast accumulation (ignored on CPU).
       backend: "ffi" or "reference" (default: ``te_jax.backend``'s context).
+      mesh_resource: the tensor / sequence parallel axes for a sharded GEMM
+        (see ``gemm_fp8``); the functional layers pass their autocast's.
 
     Returns:
       ``[*batch, *lhs free axes, *rhs free axes]`` in ``out_dtype``.
@@ -295,7 +309,7 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_d
         if bias.shape not in ((math.prod(rhs_free),), rhs_free):
             raise ValueError(f"te_jax: bias must be [N] = [{math.prod(rhs_free)}] or {rhs_free}, got {bias.shape}")
         bias = bias.reshape(-1)
-    kw = dict(out_dtype=out_dtype, fast_accum=fast_accum, backend=backend)
+    kw = dict(out_dtype=out_dtype, fast_accum=fast_accum, backend=backend, mesh_resource=mesh_resource)
     if lq and rq:
         return _gemm_scaled(lhs, rhs, lc, rc, lb, rb, bias, **kw)
     out_dtype = _out_dtype(out_dtype)

@@ -8,6 +8,11 @@ cuBLASLt's alignment when lowering for CUDA. It is wrapped in
 contraction gives float32 partial products and one psum) and in
 ``custom_vmap`` (a vmapped axis becomes a leading axis of the custom call;
 per-tensor scales that vary along it become one scale per matrix).
+
+MXFP8 and NVFP4 GEMMs lowered for a GPU below compute capability 10.0 run the
+CUDA handler's documented emulation (each operand dequantized to bfloat16,
+then a bfloat16 GEMM accumulating in float32; docs/gemm_ffi.md): lowering
+warns once with a ``GemmEmulationWarning`` (``emulation_warning`` decides).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +32,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import te_jax._ffi  # noqa: F401  (registers the FFI targets)
 from te_jax.ops.partition import AxisClaims, device_local, mesh_axes
+from te_jax.quantize import modes
+from te_jax.sharding import MeshResource, axes_of
 
 CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
 _SCALARS = {"a_t": "a_tm", "b_t": "b_tm"}  # per-tensor value -> one value per matrix of the leading axes
@@ -64,31 +72,60 @@ class Layout:
 
 def workspace_bytes(target: str, a_shape, b_shape, k: int, out_dtype, bias_dtype=None) -> int:
     """The CUDA handlers' workspace: cuBLASLt's 32 MiB plus their scratch (docs/gemm_ffi.md, "Workspace")."""
+    mode = modes.by_gemm_target(target)
     rows_a, rows_b = math.prod(a_shape[:-1]), math.prod(b_shape[:-1])
     mats_a, mats_b = math.prod(a_shape[:-2]), math.prod(b_shape[:-2])  # matrices per operand (1 if 2-D)
-    slots = 256 * (mats_a + mats_b)  # 256-byte aligned per-matrix scale slots / regions
-    scratch = {"te_jax_gemm_fp8": slots, "te_jax_gemm_fp8_block": 4 * (rows_a + rows_b) * (k // 128) + slots,
-               "te_jax_gemm_mxfp8": 2 * (rows_a + rows_b) * k,
-               "te_jax_gemm_nvfp4": 2 * (rows_a + rows_b) * k + 8 * mats_a}[target]
+    scratch = mode.gemm_scratch(rows_a, rows_b, k, mats_a, mats_b)
     narrow = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    # The emulation (below the native capability) stages a float16 output in float32.
     staged = (bias_dtype is not None and jnp.dtype(bias_dtype) == jnp.float32 and jnp.dtype(out_dtype) in narrow) or (
-        target in ("te_jax_gemm_mxfp8", "te_jax_gemm_nvfp4") and jnp.dtype(out_dtype) == jnp.float16)
+        mode.native_gemm_capability > 9.0 and jnp.dtype(out_dtype) == jnp.float16)
     return CUBLAS_WORKSPACE_BYTES + scratch + (4 * rows_a * b_shape[-2] if staged else 0) + 4096
 
 
 def _check_cuda_shapes(lay: Layout, a_shape, b_shape) -> None:
     """What cuBLASLt needs beyond the CPU handler: 16-aligned M, N, K; K % 32 for MXFP8 and NVFP4."""
     m, n, k = a_shape[-2], b_shape[-2], a_shape[-1] * lay.pack
-    k_multiple = 32 if lay.target in ("te_jax_gemm_mxfp8", "te_jax_gemm_nvfp4") else 16
+    k_multiple = modes.by_gemm_target(lay.target).gemm_k_multiple
     if m % 16 or n % 16 or k % k_multiple:
         raise ValueError(f"te_jax: {lay.target} on CUDA needs M and N to be multiples of 16 and K of {k_multiple} "
                          f"(cuBLASLt's aligned rows), got M={m}, N={n}, K={k}; pad the operands")
+
+
+class GemmEmulationWarning(UserWarning):
+    """A GEMM lowered for a GPU without its native kernels runs the documented emulation."""
+
+
+def emulation_warning(target: str, compute_capability: float | None) -> str | None:
+    """The warning for lowering GEMM ``target`` for a GPU of ``compute_capability``, or None when it runs natively.
+
+    None also when the capability is unknown (None).
+    """
+    mode = modes.by_gemm_target(target)
+    if compute_capability is None or compute_capability >= mode.native_gemm_capability:
+        return None
+    return (f"te_jax: {mode.label} GEMMs ({target}) on a GPU of compute capability {compute_capability:.1f} run "
+            f"the documented emulation: each operand is dequantized to bfloat16, then multiplied by a bfloat16 GEMM "
+            f"accumulating in float32 (docs/gemm_ffi.md), without {mode.label}'s speed-up. Native kernels need "
+            f"compute capability {mode.native_gemm_capability:.1f}; for speed on this GPU use a per-tensor or "
+            "Float8 block recipe. Silence with warnings.filterwarnings('ignore', category=GemmEmulationWarning).")
+
+
+def _cuda_compute_capability() -> float | None:
+    """The first CUDA device's compute capability (None when it does not say)."""
+    try:
+        return float(jax.devices("cuda")[0].compute_capability)
+    except (RuntimeError, AttributeError, ValueError, TypeError, IndexError):
+        return None
 
 
 def _lower(platform: str, ctx, *args, lay: Layout):
     a, b = ctx.avals_in[lay.roles.index("a")], ctx.avals_in[lay.roles.index("b")]
     size = 0
     if platform == "cuda":
+        message = emulation_warning(lay.target, _cuda_compute_capability())
+        if message:  # the default warnings filter shows it once per message
+            warnings.warn(message, GemmEmulationWarning, stacklevel=2)
         _check_cuda_shapes(lay, a.shape, b.shape)
         size = workspace_bytes(lay.target, a.shape, b.shape, a.shape[-1] * lay.pack, lay.out_dtype,
                                ctx.avals_in[-1].dtype if lay.has_bias else None)
@@ -250,21 +287,18 @@ def _vmap_rule(lay: Layout, axis_size: int, in_batched, *args):
     return (out + bias).astype(lay.out_dtype), True
 
 
-def _parallel_axes() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The active autocast's (tensor + sequence parallel axes, sequence parallel axes)."""
-    from te_jax.autocast import current  # noqa: PLC0415  (te_jax.autocast imports the ops package)
-
-    res = current().mesh_resource
-    if res is None:
+def parallel_axes(mesh_resource: MeshResource | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(tensor + sequence parallel axes, sequence parallel axes)`` of ``mesh_resource`` (None: none)."""
+    if mesh_resource is None:
         return (), ()
-    axes = lambda v: () if v is None else ((v,) if isinstance(v, str) else tuple(v))  # noqa: E731
-    return axes(res.tp_resource) + axes(res.sp_resource), axes(res.sp_resource)
+    sp = axes_of(mesh_resource.sp_resource)
+    return axes_of(mesh_resource.tp_resource) + sp, sp
 
 
-def call(lay: Layout, *args):
-    """Runs the custom call; under an autocast with a MeshResource its tp/sp axes set ``keep_n``/``scatter_rows``."""
+def call(lay: Layout, *args, mesh_resource: MeshResource | None = None):
+    """Runs the custom call; ``mesh_resource``'s tp/sp axes give ``keep_n``/``scatter_rows`` unless ``lay`` has them."""
     if not lay.keep_n and not lay.scatter_rows:
-        keep_n, scatter_rows = _parallel_axes()
+        keep_n, scatter_rows = parallel_axes(mesh_resource)
         lay = dataclasses.replace(lay, keep_n=keep_n, scatter_rows=scatter_rows)
     run = jax.custom_batching.custom_vmap(lambda *xs: _partitioned(lay, *xs))
     run.def_vmap(functools.partial(_vmap_rule, lay))

@@ -61,8 +61,7 @@ from te_jax import backend as backend_lib
 from te_jax.ops import partition
 from te_jax.ops import quantize as qops
 from te_jax.ops.fused_cast import (
-    SPLIT_CASTS, CastOutputs, CastSpec, cast_operands, cast_reduce, cast_tokens, check_spec, result_shapes, run_cast,
-    split_cast,
+    SPLIT_CASTS, CastOutputs, CastSpec, cast_operands, cast_reduce, cast_tokens, check_spec, result_shapes, split_cast,
 )
 from te_jax.quantize import ref_norm_act as rna
 
@@ -219,27 +218,9 @@ def norm_bwd(dy, x, mean, rsigma, gamma, *, kind="layernorm", zero_centered_gamm
     return dx.astype(x.dtype).reshape(x.shape), dgamma, (dbeta if kind == "layernorm" else None)
 
 
-# ---- quantizer-level and differentiable forms -----------------------------------------
-
-
-def norm(x, gamma, beta=None, quantizer=None, state=None, *, kind="layernorm", zero_centered_gamma=False,
-         epsilon=1e-6, rowwise=True, colwise=False, key=None, out_dtype=None, backend=None):
-    """The norm of ``x`` written through ``quantizer``: ``(y, mean, rsigma)``.
-
-    ``y`` is the ScaledTensor ``quantizer.quantize(norm(x), state, ...)`` would
-    give (built-in quantizers are fused into the kernel; any other quantizer
-    gets the float32 output), or, with ``quantizer=None``, an array of x's
-    shape in ``out_dtype`` (default x's dtype). For delayed scaling, ``y.amax``
-    is this step's amax.
-    """
-
-    def call(spec, scale, k):
-        out = norm_fwd(x, gamma, beta, kind=kind, zero_centered_gamma=zero_centered_gamma, epsilon=epsilon,
-                       spec=spec, scale=scale, key=k, backend=backend)
-        return out.cast, out.mean, out.rsigma
-
-    return run_cast(call, x.shape, x.dtype, quantizer, state, rowwise=rowwise, colwise=colwise, key=key,
-                    out_dtype=out_dtype)
+# ---- the differentiable unquantized form ------------------------------------------------
+#
+# The norm written through a quantizer is te_jax.quantize.fused.norm.
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
@@ -269,5 +250,5 @@ def normalize(x, gamma, beta=None, *, kind="layernorm", zero_centered_gamma=Fals
     return _normalize(x, gamma, beta, kind, bool(zero_centered_gamma), float(epsilon), backend)
 
 
-__all__ = ["NORM_KINDS", "NormOutputs", "check_norm_args", "norm", "norm_bwd", "norm_bwd_groups", "norm_fwd",
+__all__ = ["NORM_KINDS", "NormOutputs", "check_norm_args", "norm_bwd", "norm_bwd_groups", "norm_fwd",
            "normalize"]

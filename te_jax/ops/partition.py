@@ -266,6 +266,10 @@ class AxisClaims:
         return axes
 
 
+class ShardingGatherWarning(UserWarning):
+    """A custom call gathers an operand whose sharding it cannot express (warned once per sharding)."""
+
+
 @functools.cache
 def _warn_no_parser() -> None:
     warnings.warn(f"te_jax: this jax ({jax.__version__}) lacks jax._src.sharding_impls.parse_flatten_op_sharding; "
@@ -278,7 +282,8 @@ def _spec_of(sharding, mesh) -> tuple:
 
     Shardings arrive undecoded (``decode_shardings=False``) because Shardy may
     split a mesh axis into sub-axes over uneven blocks, which no PartitionSpec
-    can express: such an operand is gathered.
+    can express: such an operand is gathered, with a ``ShardingGatherWarning``.
+    A sharding the parser does not handle at all raises.
     """
     if hasattr(sharding, "spec"):
         return tuple(sharding.spec)
@@ -287,7 +292,10 @@ def _spec_of(sharding, mesh) -> tuple:
         return ()
     try:
         return tuple(_parse_hlo_sharding(sharding._hlo_sharding, mesh)[0])
-    except Exception:  # noqa: BLE001  (sub-axes, or a layout the parser does not know)
+    except ValueError as err:  # jax's IndivisibleError: the tiling splits a mesh axis into sub-axes
+        warnings.warn(f"te_jax: an operand's sharding splits a mesh axis into sub-axes ({err}); no PartitionSpec "
+                      "expresses it, so the custom call gathers that operand (correct, but slower). Shard it along "
+                      "whole mesh axes to keep it split.", ShardingGatherWarning, stacklevel=2)
         return ()
 
 
@@ -432,4 +440,5 @@ def call(op: MatrixOp, *args) -> tuple:
     return run(*args)
 
 
-__all__ = ["MatrixOp", "Shards", "all_reduce", "call", "device_local", "ffi", "fold_shard_index", "per_matrix"]
+__all__ = ["MatrixOp", "ShardingGatherWarning", "Shards", "all_reduce", "call", "device_local", "ffi",
+           "fold_shard_index", "per_matrix"]

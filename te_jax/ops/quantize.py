@@ -24,13 +24,14 @@ import numpy as np
 import te_jax._ffi  # noqa: F401  (registers the FFI targets)
 from te_jax import backend as backend_lib
 from te_jax.ops import partition
+from te_jax.quantize import modes
 from te_jax.quantize import numerics as nm
 from te_jax.quantize import reference as ref
 
 HIGH_PRECISION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MXFP8_BLOCK = ref.MXFP8_BLOCK
-NVFP4_BLOCK = ref.NVFP4_BLOCK
-FP8_BLOCK = ref.FP8_BLOCK
+MXFP8_BLOCK = nm.MXFP8_BLOCK
+NVFP4_BLOCK = nm.NVFP4_BLOCK
+FP8_BLOCK = nm.FP8_BLOCK
 
 
 # ---- validation ------------------------------------------------------------------
@@ -58,21 +59,6 @@ def _check_matrix(x, name: str = "x") -> None:
 def _check_layouts(rowwise: bool, colwise: bool) -> None:
     if not (rowwise or colwise):
         raise ValueError("te_jax: ask for at least one of rowwise=True or colwise=True")
-
-
-def check_blocks(shape, block: int, *, rowwise: bool, colwise: bool, block_2d: bool = False, mode: str) -> None:
-    """The block size must divide N (rowwise blocks) and M (columnwise or 2D blocks)."""
-    m, n = shape[-2], shape[-1]
-    if (rowwise or block_2d) and n % block:
-        raise ValueError(
-            f"te_jax: {mode} needs the last axis (N={n}) to be a multiple of {block}; "
-            f"got shape {tuple(shape)}. Pad the tensor or pick another recipe."
-        )
-    if (colwise or block_2d) and m % block:
-        raise ValueError(
-            f"te_jax: {mode} {'2D blocks' if block_2d else 'columnwise copy'} needs the flattened "
-            f"row axis (M={m}) to be a multiple of {block}; got shape {tuple(shape)}."
-        )
 
 
 # ---- helpers -----------------------------------------------------------------------
@@ -107,7 +93,7 @@ def _on(enabled: bool, tokens: str) -> str:
 def _fp8_tensor_kernel(x, scale, qdtype, rowwise, colwise):
     m, n = x.shape[-2:]
     results = (_sds(x, m, n, qdtype, rowwise), _sds(x, n, m, qdtype, colwise), _scalar_sds(x), _scalar_sds(x))
-    return tuple(partition.ffi("te_jax_quantize_fp8", results, x, scale, rowwise=rowwise, colwise=colwise))
+    return tuple(partition.ffi(modes.FP8_TENSOR.quantize_target, results, x, scale, rowwise=rowwise, colwise=colwise))
 
 
 def _fp8_tensor_body(op, shards, x, scale):
@@ -144,7 +130,7 @@ def _mxfp8_body(op, shards, x):
         _sds(x, m, n, qdtype, rowwise), _sds(x, m, n // b, jnp.uint8, rowwise),
         _sds(x, n, m, qdtype, colwise), _sds(x, n, m // b, jnp.uint8, colwise),
     )
-    return tuple(partition.ffi("te_jax_quantize_mxfp8", results, x, rowwise=rowwise, colwise=colwise))
+    return tuple(partition.ffi(modes.MXFP8.quantize_target, results, x, rowwise=rowwise, colwise=colwise))
 
 
 def _fp8_block_body(op, shards, x):
@@ -156,7 +142,7 @@ def _fp8_block_body(op, shards, x):
         _sds(x, m, n, qdtype, rowwise), _sds(x, m // br, n // b, jnp.float32, rowwise),
         _sds(x, n, m, qdtype, colwise), _sds(x, n // br, m // b, jnp.float32, colwise),
     )
-    return tuple(partition.ffi("te_jax_quantize_fp8_block", results, x, rowwise=rowwise, colwise=colwise,
+    return tuple(partition.ffi(modes.FP8_BLOCK.quantize_target, results, x, rowwise=rowwise, colwise=colwise,
                       block_2d=bool(block_2d), power_2=bool(power_2)))
 
 
@@ -170,7 +156,7 @@ def _nvfp4_kernel(x, words, flags: dict):
         _sds(x, n, m // 2, jnp.uint8, col), _sds(x, n, m // b, e4, col),
         _scalar_sds(x), _scalar_sds(x),
     )
-    return tuple(partition.ffi("te_jax_quantize_nvfp4", results, x, words, **flags))
+    return tuple(partition.ffi(modes.NVFP4.quantize_target, results, x, words, **flags))
 
 
 def _amax_rows(amax, amax_t, n: int, dtype, *, rowwise: bool, rht: bool):
@@ -246,7 +232,7 @@ def quantize_fp8_tensor(x, scale, *, qdtype=jnp.float8_e4m3fn, rowwise=True, col
     if backend_lib.resolve(backend) == "reference":
         return ref.quantize_fp8_tensor(x, scale, qdtype=qdtype, rowwise=rowwise, colwise=colwise)
     op = partition.MatrixOp(
-        "te_jax_quantize_fp8", _fp8_tensor_body, (qdtype, bool(rowwise), bool(colwise)), ("m n", "~"),
+        modes.FP8_TENSOR.quantize_target, _fp8_tensor_body, (qdtype, bool(rowwise), bool(colwise)), ("m n", "~"),
         (_on(rowwise, "m n"), _on(colwise, "n m"), "~", "~"), x.shape[-2:], reduce=(None, None, "max", None))
     return partition.call(op, x, scale)
 
@@ -282,11 +268,11 @@ def quantize_mxfp8(x, *, qdtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, 
     _check_matrix(x)
     qdtype = check_fp8_dtype(qdtype)
     _check_layouts(rowwise, colwise)
-    check_blocks(x.shape, MXFP8_BLOCK, rowwise=rowwise, colwise=colwise, mode="MXFP8")
+    modes.MXFP8.check_tiles(x.shape, rowwise=rowwise, colwise=colwise)
     if backend_lib.resolve(backend) == "reference":
         return ref.quantize_mxfp8(x, qdtype=qdtype, rowwise=rowwise, colwise=colwise)
     results = (_on(rowwise, "m n"), _on(rowwise, "m n/32"), _on(colwise, "n m"), _on(colwise, "n m/32"))
-    op = partition.MatrixOp("te_jax_quantize_mxfp8", _mxfp8_body, (qdtype, bool(rowwise), bool(colwise)), ("m n",),
+    op = partition.MatrixOp(modes.MXFP8.quantize_target, _mxfp8_body, (qdtype, bool(rowwise), bool(colwise)), ("m n",),
                             results, x.shape[-2:])
     return partition.call(op, x)
 
@@ -301,7 +287,7 @@ def quantize_fp8_block(
     _check_matrix(x)
     qdtype = check_fp8_dtype(qdtype)
     _check_layouts(rowwise, colwise)
-    check_blocks(x.shape, FP8_BLOCK, rowwise=rowwise, colwise=colwise, block_2d=block_2d, mode="Float8 block scaling")
+    _fp8_block_mode(block_2d).check_tiles(x.shape, rowwise=rowwise, colwise=colwise)
     if backend_lib.resolve(backend) == "reference":
         return ref.quantize_fp8_block(
             x, qdtype=qdtype, rowwise=rowwise, colwise=colwise, block_2d=block_2d, power_2=power_2
@@ -310,7 +296,7 @@ def quantize_fp8_block(
     cols = "n/128" if block_2d else "n"
     results = (_on(rowwise, "m n"), _on(rowwise, f"{rows} n/128"), _on(colwise, "n m"), _on(colwise, f"{cols} m/128"))
     config = (qdtype, bool(rowwise), bool(colwise), bool(block_2d), bool(power_2))
-    op = partition.MatrixOp("te_jax_quantize_fp8_block", _fp8_block_body, config, ("m n",), results, x.shape[-2:])
+    op = partition.MatrixOp(modes.FP8_BLOCK.quantize_target, _fp8_block_body, config, ("m n",), results, x.shape[-2:])
     return partition.call(op, x)
 
 
@@ -329,7 +315,7 @@ def quantize_nvfp4(
     _check_layouts(rowwise, colwise)
     if rht and block_2d:
         raise ValueError("te_jax: the random Hadamard transform applies to 1D (1x16) NVFP4 blocks only")
-    check_blocks(x.shape, NVFP4_BLOCK, rowwise=rowwise, colwise=colwise or rht, block_2d=block_2d, mode="NVFP4")
+    (modes.NVFP4_2D if block_2d else modes.NVFP4).check_tiles(x.shape, rowwise=rowwise, colwise=colwise or rht)
     if stochastic_rounding:
         if key is None:
             raise ValueError("te_jax: NVFP4 stochastic rounding needs a PRNG key")
@@ -346,12 +332,16 @@ def quantize_nvfp4(
     results = (_on(rowwise, "m n/2"), _on(rowwise, "m n/16"), _on(colwise, "n m/2"), _on(colwise, "n m/16"),
                "~", "~")
     align = (NVFP4_BLOCK if block_2d or rht else 1, NVFP4_BLOCK if block_2d else 1)
-    op = partition.MatrixOp("te_jax_quantize_nvfp4", _nvfp4_body, tuple(flags.items()), ("m n", "~"), results,
+    op = partition.MatrixOp(modes.NVFP4.quantize_target, _nvfp4_body, tuple(flags.items()), ("m n", "~"), results,
                             x.shape[-2:], align=align)
     return partition.call(op, x, words)
 
 
 # ---- dequantize --------------------------------------------------------------------
+
+
+def _fp8_block_mode(block_2d: bool) -> modes.ModeSpec:
+    return modes.FP8_BLOCK_2D if block_2d else modes.FP8_BLOCK
 
 
 def _check_out_dtype(out_dtype) -> jnp.dtype:
@@ -369,17 +359,15 @@ def _check_quantized(q, dtypes, what: str) -> None:
 
 
 def _dequantize_body(op, shards, q, *scales):
-    out_dtype, attrs = op.config
-    pack = 2 if op.target == "te_jax_dequantize_nvfp4" else 1
+    out_dtype, attrs, pack = op.config
     shape = (*q.shape[:-1], q.shape[-1] * pack)
     return tuple(partition.ffi(op.target, jax.ShapeDtypeStruct(shape, out_dtype), q, *scales, **dict(attrs)))
 
 
-def _dequantize(target: str, out_dtype, attrs: tuple, operands: tuple[str, ...], q, *scales):
-    """The dequantize custom call, partitioned like its data (block scales follow it)."""
-    pack = 2 if target == "te_jax_dequantize_nvfp4" else 1
-    op = partition.MatrixOp(target, _dequantize_body, (out_dtype, attrs), operands, ("m n",),
-                            (q.shape[-2], q.shape[-1] * pack))
+def _dequantize(mode: modes.ModeSpec, out_dtype, attrs: tuple, operands: tuple[str, ...], q, *scales):
+    """The dequantize custom call of ``mode``, partitioned like its data (block scales follow it)."""
+    op = partition.MatrixOp(mode.dequantize_target, _dequantize_body, (out_dtype, attrs, mode.pack), operands,
+                            ("m n",), (q.shape[-2], q.shape[-1] * mode.pack))
     return partition.call(op, q, *scales)[0]
 
 
@@ -390,26 +378,26 @@ def dequantize_fp8_tensor(q, scale_inv, *, out_dtype=jnp.float32, backend=None):
     scale_inv = jnp.asarray(scale_inv, jnp.float32).reshape(*q.shape[:-2], 1)
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_fp8_tensor(q, scale_inv, out_dtype=out_dtype)
-    return _dequantize("te_jax_dequantize_fp8", out_dtype, (), ("m n", "~"), q, scale_inv)
+    return _dequantize(modes.FP8_TENSOR, out_dtype, (), ("m n", "~"), q, scale_inv)
 
 
 def dequantize_mxfp8(q, s, *, out_dtype=jnp.float32, backend=None):
     _check_quantized(q, nm.FP8_DTYPES, "MXFP8")
     out_dtype = _check_out_dtype(out_dtype)
-    check_blocks(q.shape, MXFP8_BLOCK, rowwise=True, colwise=False, mode="MXFP8")
+    modes.MXFP8.check_tiles(q.shape, rowwise=True, colwise=False)
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_mxfp8(q, s, out_dtype=out_dtype)
-    return _dequantize("te_jax_dequantize_mxfp8", out_dtype, (), ("m n", "m n/32"), q, s.astype(jnp.uint8))
+    return _dequantize(modes.MXFP8, out_dtype, (), ("m n", "m n/32"), q, s.astype(jnp.uint8))
 
 
 def dequantize_fp8_block(q, s, *, block_2d=False, out_dtype=jnp.float32, backend=None):
     _check_quantized(q, nm.FP8_DTYPES, "Float8 block")
     out_dtype = _check_out_dtype(out_dtype)
-    check_blocks(q.shape, FP8_BLOCK, rowwise=True, colwise=False, block_2d=block_2d, mode="Float8 block scaling")
+    _fp8_block_mode(block_2d).check_tiles(q.shape, rowwise=True, colwise=False)
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_fp8_block(q, s, block_2d=block_2d, out_dtype=out_dtype)
     scales = "m/128 n/128" if block_2d else "m n/128"
-    return _dequantize("te_jax_dequantize_fp8_block", out_dtype, (("block_2d", bool(block_2d)),),
+    return _dequantize(_fp8_block_mode(block_2d), out_dtype, (("block_2d", bool(block_2d)),),
                        ("m n", scales), q, s.astype(jnp.float32))
 
 
@@ -420,4 +408,23 @@ def dequantize_nvfp4(q, s, amax, *, out_dtype=jnp.float32, backend=None):
     amax = jnp.asarray(amax, jnp.float32).reshape(*q.shape[:-2], 1)
     if backend_lib.resolve(backend) == "reference":
         return ref.dequantize_nvfp4(q, s, amax, out_dtype=out_dtype)
-    return _dequantize("te_jax_dequantize_nvfp4", out_dtype, (), ("m n/2", "m n/16", "~"), q, s, amax)
+    return _dequantize(modes.NVFP4, out_dtype, (), ("m n/2", "m n/16", "~"), q, s, amax)
+
+
+# The dequantize op of each registry entry, called as ``(data, scales, amax, **kw)``.
+_DEQUANTIZE = {
+    "fp8_tensor": lambda q, s, amax, **kw: dequantize_fp8_tensor(q, s, **kw),
+    "mxfp8": lambda q, s, amax, **kw: dequantize_mxfp8(q, s, **kw),
+    "fp8_block": lambda q, s, amax, **kw: dequantize_fp8_block(q, s, block_2d=False, **kw),
+    "fp8_block_2d": lambda q, s, amax, **kw: dequantize_fp8_block(q, s, block_2d=True, **kw),
+    "nvfp4": dequantize_nvfp4,
+    "nvfp4_2d": dequantize_nvfp4,
+}
+
+
+def dequantize(mode: modes.ModeSpec, data, scales, amax=None, *, out_dtype=jnp.float32, backend=None):
+    """Dequantizes one copy ``[..., M, N]`` (NVFP4: packed ``[..., M, N/2]``) of a tensor of scaling mode ``mode``.
+
+    ``amax`` is the copy's global amax (NVFP4) and is ignored by the other modes.
+    """
+    return _DEQUANTIZE[mode.name](data, scales, amax, out_dtype=out_dtype, backend=backend)

@@ -1,7 +1,7 @@
 """Delayed scaling: per-tensor FP8 quantized with a scale derived from past amaxes.
 
 The state of one tensor is ``{"amax_history": f32[L], "scale": f32[1]}``,
-initially zeros and one. Each step (ARCHITECTURE.md, "Delayed scaling"):
+initially zeros and one. Each step:
 
 1. quantize with the stored scale (the kernel returns this step's amax from
    the same pass);
@@ -40,9 +40,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from te_jax.ops import quantize as qops
+from te_jax.ops.fused_cast import CastSpec
+from te_jax.quantize import modes
 from te_jax.quantize import numerics as nm
 from te_jax.quantize.quantizers import as_matrix
-from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
+from te_jax.quantize.scaled_tensor import ScaledTensor
 
 State = dict[str, jax.Array]
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -110,6 +112,24 @@ def apply_state_gradient(state: State, grad: State) -> State:
     return {"amax_history": history, "scale": scale}
 
 
+def check_config(owner: str, *, margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo,
+                 amax_reduction) -> None:
+    """Raises a ValueError naming ``owner``'s field when a delayed-scaling setting is out of range."""
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"te_jax: {owner}.margin must be an int >= 0, got {margin!r}")
+    if isinstance(amax_history_len, bool) or not isinstance(amax_history_len, int) or amax_history_len < 1:
+        raise ValueError(f"te_jax: {owner}.amax_history_len must be an int >= 1, got {amax_history_len!r}")
+    if not callable(amax_compute_algo) and (isinstance(amax_compute_algo, bool)
+                                            or amax_compute_algo not in AMAX_COMPUTE_ALGOS):
+        raise ValueError(f"te_jax: {owner}.amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS} or a callable, "
+                         f"got {amax_compute_algo!r}")
+    if scaling_factor_compute_algo is not None and not callable(scaling_factor_compute_algo):
+        raise ValueError(f"te_jax: {owner}.scaling_factor_compute_algo must be None or a callable "
+                         f"f(amax, scale, fp8_max, margin), got {scaling_factor_compute_algo!r}")
+    if isinstance(amax_reduction, bool) or amax_reduction not in AMAX_REDUCTIONS:
+        raise ValueError(f"te_jax: {owner}.amax_reduction must be one of {AMAX_REDUCTIONS}, got {amax_reduction!r}")
+
+
 def is_state(tree: Any) -> bool:
     """Whether ``tree`` has the layout of a delayed-scaling state."""
     return isinstance(tree, dict) and set(tree) == {"amax_history", "scale"}
@@ -138,16 +158,11 @@ class DelayedScalingQuantizer:
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", qops.check_fp8_dtype(self.dtype))
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"te_jax: margin must be an int >= 0, got {self.margin!r}")
-        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
-                or self.amax_history_len < 1:
-            raise ValueError(f"te_jax: amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
-        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
-            raise ValueError(f"te_jax: amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS} or a callable, "
-                             f"got {self.amax_compute_algo!r}")
-        if self.amax_reduction not in AMAX_REDUCTIONS:
-            raise ValueError(f"te_jax: amax_reduction must be one of {AMAX_REDUCTIONS}, got {self.amax_reduction!r}")
+        check_config("DelayedScalingQuantizer", margin=self.margin, amax_history_len=self.amax_history_len,
+                     amax_compute_algo=self.amax_compute_algo,
+                     scaling_factor_compute_algo=self.scaling_factor_compute_algo, amax_reduction=self.amax_reduction)
+
+    scaling_mode = modes.FP8_TENSOR
 
     @property
     def fp8_max(self) -> float:
@@ -180,6 +195,11 @@ class DelayedScalingQuantizer:
                 "amax_history_len."
             )
 
+    def fused_cast(self, state=None, *, rowwise=True, colwise=False):
+        """The fused cast with the stored scale (the kernel returns this step's amax)."""
+        self.check_state(state)
+        return CastSpec("fp8_tensor", self.dtype, rowwise, colwise), as_float32(state)["scale"]
+
     def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
         """Quantizes with ``state["scale"]``; the result's ``amax`` is this step's amax."""
         self.check_state(state)
@@ -188,15 +208,5 @@ class DelayedScalingQuantizer:
         q, q_t, amax, scale_inv = qops.quantize_fp8_tensor(
             x2, scale, qdtype=self.dtype, rowwise=rowwise, colwise=colwise, backend=backend
         )
-        return ScaledTensor(
-            data=q if rowwise else None,
-            scale_inv=scale_inv if rowwise else None,
-            colwise_data=q_t if colwise else None,
-            colwise_scale_inv=scale_inv if colwise else None,
-            amax=amax,
-            colwise_amax=None,
-            mode=ScalingMode.FP8_TENSOR,
-            qdtype=self.dtype,
-            shape=tuple(x.shape),
-            flatten_axis=flatten_axis,
-        )
+        return ScaledTensor.from_kernel_outputs(self.scaling_mode, self.dtype, x.shape, q=q, s=scale_inv, q_t=q_t,
+                                                amax=amax, rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis)

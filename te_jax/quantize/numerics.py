@@ -21,6 +21,11 @@ E5M2_MAX = 57344.0
 E2M1_MAX = 6.0
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+# Block lengths of the block-scaled formats (the kernels in csrc/ use the same numbers).
+MXFP8_BLOCK = 32
+NVFP4_BLOCK = 16
+FP8_BLOCK = 128
 _FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): E4M3_MAX, jnp.dtype(jnp.float8_e5m2): E5M2_MAX}
 
 # 16-point random Hadamard transform sign pattern: bit i set negates element i.

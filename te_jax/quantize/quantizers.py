@@ -12,6 +12,11 @@ The protocol every quantizer follows (custom recipes may return their own):
   columnwise copy is the transpose of that matrix.
 * stateful quantizers (delayed scaling) also have ``init_state()`` and
   ``update_state(state, amax)``; stateless ones take ``state=None``.
+* optional: ``scaling_mode`` (the ``te_jax.quantize.modes`` entry it
+  writes) and ``fused_cast(state, *, rowwise, colwise)``, the
+  ``(CastSpec, scale)`` that writes the same ScaledTensor from inside a fused
+  norm / activation kernel, or None when it cannot be fused
+  (``te_jax.quantize.fused``).
 
 Quantizers are frozen and hashable, so they can be static arguments of jit.
 """
@@ -25,7 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.ops import quantize as qops
-from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode, flattened_shape
+from te_jax.ops.fused_cast import CastSpec
+from te_jax.quantize import modes
+from te_jax.quantize.scaled_tensor import ScaledTensor, flattened_shape
 
 
 @runtime_checkable
@@ -46,20 +53,9 @@ def _fp8_dtype(dtype) -> jnp.dtype:
     return qops.check_fp8_dtype(dtype)
 
 
-def _scaled(x, mode, qdtype, flatten_axis, rowwise, colwise, q, s, q_t, s_t, amax=None, amax_t=None, **layout):
-    return ScaledTensor(
-        data=q if rowwise else None,
-        scale_inv=s if rowwise else None,
-        colwise_data=q_t if colwise else None,
-        colwise_scale_inv=s_t if colwise else None,
-        amax=amax,
-        colwise_amax=amax_t,
-        mode=mode,
-        qdtype=jnp.dtype(qdtype),
-        shape=tuple(x.shape),
-        flatten_axis=flatten_axis,
-        **layout,
-    )
+def _if_fused(quantizer, spec: CastSpec) -> tuple[CastSpec, None] | None:
+    """``(spec, None)`` when the kernels fuse ``quantizer``'s mode into a norm / activation, else None."""
+    return (spec, None) if spec.mode in quantizer.scaling_mode.cast_modes else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +77,19 @@ class CurrentScalingQuantizer:
         if not (self.amax_epsilon >= 0 and self.amax_epsilon < float("inf")):
             raise ValueError(f"amax_epsilon must be a finite number >= 0, got {self.amax_epsilon}")
 
+    scaling_mode = modes.FP8_TENSOR
+
+    def fused_cast(self, state=None, *, rowwise=True, colwise=False):
+        return CastSpec("fp8_current", self.dtype, rowwise, colwise, self.power_2_scales, self.amax_epsilon), None
+
     def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
         x2 = as_matrix(x, flatten_axis)
         q, q_t, amax, _, scale_inv = qops.quantize_fp8_current(
             x2, qdtype=self.dtype, rowwise=rowwise, colwise=colwise,
             power_2=self.power_2_scales, epsilon=self.amax_epsilon, backend=backend,
         )
-        return _scaled(x, ScalingMode.FP8_TENSOR, self.dtype, flatten_axis, rowwise, colwise,
-                       q, scale_inv, q_t, scale_inv, amax=amax)
+        return ScaledTensor.from_kernel_outputs(self.scaling_mode, self.dtype, x.shape, q=q, s=scale_inv, q_t=q_t,
+                                                amax=amax, rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +101,16 @@ class MXFP8Quantizer:
     def __post_init__(self):
         object.__setattr__(self, "dtype", _fp8_dtype(self.dtype))
 
+    scaling_mode = modes.MXFP8
+
+    def fused_cast(self, state=None, *, rowwise=True, colwise=False):
+        return CastSpec("mxfp8", self.dtype, rowwise, colwise), None
+
     def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
         x2 = as_matrix(x, flatten_axis)
         q, s, q_t, s_t = qops.quantize_mxfp8(x2, qdtype=self.dtype, rowwise=rowwise, colwise=colwise, backend=backend)
-        return _scaled(x, ScalingMode.MXFP8, self.dtype, flatten_axis, rowwise, colwise, q, s, q_t, s_t)
+        return ScaledTensor.from_kernel_outputs(self.scaling_mode, self.dtype, x.shape, q=q, s=s, q_t=q_t, s_t=s_t,
+                                                rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,14 +130,23 @@ class Float8BlockQuantizer:
     def __post_init__(self):
         object.__setattr__(self, "dtype", _fp8_dtype(self.dtype))
 
+    @property
+    def scaling_mode(self) -> modes.ModeSpec:
+        return modes.mode_spec(modes.ScalingMode.FP8_BLOCK, self.block_2d)
+
+    def fused_cast(self, state=None, *, rowwise=True, colwise=False):
+        """The fused cast, or None for 128x128 blocks (the kernels fuse 1x128 blocks only)."""
+        spec = CastSpec("fp8_block", self.dtype, rowwise, colwise, self.power_2_scales)
+        return _if_fused(self, spec)
+
     def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
         x2 = as_matrix(x, flatten_axis)
         q, s, q_t, s_t = qops.quantize_fp8_block(
             x2, qdtype=self.dtype, rowwise=rowwise, colwise=colwise, block_2d=self.block_2d,
             power_2=self.power_2_scales, backend=backend,
         )
-        return _scaled(x, ScalingMode.FP8_BLOCK, self.dtype, flatten_axis, rowwise, colwise, q, s, q_t, s_t,
-                       block_2d=self.block_2d)
+        return ScaledTensor.from_kernel_outputs(self.scaling_mode, self.dtype, x.shape, q=q, s=s, q_t=q_t, s_t=s_t,
+                                                rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,12 +171,22 @@ class NVFP4Quantizer:
     def dtype(self):
         return jnp.dtype(jnp.float4_e2m1fn)
 
+    @property
+    def scaling_mode(self) -> modes.ModeSpec:
+        return modes.mode_spec(modes.ScalingMode.NVFP4, self.block_2d)
+
+    def fused_cast(self, state=None, *, rowwise=True, colwise=False):
+        """The fused cast, or None for 16x16 blocks (the kernels fuse 1x16 blocks only)."""
+        spec = CastSpec("nvfp4", jnp.uint8, rowwise, colwise, rht=self.rht and colwise,
+                        stochastic_rounding=self.stochastic_rounding)
+        return _if_fused(self, spec)
+
     def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
         x2 = as_matrix(x, flatten_axis)
         q, s, q_t, s_t, amax, amax_t = qops.quantize_nvfp4(
             x2, key, rowwise=rowwise, colwise=colwise, block_2d=self.block_2d, rht=self.rht and colwise,
             stochastic_rounding=self.stochastic_rounding, backend=backend,
         )
-        return _scaled(x, ScalingMode.NVFP4, self.dtype, flatten_axis, rowwise, colwise, q, s, q_t, s_t,
-                       amax=amax, amax_t=amax_t if colwise else None, block_2d=self.block_2d,
-                       rht=self.rht and colwise)
+        return ScaledTensor.from_kernel_outputs(self.scaling_mode, self.dtype, x.shape, q=q, s=s, q_t=q_t, s_t=s_t,
+                                                amax=amax, amax_t=amax_t, rowwise=rowwise, colwise=colwise,
+                                                flatten_axis=flatten_axis, rht=self.rht)

@@ -4,7 +4,8 @@ Every function takes matrices ``[..., M, N]`` (leading axes: a batch) and
 returns what the matching ``te_jax_norm_*`` / ``te_jax_act_*`` custom call
 writes. All math is float32. The kernels compute the same float32 formulas
 (``csrc/common/norm_act.h``) and then cast with *exactly* the quantize spec
-(``cast_outputs`` below, built from ``te_jax.quantize.reference``).
+(``cast_outputs`` below, built from ``te_jax.quantize.reference``); the
+cast's attributes are ``te_jax.ops.fused_cast.CastSpec``.
 
 What is bit-exact and what is not (docs/norm_act.md):
 
@@ -31,57 +32,24 @@ x[..., F:]`` is the linear gate: ``swiglu = silu(a) * g``, ``geglu = gelu(a)
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax.quantize import modes
 from te_jax.quantize import numerics as nm
 from te_jax.quantize import reference as ref
 
+if TYPE_CHECKING:  # the cast's attribute contract belongs to the ops layer
+    from te_jax.ops.fused_cast import CastSpec
+
 F32 = jnp.float32
-CAST_MODES = ("none", "fp8_tensor", "fp8_current", "mxfp8", "fp8_block", "nvfp4")
 NORM_KINDS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "relu", "silu", "squared_relu", "swiglu", "geglu")
 GATED = ("swiglu", "geglu")
 GELU_C = np.float32(0.7978845608028654)  # sqrt(2 / pi)
 GELU_K = np.float32(0.044715)
-
-
-@dataclasses.dataclass(frozen=True)
-class CastSpec:
-    """How a fused kernel writes its output.
-
-    Attributes:
-      mode: "none" (unquantized), "fp8_tensor" (given scale, delayed scaling),
-        "fp8_current", "mxfp8", "fp8_block" (1x128), "nvfp4" (1x16).
-      qdtype: the FP8 dtype (FP8 modes), the output dtype ("none"; None: the
-        input's dtype), ignored for "nvfp4".
-      rowwise, colwise: which copies ("none": rowwise only).
-      power_2: power-of-two scales ("fp8_current", "fp8_block").
-      epsilon: amax lower bound ("fp8_current").
-      rht: random Hadamard transform of the columnwise copy ("nvfp4").
-      stochastic_rounding: ("nvfp4"), needs a PRNG key.
-    """
-
-    mode: str = "none"
-    qdtype: Any = None
-    rowwise: bool = True
-    colwise: bool = False
-    power_2: bool = False
-    epsilon: float = 0.0
-    rht: bool = False
-    stochastic_rounding: bool = False
-
-    @property
-    def attrs(self) -> dict:
-        """The FFI attributes of the cast (``csrc/common/norm_act.h``: ParseCastSpec)."""
-        return dict(
-            mode=self.mode, rowwise=bool(self.rowwise), colwise=bool(self.colwise), power_2=bool(self.power_2),
-            amax_epsilon=np.float32(self.epsilon), rht=bool(self.rht and self.colwise),
-            stochastic_rounding=bool(self.stochastic_rounding),
-        )
 
 
 def _empty(x, dtype):
@@ -269,21 +237,15 @@ def dequantized(outs, spec: CastSpec, colwise: bool = False):
     """float32 values of the rowwise (or columnwise, as ``[..., N, M]``) cast results; for tests."""
     q, s, q_t, s_t, amax, amax_t, _ = outs
     data, scales = (q_t, s_t) if colwise else (q, s)
-    mode = spec.mode
-    if mode == "none":
+    if spec.mode == "none":
         return data.astype(F32)
-    if mode in ("fp8_tensor", "fp8_current"):
-        return ref.dequantize_fp8_tensor(data, s)
-    if mode == "mxfp8":
-        return ref.dequantize_mxfp8(data, scales)
-    if mode == "fp8_block":
-        return ref.dequantize_fp8_block(data, scales)
-    v = ref.dequantize_nvfp4(data, scales, amax_t if colwise else amax)
+    mode = modes.by_cast_mode(spec.mode)
+    v = mode.reference_dequantize(data, s if mode.per_tensor else scales, amax_t if colwise else amax, F32)
     return nm.inverse_rht16(v) if (colwise and spec.rht) else v
 
 
 __all__ = [
-    "ACTIVATIONS", "CAST_MODES", "CastSpec", "GATED", "NORM_KINDS", "act_apply", "act_apply_grad", "act_bwd",
+    "ACTIVATIONS", "GATED", "NORM_KINDS", "act_apply", "act_apply_grad", "act_bwd",
     "act_fwd", "act_grad", "act_value", "cast_outputs", "dequantized", "norm_apply", "norm_bwd", "norm_fwd",
     "norm_stats", "norm_weight",
 ]

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 
 from te_jax.quantize import numerics as nm
 
-MXFP8_BLOCK = 32
-NVFP4_BLOCK = 16
-FP8_BLOCK = 128
+MXFP8_BLOCK = nm.MXFP8_BLOCK
+NVFP4_BLOCK = nm.NVFP4_BLOCK
+FP8_BLOCK = nm.FP8_BLOCK
 
 
 def _empty(x: jax.Array, dtype) -> jax.Array:

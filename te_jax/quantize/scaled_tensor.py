@@ -1,9 +1,8 @@
-"""ScaledTensor: quantized data, its scales, and the layout they are in."""
+"""ScaledTensor: quantized data, its scales, and the layout they are in (``te_jax.quantize.modes``)."""
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import math
 
@@ -12,15 +11,7 @@ import jax.numpy as jnp
 
 from te_jax.ops import quantize as qops
 from te_jax.quantize import numerics as nm
-
-
-class ScalingMode(enum.Enum):
-    """How a ScaledTensor's scales are laid out."""
-
-    FP8_TENSOR = "fp8_tensor"  # one float32 scale per tensor (delayed and current scaling)
-    MXFP8 = "mxfp8"  # 1x32 blocks, E8M0 scales
-    FP8_BLOCK = "fp8_block"  # 1x128 or 128x128 blocks, float32 scales
-    NVFP4 = "nvfp4"  # 1x16 (or 16x16) blocks, E4M3 scales, float32 global amax
+from te_jax.quantize.modes import ModeSpec, ScalingMode, mode_spec
 
 
 def flattened_shape(shape: tuple[int, ...], flatten_axis: int) -> tuple[int, int]:
@@ -52,7 +43,8 @@ class ScaledTensor:
         global amax), else None.
       colwise_amax: NVFP4's global amax of the columnwise copy (after the
         Hadamard transform when ``rht``), else None.
-      mode, qdtype, shape, flatten_axis, block_2d, rht: static layout.
+      mode, qdtype, shape, flatten_axis, block_2d, rht: static layout;
+        ``(mode, block_2d)`` names the registry entry ``scaling_mode``.
     """
 
     data: jax.Array | None
@@ -67,6 +59,42 @@ class ScaledTensor:
     flatten_axis: int = -1
     block_2d: bool = False
     rht: bool = False
+
+    @classmethod
+    def from_kernel_outputs(
+        cls, spec: ModeSpec, qdtype, shape, *, q, s, q_t=None, s_t=None, amax=None, amax_t=None, rowwise=True,
+        colwise=False, flatten_axis: int = -1, rht: bool = False,
+    ) -> ScaledTensor:
+        """The ScaledTensor of logical ``shape`` from what a quantize kernel of mode ``spec`` wrote.
+
+        ``q, s, q_t, s_t, amax, amax_t`` are the kernel's outputs in the layouts
+        of ``te_jax.ops.quantize``; the mode decides which are kept: a
+        per-tensor scale ``s`` serves both copies (``s_t`` is ignored), the
+        amax is kept by per-tensor modes and NVFP4 (which also keeps the
+        columnwise ``amax_t``), and ``rht`` marks NVFP4's transformed
+        columnwise copy. Outputs of a copy that was not asked for are dropped.
+        """
+        if rht and not spec.hadamard:
+            raise ValueError(f"te_jax: the Hadamard transform (rht) applies to NVFP4 1x16 blocks, not {spec.name}")
+        return cls(
+            data=q if rowwise else None,
+            scale_inv=s if rowwise else None,
+            colwise_data=q_t if colwise else None,
+            colwise_scale_inv=(s if spec.per_tensor else s_t) if colwise else None,
+            amax=amax if spec.per_tensor or spec.global_amax else None,
+            colwise_amax=amax_t if spec.global_amax and colwise else None,
+            mode=spec.family,
+            qdtype=jnp.dtype(qdtype),
+            shape=tuple(shape),
+            flatten_axis=flatten_axis,
+            block_2d=spec.block_2d,
+            rht=bool(rht and colwise),
+        )
+
+    @property
+    def scaling_mode(self) -> ModeSpec:
+        """This tensor's entry in the scaling-mode registry."""
+        return mode_spec(self.mode, self.block_2d)
 
     @property
     def matrix_shape(self) -> tuple[int, int]:
@@ -95,7 +123,7 @@ class ScaledTensor:
         """
         if not self.has_colwise:
             raise ValueError("te_jax: this ScaledTensor has no columnwise copy")
-        amax = self.colwise_amax if self.mode is ScalingMode.NVFP4 else self.amax
+        amax = self.colwise_amax if self.scaling_mode.global_amax else self.amax
         values = _dequantize_matrix(self, self.colwise_data, self.colwise_scale_inv, amax, jnp.float32, backend)
         if self.rht and undo_rht:
             values = nm.inverse_rht16(values)
@@ -103,10 +131,4 @@ class ScaledTensor:
 
 
 def _dequantize_matrix(t: ScaledTensor, data, scales, amax, dtype, backend):
-    if t.mode is ScalingMode.FP8_TENSOR:
-        return qops.dequantize_fp8_tensor(data, scales, out_dtype=dtype, backend=backend)
-    if t.mode is ScalingMode.MXFP8:
-        return qops.dequantize_mxfp8(data, scales, out_dtype=dtype, backend=backend)
-    if t.mode is ScalingMode.FP8_BLOCK:
-        return qops.dequantize_fp8_block(data, scales, block_2d=t.block_2d, out_dtype=dtype, backend=backend)
-    return qops.dequantize_nvfp4(data, scales, amax, out_dtype=dtype, backend=backend)
+    return qops.dequantize(t.scaling_mode, data, scales, amax, out_dtype=dtype, backend=backend)
