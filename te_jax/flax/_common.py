@@ -208,6 +208,14 @@ def dropout_mask(module: nn.Module, rate: float, shape, broadcast_dims, rng_name
     return jnp.broadcast_to(mask.astype(dtype) / jnp.asarray(keep, dtype), shape)
 
 
+def located(err: ValueError, module: nn.Module) -> ValueError:
+    """A functional op's error with the module (and its path) in place of the op's name."""
+    msg = str(err)
+    for op in ("dense", "layernorm_dense", "layernorm_mlp"):
+        msg = msg.replace(f"te_jax: {op}", f"te_jax: {where(module)}", 1)
+    return ValueError(msg)
+
+
 def dot_general_of(module: nn.Module, dot_general_cls, quantized: bool):
     """An instance of ``dot_general_cls`` (a submodule, as flax.linen.DenseGeneral makes it), or None.
 

@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.dense import DenseQuantizers
+from te_jax._core import DenseQuantizers, split_stats, with_stats
+from te_jax._core.norm import NORM_TYPES, NormSpec, normalize_hp
 from te_jax.flax import _common as C
-from te_jax.layernorm_dense import NORM_TYPES, NormSpec, layernorm_dense, normalize_hp
+from te_jax.layernorm_dense import layernorm_dense
 from te_jax.state import module_path
 
 Dtype = Any
@@ -179,21 +180,14 @@ class LayerNormDenseGeneral(nn.Module):
         state = C.gemm_state(self, quantizers)
         stats = C.stats_input(self, quantizers)
         try:
-            y, new_state, *fwd_stats = layernorm_dense(
+            y, new_state = layernorm_dense(
                 x, gamma, beta, kernel, bias, norm_type=kind, zero_centered_gamma=zcg, epsilon=self.epsilon,
-                quantizers=quantizers, state=state, key=C.quantize_key(self, quantizers.any),
-                precision=self.precision, inspect=C.inspect_arg(stats), stats=stats,
+                quantizers=quantizers, state=with_stats(state, stats), key=C.quantize_key(self, quantizers.any),
+                precision=self.precision, inspect=C.inspect_arg(stats),
                 dot_general=C.dot_general_of(self, self.dot_general_cls, quantizers.any))
         except ValueError as err:
-            raise _located(err, self) from None
+            raise C.located(err, self) from None
+        new_state, fwd_stats = split_stats(new_state)
         C.store_gemm_state(self, new_state)
-        C.store_stats(self, *fwd_stats)
+        C.store_stats(self, fwd_stats)
         return y
-
-
-def _located(err: ValueError, module: nn.Module) -> ValueError:
-    """The core's error with the module's path instead of the core's name."""
-    msg = str(err)
-    for core in ("layernorm_dense", "layernorm_mlp"):
-        msg = msg.replace(f"te_jax: {core}", f"te_jax: {C.where(module)}", 1)
-    return ValueError(msg)

@@ -9,9 +9,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from te_jax._core import MLPQuantizers, split_stats, with_stats
 from te_jax.flax import _common as C
-from te_jax.flax.layernorm import _located, norm_params
-from te_jax.layernorm_mlp import ACTIVATIONS, GATED, MLPQuantizers, layernorm_mlp
+from te_jax.flax.layernorm import norm_params
+from te_jax.layernorm_mlp import ACTIVATIONS, GATED, layernorm_mlp
 from te_jax.state import module_path
 
 Dtype = Any
@@ -125,18 +126,19 @@ class LayerNormMLP(nn.Module):
         stats = {g: C.stats_input(self, getattr(quantizers, g), g) for g in ("wi", "wo")}
         inspect = C.inspect_arg(*stats.values())
         try:
-            y, new_state, *fwd_stats = layernorm_mlp(
+            y, new_state = layernorm_mlp(
                 x, gamma, beta, k1, b1, k2, b2, activation=act, norm_type=kind, zero_centered_gamma=zcg,
-                epsilon=self.epsilon, dropout_mask=mask, quantizers=quantizers, state=state,
+                epsilon=self.epsilon, dropout_mask=mask, quantizers=quantizers,
+                state=with_stats(state, {g: v for g, v in stats.items() if v is not None} if inspect else None),
                 key=C.quantize_key(self, quantizers.any), precision=self.precision, inspect=inspect,
-                stats={g: v for g, v in stats.items() if v is not None},
                 dot_generals=None if self.dot_general_cls is None else tuple(
                     C.dot_general_of(self, self.dot_general_cls, quantizers.any) for _ in range(2)))
         except ValueError as err:
-            raise _located(err, self) from None
-        if new_state is not None:
+            raise C.located(err, self) from None
+        new_state, fwd_stats = split_stats(new_state)
+        if new_state:
             for g in ("wi", "wo"):
                 C.store_gemm_state(self, new_state[g], g)
-        for g, value in (fwd_stats[0] if fwd_stats else {}).items():
+        for g, value in (fwd_stats or {}).items():
             C.store_stats(self, value, g)
         return y
