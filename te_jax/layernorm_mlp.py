@@ -46,8 +46,9 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax._core import (GEMMS, PRE_ACTIVATION, GemmQuant, MLPQuantizers, Plan, as_mlp_quantizers, check_gemm,
-                          check_high_precision, check_no_dot_general, cotangent, given_stats, high_precision_state, keep,
-                          mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state, vary_of)
+                          check_high_precision, check_no_dot_general, cotangent, given_stats, high_precision_state,
+                          keep, mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state,
+                          vary_of)
 from te_jax._core.norm import NormSpec, as_norm, norm_backward, norm_input, normalize_hp
 from te_jax.autocast import with_plan_mesh
 from te_jax.inspect.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves

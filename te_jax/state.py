@@ -36,6 +36,9 @@ from jax import lax
 from te_jax import FP8_COLLECTION  # "fp8_meta", defined in te_jax/__init__.py
 from te_jax.quantize import delayed
 
+__all__ = ["FP8_COLLECTION", "QUANTIZE_RNG", "apply_fp8_update", "merge_fp8_updates", "module_path", "to_max_merging",
+           "unused_update"]
+
 QUANTIZE_RNG = "quantize"
 
 

@@ -134,13 +134,7 @@ def gemm_state(module: nn.Module, quantizers, name: str | None = None) -> dict[s
 
 def store_gemm_state(module: nn.Module, new_state: dict | None, name: str | None = None) -> None:
     """Writes the forward-updated state back when ``fp8_meta`` is mutable (not while initializing)."""
-    if not new_state or module.is_initializing() or not module.is_mutable_collection(FP8_COLLECTION):
-        return
-    if name is None:
-        for role, value in new_state.items():
-            module.put_variable(FP8_COLLECTION, role, value)
-    else:
-        module.put_variable(FP8_COLLECTION, name, dict(new_state))
+    _store(module, FP8_COLLECTION, new_state, name)
 
 
 def inspect_arg(*stats_inputs) -> inspect_stats.Sample | bool:
@@ -177,13 +171,20 @@ def stats_input(module: nn.Module, quantizers, name: str | None = None) -> dict[
 
 def store_stats(module: nn.Module, stats: dict | None = None, name: str | None = None) -> None:
     """Writes the forward statistics when "fp8_stats" is mutable (not while initializing)."""
-    if not stats or module.is_initializing() or not module.is_mutable_collection(STATS_COLLECTION):
+    _store(module, STATS_COLLECTION, stats, name, merge=True)
+
+
+def _store(module: nn.Module, collection: str, entries: dict | None, name: str | None, merge: bool = False) -> None:
+    """``entries`` ({role: value}) as variables of ``collection``, or under one variable ``name`` (merged into
+    its value when ``merge``); nothing while initializing or when the collection is not mutable."""
+    if not entries or module.is_initializing() or not module.is_mutable_collection(collection):
         return
     if name is None:
-        for role, value in stats.items():
-            module.put_variable(STATS_COLLECTION, role, value)
+        for role, value in entries.items():
+            module.put_variable(collection, role, value)
     else:
-        module.put_variable(STATS_COLLECTION, name, {**module.get_variable(STATS_COLLECTION, name), **stats})
+        old = module.get_variable(collection, name) if merge else {}
+        module.put_variable(collection, name, {**old, **entries})
 
 
 def quantize_key(module: nn.Module, quantized: bool):
@@ -206,14 +207,6 @@ def dropout_mask(module: nn.Module, rate: float, shape, broadcast_dims, rng_name
     draw = tuple(1 if i in dims else d for i, d in enumerate(shape))
     mask = jax.random.bernoulli(module.make_rng(rng_name), keep, draw)
     return jnp.broadcast_to(mask.astype(dtype) / jnp.asarray(keep, dtype), shape)
-
-
-def located(err: ValueError, module: nn.Module) -> ValueError:
-    """A functional op's error with the module (and its path) in place of the op's name."""
-    msg = str(err)
-    for op in ("dense", "layernorm_dense", "layernorm_mlp"):
-        msg = msg.replace(f"te_jax: {op}", f"te_jax: {where(module)}", 1)
-    return ValueError(msg)
 
 
 def dot_general_of(module: nn.Module, dot_general_cls, quantized: bool):

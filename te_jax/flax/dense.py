@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,9 +12,10 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 from jax import lax
 
-from te_jax._core import DenseQuantizers, split_stats, with_stats
+from te_jax._core import DenseQuantizers
 from te_jax.dense import dense
 from te_jax.flax import _common as C
+from te_jax.flax._call import call_op
 from te_jax.state import module_path
 
 Dtype = Any
@@ -92,19 +94,9 @@ class DenseGeneral(nn.Module):
                                  "(the quantized GEMMs have no batch axes); vmap the layer or fold them into axis")
             return self._flax_product(inputs, kernel, bias, axis, batch, features)
         quantizers = DenseQuantizers.from_recipe(recipe, module_path(self))
-        state = C.gemm_state(self, quantizers)
-        stats = C.stats_input(self, quantizers)
-        try:
-            y, new_state = dense(inputs, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
-                                 quantizers=quantizers, state=with_stats(state, stats),
-                                 key=C.quantize_key(self, quantizers.any), precision=self.precision,
-                                 inspect=C.inspect_arg(stats))
-        except ValueError as err:
-            raise C.located(err, self) from None
-        new_state, fwd_stats = split_stats(new_state)
-        C.store_gemm_state(self, new_state)
-        C.store_stats(self, fwd_stats)
-        return y
+        return call_op(self, quantizers, functools.partial(
+            dense, inputs, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))), quantizers=quantizers,
+            precision=self.precision))
 
     def _flax_product(self, inputs, kernel, bias, axis, batch, features):
         """flax.linen.DenseGeneral's product with batch dims or a custom dot_general (high precision)."""
