@@ -175,8 +175,11 @@ def store_stats(module: nn.Module, stats: dict | None = None, name: str | None =
 
 
 def _store(module: nn.Module, collection: str, entries: dict | None, name: str | None, merge: bool = False) -> None:
-    """``entries`` ({role: value}) as variables of ``collection``, or under one variable ``name`` (merged into
-    its value when ``merge``); nothing while initializing or when the collection is not mutable."""
+    """Writes ``entries`` ({role: value}) into ``collection`` when it is mutable (not while initializing).
+
+    Each role is a variable of its own, or, with ``name``, one variable
+    ``name`` holds them all (merged into its value when ``merge``).
+    """
     if not entries or module.is_initializing() or not module.is_mutable_collection(collection):
         return
     if name is None:
