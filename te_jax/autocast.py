@@ -9,8 +9,10 @@ The setting is read when a layer is traced. It is part of jit's cache key,
 so a function compiled outside the block is traced again inside it (and vice
 versa). Blocks nest; the innermost one wins, and an inner
 ``autocast(enabled=False)`` turns quantization off for its body. Outside any
-block, te_jax layers compute in high precision. This context is the only
-module-level mutable state in te_jax.
+block, te_jax layers compute in high precision. An inner block inherits every
+argument it does not set. The setting is a JAX user context (as is
+``te_jax.backend``'s choice of implementation), not a global flag: it is read
+only while tracing and never changed by it.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ class AutocastConfig:
 
     Attributes:
       enabled: quantize te_jax layers.
-      recipe: the recipe (None when disabled).
+      recipe: the recipe (kept while disabled, for an inner block that enables
+        quantization again; ``current_recipe()`` is None then).
       mesh_resource: the mesh axes amaxes are reduced over, or None.
       inspect: the rows quantization statistics read (``te_jax.inspect.Sample``),
-        or None: no statistics (always None when disabled).
+        or None: no statistics (``inspect_sample()`` is None while disabled).
     """
 
     enabled: bool = False
@@ -45,9 +48,24 @@ class AutocastConfig:
 _current = jax.make_user_context(default_value=AutocastConfig())
 
 
-def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
-             mesh_resource: MeshResource | None = None, inspect: bool | Sample = False):
+class _Inherit:
+    """The default of ``autocast``'s arguments: take the enclosing block's value."""
+
+    def __repr__(self) -> str:
+        return "<inherited>"
+
+
+INHERIT = _Inherit()
+
+
+def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None | _Inherit = INHERIT,
+             mesh_resource: MeshResource | None | _Inherit = INHERIT, inspect: bool | Sample | _Inherit = INHERIT):
     """Context manager: te_jax layers traced inside it quantize with ``recipe``.
+
+    Every argument but ``enabled`` that is not given takes the enclosing
+    block's value (outside any block: ``DelayedScaling()``, None, False), so
+    an inner ``autocast(enabled=False)`` keeps the outer mesh axes and an
+    inner block re-enabling quantization keeps the outer recipe.
 
     Args:
       enabled: False computes in high precision (also inside an enabled block).
@@ -60,26 +78,30 @@ def autocast(enabled: bool = True, recipe: recipe_lib.Recipe | None = None,
         activations and gradients (cheaper; not k-fold: some of the cost is per tensor). Off, the
         traced program is exactly the one without inspection.
     """
+    outer = current()
     if not isinstance(enabled, bool):
         raise ValueError(f"te_jax: autocast(enabled=...) must be True or False, got {enabled!r}")
-    try:
-        sample = as_sample(inspect)
-    except ValueError:
-        raise ValueError(f"te_jax: autocast(inspect=...) must be True, False or a te_jax.inspect.Sample, "
-                         f"got {inspect!r}") from None
-    if recipe is not None and not isinstance(recipe, recipe_lib.Recipe):
+    sample = outer.inspect
+    if inspect is not INHERIT:
+        try:
+            sample = as_sample(inspect)
+        except ValueError:
+            raise ValueError(f"te_jax: autocast(inspect=...) must be True, False or a te_jax.inspect.Sample, "
+                             f"got {inspect!r}") from None
+    if recipe is INHERIT:
+        recipe = outer.recipe
+    elif recipe is not None and not isinstance(recipe, recipe_lib.Recipe):
         raise ValueError(
             f"te_jax: autocast(recipe=...) must be a te_jax.recipe recipe (DelayedScaling, Float8CurrentScaling, "
             f"MXFP8BlockScaling, NVFP4BlockScaling, Float8BlockScaling, CustomRecipe), got {recipe!r}"
         )
-    if mesh_resource is not None and not isinstance(mesh_resource, MeshResource):
+    if mesh_resource is INHERIT:
+        mesh_resource = outer.mesh_resource
+    elif mesh_resource is not None and not isinstance(mesh_resource, MeshResource):
         raise ValueError(f"te_jax: autocast(mesh_resource=...) must be a te_jax.MeshResource, got {mesh_resource!r}")
-    if enabled:
-        config = AutocastConfig(True, recipe if recipe is not None else recipe_lib.DelayedScaling(), mesh_resource,
-                                sample)
-    else:
-        config = AutocastConfig(False, None, mesh_resource)
-    return _current(config)
+    if enabled and recipe is None:
+        recipe = recipe_lib.DelayedScaling()
+    return _current(AutocastConfig(enabled, recipe, mesh_resource, sample))
 
 
 def mesh_scope(mesh_resource: MeshResource | None):

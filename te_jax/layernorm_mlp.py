@@ -27,9 +27,10 @@ activation is computed unquantized, multiplied by the mask, then quantized
 (dropout sits between the activation and its cast, so they cannot fuse).
 
 Everything else (roles left in high precision, "linear_output" and
-"linear_grad_input" quantize-dequantize, keys, the state update carried as the
-gradient of ``state``, remat names) is as in ``te_jax.layernorm_dense``; the
-first GEMM's output is also named ``PRE_ACTIVATION``.
+"linear_grad_input" quantize-dequantize, keys, statistics, the state update
+carried as the gradient of ``state``, remat names) is as in
+``te_jax.layernorm_dense`` (``te_jax._core``), per GEMM; the first GEMM's
+output is also named ``PRE_ACTIVATION``.
 """
 
 from __future__ import annotations
@@ -44,67 +45,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from te_jax.autocast import current as current_autocast
+from te_jax._core import (GEMMS, PRE_ACTIVATION, GemmQuant, MLPQuantizers, Plan, as_mlp_quantizers, check_gemm,
+                          check_high_precision, check_no_dot_general, cotangent, given_stats, high_precision_state,
+                          keep, mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state,
+                          vary_of)
+from te_jax._core.norm import NormSpec, as_norm, norm_backward, norm_input, normalize_hp
 from te_jax.autocast import with_plan_mesh
-from te_jax.dense import DenseQuantizers, as_quantizers
 from te_jax.inspect.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves
-from te_jax.layernorm_dense import (PRE_ACTIVATION, GemmQuant, NormSpec, as_norm, check_blocks, check_high_precision,
-                                    check_key, check_no_dot_general, check_state, keep, norm_backward, norm_input,
-                                    normalize_hp,
-                                    raw_key, state_cotangent, state_leaves, vary_of)
 from te_jax.ops import activation as act_ops
-from te_jax.ops.gemm import gemm
 from te_jax.quantize import fused
-from te_jax.recipe import Recipe
-from te_jax.sharding import MeshResource, match_cotangent, to_varying
+from te_jax.sharding import MeshResource, to_varying
+
+__all__ = ["ACTIVATIONS", "GATED", "GEMMS", "MLPQuantizers", "act_out_features", "layernorm_mlp"]
 
 ACTIVATIONS = act_ops.ACTIVATIONS
 GATED = act_ops.GATED
-GEMMS = ("wi", "wo")
-
-
-@dataclasses.dataclass(frozen=True)
-class MLPQuantizers:
-    """The quantizers of the MLP's two GEMMs.
-
-    Attributes:
-      wi: the first GEMM's (its "linear_input" writes the norm output, its
-        "linear_grad_output" the activation's gradient).
-      wo: the second GEMM's (its "linear_input" writes the activation output).
-    """
-
-    wi: DenseQuantizers = DenseQuantizers()
-    wo: DenseQuantizers = DenseQuantizers()
-
-    @classmethod
-    def from_recipe(cls, recipe: Recipe | None, path: tuple[str, ...] = ()) -> MLPQuantizers:
-        """Asks ``recipe`` per role with the paths ``path + ("wi",)`` and ``path + ("wo",)``."""
-        path = tuple(path)
-        return cls(DenseQuantizers.from_recipe(recipe, path + ("wi",)),
-                   DenseQuantizers.from_recipe(recipe, path + ("wo",)))
-
-    @property
-    def any(self) -> bool:
-        return self.wi.any or self.wo.any
-
-    def init_state(self) -> dict[str, dict]:
-        """``{"wi": {...}, "wo": {...}}``: the initial state of each GEMM's stateful roles."""
-        return {"wi": self.wi.init_state(), "wo": self.wo.init_state()}
-
-    def quantized_roles(self) -> dict[str, tuple[str, ...]]:
-        """``{"wi": roles, "wo": roles}``: each GEMM's roles that have a quantizer."""
-        return {"wi": self.wi.quantized_roles(), "wo": self.wo.quantized_roles()}
-
-
-def _as_mlp_quantizers(q) -> MLPQuantizers:
-    if q is None:
-        return MLPQuantizers()
-    if isinstance(q, MLPQuantizers):
-        return q
-    if isinstance(q, Mapping) and set(q) <= set(GEMMS):
-        return MLPQuantizers(as_quantizers(q.get("wi")), as_quantizers(q.get("wo")))
-    raise TypeError(f"te_jax: layernorm_mlp: quantizers must be an MLPQuantizers, a mapping {{'wi': ..., 'wo': ...}} "
-                    f"or None; got {type(q).__name__}")
+_WHERE = "layernorm_mlp"
 
 
 def act_out_features(activation: str, n1: int, where: str) -> int:
@@ -119,23 +75,20 @@ def act_out_features(activation: str, n1: int, where: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _MLPPlan(Plan):
+    """The static facts of one layernorm_mlp call.
+
+    ``state_leaves`` and ``stats_leaves`` are per GEMM, ``(("wi", ...), ("wo", ...))``;
+    ``vary`` is of x, gamma, beta, k1, b1, k2, b2, mask.
+    """
+
     q: MLPQuantizers
     norm: NormSpec | None
     activation: str
-    mesh_resource: MeshResource | None
-    leaves: tuple  # {"wi": state_leaves, "wo": state_leaves} as a tuple of pairs
-    vary: tuple  # x, gamma, beta, k1, b1, k2, b2, mask
     dtype: Any
     x_dtype: Any
     b1_dtype: Any
     b2_dtype: Any
-    inspect: Sample | None = None  # record statistics (te_jax.inspect), reading these rows
-    stats_leaves: tuple = ()  # per GEMM, as ``leaves``, of the statistics input
-
-    @property
-    def all_vary(self):
-        return frozenset().union(*self.vary)
 
 
 def layernorm_mlp(
@@ -158,9 +111,8 @@ def layernorm_mlp(
     mesh_resource: MeshResource | None = None,
     precision=None,
     inspect: bool | Sample = False,
-    stats: Mapping[str, Any] | None = None,
     dot_generals=None,
-) -> tuple:
+) -> tuple[jax.Array, dict[str, Any] | None]:
     """``act(norm(x) @ kernel_1 + bias_1) [* dropout_mask] @ kernel_2 + bias_2``.
 
     Args:
@@ -175,20 +127,22 @@ def layernorm_mlp(
       dropout_mask: ``[..., F]``, multiplied into the activation output (e.g.
         ``bernoulli(keep) / keep``), or None.
       quantizers: ``MLPQuantizers`` (or ``{"wi": ..., "wo": ...}``), None for high precision.
-      state: ``{"wi": {role: state}, "wo": {role: state}}`` for the stateful quantizers.
+      state: ``{"wi": {role: state}, "wo": {role: state}}`` for the stateful quantizers; with
+        ``inspect``, the statistics input ``state["fp8_stats"] = {"wi": {role: {stat: f32[]}}, "wo": ...}``
+        (default: zeros), as in ``te_jax.dense``.
       key: PRNG key for stochastic rounding (wi draws from ``fold_in(key, 0)``, wo from ``fold_in(key, 1)``).
       mesh_resource, precision: as in ``te_jax.dense``.
-      inspect, stats: quantization statistics, as in ``te_jax.dense``, per GEMM:
-        ``stats = {"wi": {role: {stat: f32[]}}, "wo": {...}}`` (None: zeros).
+      inspect: quantization statistics, as in ``te_jax.dense``, per GEMM.
       dot_generals: ``(first, second)`` products of the unquantized path instead of
         ``lax.dot_general`` (e.g. flax ``Fp8DotGeneral`` instances); only without quantizers.
 
     Returns:
-      ``(y [..., H_out], new_state)``, and the forward statistics ``{"wi": ..., "wo": ...}`` third when ``inspect``.
+      ``(y [..., H_out], new_state)``: new_state as in ``te_jax.dense``, per GEMM (the forward statistics
+      ``new_state["fp8_stats"] = {"wi": ..., "wo": ...}`` when ``inspect``).
     """
-    where = "layernorm_mlp"
+    where = _WHERE
     inspect = as_sample(inspect)
-    q = _as_mlp_quantizers(quantizers)
+    q = as_mlp_quantizers(quantizers)
     check_no_dot_general(where, dot_generals, q.any)
     norm = as_norm(norm_type, zero_centered_gamma, epsilon, gamma, beta, where)
     check_high_precision(where, x=x, gamma=gamma, beta=beta, kernel_1=kernel_1, bias_1=bias_1, kernel_2=kernel_2,
@@ -217,29 +171,23 @@ def layernorm_mlp(
     if not q.any:
         y = _high_precision(norm, activation, x, gamma, beta, k1, b1, kernel_2, bias_2, mask,
                             precision, dot_generals or (lax.dot_general, lax.dot_general))
-        return (y.reshape(*lead, h_out), (None if state is None else dict(state))) + (({},) if inspect else ())
-    m = math.prod(lead)
-    check_blocks(q.wi, m, h, n1, f"{where} (wi)")
-    check_blocks(q.wo, m, f, h_out, f"{where} (wo)")
-    state = dict(state or {})
-    inner = {g: check_state(getattr(q, g), state.get(g), f"{where} ({g})") for g in GEMMS}
-    if key is None:
-        for g in GEMMS:
-            check_key(getattr(q, g), ("input", "weight", "output"), f"{where} ({g})")
-    if mesh_resource is None:
-        mesh_resource = current_autocast().mesh_resource
+        return y.reshape(*lead, h_out), high_precision_state(state, inspect)
+    m, state = math.prod(lead), dict(state or {})
+    inner = {g: check_gemm(qg, m, k, n, state.get(g), key, f"{where} ({g})")
+             for (g, qg), (k, n) in zip(q.by_gemm().items(), ((h, n1), (f, h_out)))}
     qstats = None
     if inspect:
-        stats = dict(stats or {})
-        qstats = {g: stats_input(getattr(q, g).quantized_roles(), stats.get(g)) for g in GEMMS}
-    plan = _Plan(q, norm, activation, mesh_resource, tuple((g, state_leaves(inner[g])) for g in GEMMS),
-                 vary_of(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, dropout_mask), dtype, x.dtype,
-                 None if b1 is None else b1.dtype, None if bias_2 is None else bias_2.dtype, inspect,
-                 tuple((g, stats_leaves(qstats[g])) for g in GEMMS) if inspect else ())
+        given = dict(given_stats(state) or {})
+        qstats = {g: stats_input(qg.quantized_roles(), given.get(g)) for g, qg in q.by_gemm().items()}
+    plan = _MLPPlan(mesh_resource_or_autocast(mesh_resource), tuple((g, state_leaves(inner[g])) for g in GEMMS),
+                    tuple((g, stats_leaves(qstats[g])) for g in GEMMS) if inspect else (),
+                    vary_of(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, dropout_mask), inspect, q, norm,
+                    activation, dtype, x.dtype, None if b1 is None else b1.dtype,
+                    None if bias_2 is None else bias_2.dtype)
     y, new_inner, fwd_stats = _vjp(plan, x.reshape(-1, h), gamma, beta, k1, b1, kernel_2, bias_2, mask, inner,
                                    raw_key(key), qstats)
-    new_state = {**state, **{g: {**dict(state.get(g) or {}), **new_inner[g]} for g in GEMMS}}
-    return (y.reshape(*lead, h_out), new_state) + ((fwd_stats,) if inspect else ())
+    updates = {g: {**dict(state.get(g) or {}), **new_inner[g]} for g in GEMMS}
+    return y.reshape(*lead, h_out), updated_state(state, updates, fwd_stats)
 
 
 def _high_precision(norm, activation, x, gamma, beta, k1, b1, k2, b2, mask, precision, dots):
@@ -260,7 +208,7 @@ def _keys(key):
     return (None, None) if key is None else (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
 
 
-def _activation_output(plan: _Plan, go: GemmQuant, hid, mask, training: bool):
+def _activation_output(plan: _MLPPlan, go: GemmQuant, hid, mask, training: bool):
     """``act(hid)`` written by wo's input quantizer (fused unless dropout sits in between)."""
     if mask is not None:
         a = fused.activation(hid, plan.activation, out_dtype=plan.dtype) * mask
@@ -273,19 +221,17 @@ def _activation_output(plan: _Plan, go: GemmQuant, hid, mask, training: bool):
                                                 backend="reference"))[0]
 
 
-def _forward(plan: _Plan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, qstats, training: bool):
+def _forward(plan: _MLPPlan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, qstats, training: bool):
     ki, ko = _keys(key)
     gi = GemmQuant(plan.q.wi, state["wi"], ki, plan.mesh_resource, plan.inspect)
     go = GemmQuant(plan.q.wo, state["wo"], ko, plan.mesh_resource, plan.inspect)
     ln, stats = norm_input(plan.norm, gi, x, gamma, beta, plan.dtype, training)
     k1q = gi.quantize("weight", k1, rowwise=training, colwise=True, flatten_axis=1)
-    hid = gemm(ln, k1q, ((1,), (0,)), out_dtype=plan.dtype, bias=b1, fast_accum=plan.q.wi.fast_accum,
-               mesh_resource=current_autocast().mesh_resource)
+    hid = gi.gemm(ln, k1q, ((1,), (0,)), out_dtype=plan.dtype, bias=b1, fast_accum=plan.q.wi.fast_accum)
     hid = checkpoint_name(gi.qdq("output", hid), PRE_ACTIVATION)
     a = _activation_output(plan, go, hid, mask, training)
     k2q = go.quantize("weight", k2, rowwise=training, colwise=True, flatten_axis=1)
-    y = gemm(a, k2q, ((1,), (0,)), out_dtype=plan.dtype, bias=b2, fast_accum=plan.q.wo.fast_accum,
-             mesh_resource=current_autocast().mesh_resource)
+    y = go.gemm(a, k2q, ((1,), (0,)), out_dtype=plan.dtype, bias=b2, fast_accum=plan.q.wo.fast_accum)
     y = to_varying(go.qdq("output", y), plan.all_vary)
     res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(k1q, "rowwise"), hid,
            keep(a, "colwise"), keep(k2q, "rowwise"), mask, {"wi": gi.st, "wo": go.st},
@@ -305,22 +251,17 @@ def _fwd(plan, *args):
     return _forward(plan, *args, training=True)
 
 
-def _bwd(plan: _Plan, res, cts):
+def _bwd(plan: _MLPPlan, res, cts):
     x, gamma, beta, stats, ln, k1q, hid, a, k2q, mask, st, grads, key, fwd_stats = res
     dy = cts[0]
-    if key is None:
-        for g in GEMMS:
-            check_key(getattr(plan.q, g), ("grad_output", "grad_input"), f"layernorm_mlp ({g})")
     ki, ko = _keys(key)
-    gi = GemmQuant(plan.q.wi, st["wi"], ki, plan.mesh_resource, plan.inspect)
-    go = GemmQuant(plan.q.wo, st["wo"], ko, plan.mesh_resource, plan.inspect)
+    gi, go = (GemmQuant.backward(getattr(plan.q, g), st[g], k, plan.mesh_resource, plan.inspect, f"{_WHERE} ({g})")
+              for g, k in zip(GEMMS, (ki, ko)))
     # Second GEMM. Backward GEMMs split their accumulation unless the recipe asks otherwise, as te_jax.dense does.
     dyq = go.quantize("grad_output", dy, rowwise=True, colwise=True)
     fast_wo = plan.q.wo.backward_fast_accum
-    da = go.qdq("grad_input", gemm(dyq, k2q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wo,
-                                   mesh_resource=current_autocast().mesh_resource))
-    dk2 = gemm(a, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wo,
-               mesh_resource=current_autocast().mesh_resource)
+    da = go.qdq("grad_input", go.gemm(dyq, k2q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wo))
+    dk2 = go.gemm(a, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wo)
     db2 = None if plan.b2_dtype is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(plan.b2_dtype)
     if mask is not None:
         da = da * mask
@@ -339,23 +280,20 @@ def _bwd(plan: _Plan, res, cts):
     db1 = None if not has_b1 else db1.astype(plan.b1_dtype)
     # First GEMM and the norm.
     fast_wi = plan.q.wi.backward_fast_accum
-    dln = gi.qdq("grad_input", gemm(dh, k1q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wi,
-                                    mesh_resource=current_autocast().mesh_resource))
-    dk1 = gemm(ln, dh, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wi,
-               mesh_resource=current_autocast().mesh_resource)
+    dln = gi.qdq("grad_input", gi.gemm(dh, k1q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wi))
+    dk1 = gi.gemm(ln, dh, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wi)
     dx, dgamma, dbeta = norm_backward(plan.norm, dln, x, gamma, beta, stats, plan.x_dtype)
     u = plan.all_vary
-    vx, vg, vb, vk1, vb1, vk2, vb2, vm = plan.vary
-    leaves = dict(plan.leaves)
-    dstate = {g: state_cotangent(leaves[g], {**grads[g], **new.grads}, u) for g, new in (("wi", gi), ("wo", go))}
+    vx, vg, vb, vk1, vb1, vk2, vb2, _ = plan.vary
+    new = {"wi": gi, "wo": go}
+    leaves = dict(plan.state_leaves)
+    dstate = {g: state_cotangent(leaves[g], {**grads[g], **new[g].grads}, u) for g in GEMMS}
     dstats = None
     if plan.inspect:
-        stats_leaves = dict(plan.stats_leaves)
-        dstats = {g: stats_cotangent(stats_leaves[g], {**fwd_stats[g], **new.stats}, u)
-                  for g, new in (("wi", gi), ("wo", go))}
-    opt = lambda ct, v: None if ct is None else match_cotangent(ct, u, v)  # noqa: E731
-    return (match_cotangent(dx, u, vx), opt(dgamma, vg), opt(dbeta, vb), match_cotangent(dk1, u, vk1),
-            opt(db1, vb1), match_cotangent(dk2, u, vk2), opt(db2, vb2), None, dstate, None, dstats)
+        stats_leaves_of = dict(plan.stats_leaves)
+        dstats = {g: stats_cotangent(stats_leaves_of[g], {**fwd_stats[g], **new[g].stats}, u) for g in GEMMS}
+    return (cotangent(dx, u, vx), cotangent(dgamma, u, vg), cotangent(dbeta, u, vb), cotangent(dk1, u, vk1),
+            cotangent(db1, u, vb1), cotangent(dk2, u, vk2), cotangent(db2, u, vb2), None, dstate, None, dstats)
 
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))

@@ -17,12 +17,11 @@ How state moves (one mechanism, see ``te_jax.train``):
   turns it into the new state. Uses of one state in a step (a layer applied
   twice, micro-batches) merge by elementwise max (``merge_fp8_updates``).
 
-Flax layers use ``layer_quantizers``, ``layer_state`` and ``store_layer_state``::
-
-    quantizers = layer_quantizers(self)                 # from the active autocast
-    state = layer_state(self, quantizers)               # created by init, read by apply
-    y, new_state = te_jax.dense(x, kernel, quantizers=quantizers, state=state, key=quantize_key(self, quantizers))
-    store_layer_state(self, new_state)                  # kept when "fp8_meta" is mutable
+The te_jax.flax layers create and read their entries when they are called
+(``te_jax.flax._common.gemm_state`` / ``store_gemm_state``): a layer with one
+GEMM keeps ``fp8_meta/<path>/<role>``, ``LayerNormMLP`` one entry per GEMM,
+``fp8_meta/<path>/wi/<role>`` and ``.../wo/<role>``. Their stochastic-rounding
+keys come from the RNG stream ``QUANTIZE_RNG`` (``apply(..., rngs={"quantize": key})``).
 """
 
 from __future__ import annotations
@@ -35,9 +34,10 @@ from flax.linen.fp8_ops import fp32_max_grad
 from jax import lax
 
 from te_jax import FP8_COLLECTION  # "fp8_meta", defined in te_jax/__init__.py
-from te_jax.autocast import current
-from te_jax.dense import DenseQuantizers
 from te_jax.quantize import delayed
+
+__all__ = ["FP8_COLLECTION", "QUANTIZE_RNG", "apply_fp8_update", "merge_fp8_updates", "module_path", "to_max_merging",
+           "unused_update"]
 
 QUANTIZE_RNG = "quantize"
 
@@ -89,55 +89,3 @@ def module_path(module) -> tuple[str, ...]:
     """A Flax module's path (its scope's names), e.g. ``("TransformerLayer_0", "mlp", "wi")``."""
     scope = getattr(module, "scope", None)
     return tuple(getattr(scope, "path", ()) or ())
-
-
-def layer_quantizers(module, recipe=None) -> DenseQuantizers:
-    """The quantizers of a dense layer: ``recipe`` (default: the active autocast's) asked per role.
-
-    Outside autocast (or with it disabled) every quantizer is None.
-    """
-    if recipe is None:
-        config = current()
-        recipe = config.recipe if config.enabled else None
-    return DenseQuantizers.from_recipe(recipe, module_path(module))
-
-
-def layer_state(module, quantizers: DenseQuantizers, prefix: str = "") -> dict[str, Any]:
-    """The layer's state for its stateful quantizers, from ``fp8_meta`` (created when initializing).
-
-    Args:
-      module: the Flax module (call from its compact ``__call__``).
-      quantizers: the layer's quantizers.
-      prefix: prepended to the role in the variable name, for layers with
-        several GEMMs (e.g. "wi_" + "linear_input").
-    """
-    out = {}
-    for role, q in quantizers.stateful().items():
-        name = prefix + role
-        if not module.has_variable(FP8_COLLECTION, name) and not module.is_mutable_collection(FP8_COLLECTION):
-            raise ValueError(
-                f"te_jax: layer {'/'.join(module_path(module)) or '<root>'} has no {FP8_COLLECTION} state "
-                f"{name!r}: initialize the model under te_jax.autocast with this recipe and pass "
-                f"variables[{FP8_COLLECTION!r}] to apply"
-            )
-        out[role] = module.variable(FP8_COLLECTION, name, q.init_state).value
-    return out
-
-
-def store_layer_state(module, new_state: dict[str, Any] | None, prefix: str = "") -> None:
-    """Writes the forward-updated state back when ``fp8_meta`` is mutable (not while initializing)."""
-    if not new_state or module.is_initializing() or not module.is_mutable_collection(FP8_COLLECTION):
-        return
-    for role, value in new_state.items():
-        module.put_variable(FP8_COLLECTION, prefix + role, value)
-
-
-def quantize_key(module, quantizers: DenseQuantizers) -> jax.Array | None:
-    """A key from the "quantize" RNG stream (``apply(..., rngs={"quantize": key})``), or None.
-
-    Stochastic rounding needs it (a new key every step); without the stream
-    the layer gets None and ``te_jax.dense`` says what is missing.
-    """
-    if quantizers.any and module.has_rng(QUANTIZE_RNG):
-        return module.make_rng(QUANTIZE_RNG)
-    return None

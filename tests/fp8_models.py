@@ -1,7 +1,6 @@
 """Small Flax models built on te_jax.dense, for the recipe, state and gallery tests.
 
-(The te_jax.flax layers come later; these use the te_jax.state helpers the
-same way.)
+Their dense layer keeps its FP8 state as the te_jax.flax layers do (``fp8_meta/<path>/<role>``).
 """
 
 from __future__ import annotations
@@ -11,7 +10,8 @@ import jax
 import jax.numpy as jnp
 
 import te_jax
-from te_jax import state as fp8_state
+from te_jax.flax import _common as C
+from te_jax.state import module_path
 
 
 class Dense(nn.Module):
@@ -22,11 +22,11 @@ class Dense(nn.Module):
     def __call__(self, x):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
         bias = self.param("bias", nn.initializers.zeros, (self.features,)) if self.use_bias else None
-        quantizers = fp8_state.layer_quantizers(self)
-        state = fp8_state.layer_state(self, quantizers)
-        key = fp8_state.quantize_key(self, quantizers)
+        quantizers = te_jax.DenseQuantizers.from_recipe(C.recipe_or_none(), module_path(self))
+        state = C.gemm_state(self, quantizers)
+        key = C.quantize_key(self, quantizers.any)
         y, new_state = te_jax.dense(x, kernel, bias, quantizers=quantizers, state=state, key=key)
-        fp8_state.store_layer_state(self, new_state)
+        C.store_gemm_state(self, new_state)
         return y
 
 

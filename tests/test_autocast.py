@@ -13,7 +13,7 @@ import pytest
 
 import te_jax
 from te_jax import recipe as R
-from te_jax.autocast import AutocastConfig, current, current_recipe
+from te_jax.autocast import AutocastConfig, current, current_recipe, inspect_sample
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fp8_models import MLP, Dense  # noqa: E402
@@ -45,6 +45,24 @@ def test_default_recipe_nesting_and_disable():
     mesh_resource = te_jax.MeshResource(dp_resource="data")
     with te_jax.autocast(recipe=R.Float8CurrentScaling(), mesh_resource=mesh_resource):
         assert current().mesh_resource == mesh_resource
+
+
+def test_nested_blocks_inherit_what_they_do_not_set():
+    mesh_resource = te_jax.MeshResource(dp_resource="data")
+    sample = te_jax.inspect.Sample(every=4)
+    with te_jax.autocast(recipe=R.MXFP8BlockScaling(), mesh_resource=mesh_resource, inspect=sample):
+        with te_jax.autocast(enabled=False):
+            assert current() == AutocastConfig(False, R.MXFP8BlockScaling(), mesh_resource, sample)
+            assert current_recipe() is None and inspect_sample() is None
+            with te_jax.autocast():  # quantizes again, with the outer recipe, mesh axes and inspection
+                assert current() == AutocastConfig(True, R.MXFP8BlockScaling(), mesh_resource, sample)
+        with te_jax.autocast(recipe=R.Float8CurrentScaling()):
+            assert current() == AutocastConfig(True, R.Float8CurrentScaling(), mesh_resource, sample)
+        with te_jax.autocast(recipe=None, mesh_resource=None, inspect=False):  # set explicitly: not inherited
+            assert current() == AutocastConfig(True, R.DelayedScaling(), None, None)
+    with te_jax.autocast(enabled=False):  # outside any block: the defaults
+        with te_jax.autocast():
+            assert current() == AutocastConfig(True, R.DelayedScaling(), None, None)
 
 
 def test_disabled_inner_block_computes_in_high_precision():

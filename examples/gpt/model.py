@@ -22,7 +22,6 @@ import jax.numpy as jnp
 
 import te_jax
 import te_jax.flax as te_flax
-from te_jax.autocast import current as current_autocast
 from examples.gpt.presets import ModelConfig
 
 INIT_STD = 0.02
@@ -57,7 +56,7 @@ class GPT(nn.Module):
         if c.quantize_head:
             logits = head(x)
         else:
-            with te_jax.autocast(enabled=False, mesh_resource=current_autocast().mesh_resource):
+            with te_jax.autocast(enabled=False):  # keeps the enclosing block's mesh axes
                 logits = head(x)
         return logits.astype(jnp.float32)
 

@@ -22,15 +22,15 @@ layer also records its tensors' statistics in the "fp8_stats" collection
 Rematerialization: ``nn.remat(Layer, policy=te_jax.flax.save_fp8_policy)``
 keeps the FP8 copies (and norm statistics) instead of recomputing the casts
 in backward; ``fp8_checkpoint_policy(PRE_ACTIVATION)`` also keeps the MLP's
-first GEMM output. (``DenseGeneral`` runs ``te_jax.dense``, whose copies are
-not named yet; TransformerLayer's projections all run on the named cores.)
+first GEMM output. Every layer's quantized copies carry these names (the
+functional cores name them; ``te_jax._core.remat``).
 """
 
 from te_jax.flax.dense import DenseGeneral
 from te_jax.flax.layernorm import LayerNorm, LayerNormDenseGeneral
 from te_jax.flax.mlp import LayerNormMLP
 from te_jax.flax.transformer import SelfAttention, TransformerLayer, rotary_embedding
-from te_jax.layernorm_dense import NORM_STATS, PRE_ACTIVATION, QUANTIZED, fp8_checkpoint_policy, save_fp8_policy
+from te_jax._core.remat import NORM_STATS, PRE_ACTIVATION, QUANTIZED, fp8_checkpoint_policy, save_fp8_policy
 
 __all__ = [
     "DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "NORM_STATS", "PRE_ACTIVATION",

@@ -134,13 +134,7 @@ def gemm_state(module: nn.Module, quantizers, name: str | None = None) -> dict[s
 
 def store_gemm_state(module: nn.Module, new_state: dict | None, name: str | None = None) -> None:
     """Writes the forward-updated state back when ``fp8_meta`` is mutable (not while initializing)."""
-    if not new_state or module.is_initializing() or not module.is_mutable_collection(FP8_COLLECTION):
-        return
-    if name is None:
-        for role, value in new_state.items():
-            module.put_variable(FP8_COLLECTION, role, value)
-    else:
-        module.put_variable(FP8_COLLECTION, name, dict(new_state))
+    _store(module, FP8_COLLECTION, new_state, name)
 
 
 def inspect_arg(*stats_inputs) -> inspect_stats.Sample | bool:
@@ -177,13 +171,23 @@ def stats_input(module: nn.Module, quantizers, name: str | None = None) -> dict[
 
 def store_stats(module: nn.Module, stats: dict | None = None, name: str | None = None) -> None:
     """Writes the forward statistics when "fp8_stats" is mutable (not while initializing)."""
-    if not stats or module.is_initializing() or not module.is_mutable_collection(STATS_COLLECTION):
+    _store(module, STATS_COLLECTION, stats, name, merge=True)
+
+
+def _store(module: nn.Module, collection: str, entries: dict | None, name: str | None, merge: bool = False) -> None:
+    """Writes ``entries`` ({role: value}) into ``collection`` when it is mutable (not while initializing).
+
+    Each role is a variable of its own, or, with ``name``, one variable
+    ``name`` holds them all (merged into its value when ``merge``).
+    """
+    if not entries or module.is_initializing() or not module.is_mutable_collection(collection):
         return
     if name is None:
-        for role, value in stats.items():
-            module.put_variable(STATS_COLLECTION, role, value)
+        for role, value in entries.items():
+            module.put_variable(collection, role, value)
     else:
-        module.put_variable(STATS_COLLECTION, name, {**module.get_variable(STATS_COLLECTION, name), **stats})
+        old = module.get_variable(collection, name) if merge else {}
+        module.put_variable(collection, name, {**old, **entries})
 
 
 def quantize_key(module: nn.Module, quantized: bool):

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax.linen.dtypes import promote_dtype
 from jax import lax
 
-from te_jax.dense import DenseQuantizers, dense
+from te_jax._core import DenseQuantizers
+from te_jax.dense import dense
 from te_jax.flax import _common as C
-from te_jax.layernorm_dense import check_blocks
+from te_jax.flax._call import call_op
 from te_jax.state import module_path
 
 Dtype = Any
@@ -93,17 +94,9 @@ class DenseGeneral(nn.Module):
                                  "(the quantized GEMMs have no batch axes); vmap the layer or fold them into axis")
             return self._flax_product(inputs, kernel, bias, axis, batch, features)
         quantizers = DenseQuantizers.from_recipe(recipe, module_path(self))
-        if quantizers.any:
-            m = int(np.prod([d for i, d in enumerate(inputs.shape) if i not in axis]))
-            check_blocks(quantizers, m, int(np.prod(in_shape)), int(np.prod(features)), C.where(self))
-        state = C.gemm_state(self, quantizers)
-        stats = C.stats_input(self, quantizers)
-        y, new_state, *fwd_stats = dense(inputs, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))),
-                                         quantizers=quantizers, state=state, key=C.quantize_key(self, quantizers.any),
-                                         precision=self.precision, inspect=C.inspect_arg(stats), stats=stats)
-        C.store_gemm_state(self, new_state)
-        C.store_stats(self, *fwd_stats)
-        return y
+        return call_op(self, quantizers, functools.partial(
+            dense, inputs, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))), quantizers=quantizers,
+            precision=self.precision))
 
     def _flax_product(self, inputs, kernel, bias, axis, batch, features):
         """flax.linen.DenseGeneral's product with batch dims or a custom dot_general (high precision)."""

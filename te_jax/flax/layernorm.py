@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.dense import DenseQuantizers
+from te_jax._core import DenseQuantizers
+from te_jax._core.norm import NORM_TYPES, NormSpec, normalize_hp
 from te_jax.flax import _common as C
-from te_jax.layernorm_dense import NORM_TYPES, NormSpec, layernorm_dense, normalize_hp
+from te_jax.flax._call import call_op
+from te_jax.layernorm_dense import layernorm_dense
 from te_jax.state import module_path
 
 Dtype = Any
@@ -36,6 +39,24 @@ def norm_params(module: nn.Module, x: jax.Array, *, layernorm_type: str, zero_ce
         gamma, zcg = jnp.ones((h,), jnp.float32), False
     beta = C.param(module, bias_name, bias_init, (h,), module.param_dtype, bias_axes) if use_bias else None
     return gamma, beta, zcg
+
+
+def gemm_norm_params(module: nn.Module, x: jax.Array):
+    """``(gamma, beta, zero_centered_gamma, norm_type)`` of the norm in front of a layer's first GEMM.
+
+    Reads the layer's ``enable_layernorm``, ``layernorm_type``,
+    ``zero_centered_gamma``, ``use_scale``, ``scale_init``, ``use_ln_bias``,
+    ``ln_bias_init``, ``scale_axes`` and ``ln_bias_axes`` (parameters "scale"
+    and "ln_bias"); ``(None, None, False, None)`` without a norm.
+    """
+    if not module.enable_layernorm:
+        return None, None, False, None
+    gamma, beta, zcg = norm_params(module, x, layernorm_type=module.layernorm_type,
+                                   zero_centered_gamma=module.zero_centered_gamma, use_scale=module.use_scale,
+                                   use_bias=module.use_ln_bias, scale_init=module.scale_init,
+                                   bias_init=module.ln_bias_init, scale_axes=module.scale_axes,
+                                   bias_axes=module.ln_bias_axes, bias_name="ln_bias")
+    return gamma, beta, zcg, module.layernorm_type
 
 
 class LayerNorm(nn.Module):
@@ -155,15 +176,7 @@ class LayerNormDenseGeneral(nn.Module):
             raise ValueError(f"te_jax: {C.where(self)}: axis={self.axis} must be the last axis (with a norm) or "
                              "trailing axes (enable_layernorm=False)")
         in_shape = x.shape[x.ndim - n_in:]
-        gamma = beta = None
-        zcg, kind = False, None
-        if self.enable_layernorm:
-            gamma, beta, zcg = norm_params(self, x, layernorm_type=self.layernorm_type,
-                                           zero_centered_gamma=self.zero_centered_gamma, use_scale=self.use_scale,
-                                           use_bias=self.use_ln_bias, scale_init=self.scale_init,
-                                           bias_init=self.ln_bias_init, scale_axes=self.scale_axes,
-                                           bias_axes=self.ln_bias_axes, bias_name="ln_bias")
-            kind = self.layernorm_type
+        gamma, beta, zcg, kind = gemm_norm_params(self, x)
         kernel = C.param(self, "kernel", C.flat_init(self.kernel_init, n_in), in_shape + features, self.param_dtype,
                          self.kernel_axes)
         bias = C.param(self, "bias", C.flat_bias_init(self.bias_init), features, self.param_dtype,
@@ -176,24 +189,7 @@ class LayerNormDenseGeneral(nn.Module):
         if not self.enable_layernorm:
             x = x.astype(dtype)
         quantizers = DenseQuantizers.from_recipe(C.recipe_or_none(), module_path(self))
-        state = C.gemm_state(self, quantizers)
-        stats = C.stats_input(self, quantizers)
-        try:
-            y, new_state, *fwd_stats = layernorm_dense(
-                x, gamma, beta, kernel, bias, norm_type=kind, zero_centered_gamma=zcg, epsilon=self.epsilon,
-                quantizers=quantizers, state=state, key=C.quantize_key(self, quantizers.any),
-                precision=self.precision, inspect=C.inspect_arg(stats), stats=stats,
-                dot_general=C.dot_general_of(self, self.dot_general_cls, quantizers.any))
-        except ValueError as err:
-            raise _located(err, self) from None
-        C.store_gemm_state(self, new_state)
-        C.store_stats(self, *fwd_stats)
-        return y
-
-
-def _located(err: ValueError, module: nn.Module) -> ValueError:
-    """The core's error with the module's path instead of the core's name."""
-    msg = str(err)
-    for core in ("layernorm_dense", "layernorm_mlp"):
-        msg = msg.replace(f"te_jax: {core}", f"te_jax: {C.where(module)}", 1)
-    return ValueError(msg)
+        return call_op(self, quantizers, functools.partial(
+            layernorm_dense, x, gamma, beta, kernel, bias, norm_type=kind, zero_centered_gamma=zcg,
+            epsilon=self.epsilon, quantizers=quantizers, precision=self.precision,
+            dot_general=C.dot_general_of(self, self.dot_general_cls, quantizers.any)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,9 +10,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from te_jax._core import GEMMS, MLPQuantizers
 from te_jax.flax import _common as C
-from te_jax.flax.layernorm import _located, norm_params
-from te_jax.layernorm_mlp import ACTIVATIONS, GATED, MLPQuantizers, layernorm_mlp
+from te_jax.flax._call import call_op
+from te_jax.flax.layernorm import gemm_norm_params
+from te_jax.layernorm_mlp import ACTIVATIONS, GATED, layernorm_mlp
 from te_jax.state import module_path
 
 Dtype = Any
@@ -94,15 +97,7 @@ class LayerNormMLP(nn.Module):
         h, f = x.shape[-1], int(self.intermediate_dim)
         if f < 1:
             raise ValueError(f"te_jax: {C.where(self)}: intermediate_dim must be >= 1, got {self.intermediate_dim}")
-        gamma = beta = None
-        zcg, kind = False, None
-        if self.enable_layernorm:
-            gamma, beta, zcg = norm_params(self, x, layernorm_type=self.layernorm_type,
-                                           zero_centered_gamma=self.zero_centered_gamma, use_scale=self.use_scale,
-                                           use_bias=self.use_ln_bias, scale_init=self.scale_init,
-                                           bias_init=self.ln_bias_init, scale_axes=self.scale_axes,
-                                           bias_axes=self.ln_bias_axes, bias_name="ln_bias")
-            kind = self.layernorm_type
+        gamma, beta, zcg, kind = gemm_norm_params(self, x)
         wi_features = (2, f) if act in GATED else (f,)
         k1 = C.param(self, "wi_kernel", C.flat_init(self.kernel_init, 1), (h, *wi_features), self.param_dtype,
                      self.kernel_axes_1)
@@ -121,22 +116,8 @@ class LayerNormMLP(nn.Module):
         mask = C.dropout_mask(self, self.intermediate_dropout_rate, (*x.shape[:-1], f),
                               self.intermediate_hidden_dropout_dims, self.dropout_rng_name, dtype, deterministic)
         quantizers = MLPQuantizers.from_recipe(C.recipe_or_none(), module_path(self))
-        state = {g: C.gemm_state(self, getattr(quantizers, g), g) for g in ("wi", "wo")}
-        stats = {g: C.stats_input(self, getattr(quantizers, g), g) for g in ("wi", "wo")}
-        inspect = C.inspect_arg(*stats.values())
-        try:
-            y, new_state, *fwd_stats = layernorm_mlp(
-                x, gamma, beta, k1, b1, k2, b2, activation=act, norm_type=kind, zero_centered_gamma=zcg,
-                epsilon=self.epsilon, dropout_mask=mask, quantizers=quantizers, state=state,
-                key=C.quantize_key(self, quantizers.any), precision=self.precision, inspect=inspect,
-                stats={g: v for g, v in stats.items() if v is not None},
-                dot_generals=None if self.dot_general_cls is None else tuple(
-                    C.dot_general_of(self, self.dot_general_cls, quantizers.any) for _ in range(2)))
-        except ValueError as err:
-            raise _located(err, self) from None
-        if new_state is not None:
-            for g in ("wi", "wo"):
-                C.store_gemm_state(self, new_state[g], g)
-        for g, value in (fwd_stats[0] if fwd_stats else {}).items():
-            C.store_stats(self, value, g)
-        return y
+        return call_op(self, quantizers, functools.partial(
+            layernorm_mlp, x, gamma, beta, k1, b1, k2, b2, activation=act, norm_type=kind, zero_centered_gamma=zcg,
+            epsilon=self.epsilon, dropout_mask=mask, quantizers=quantizers, precision=self.precision,
+            dot_generals=None if self.dot_general_cls is None else tuple(
+                C.dot_general_of(self, self.dot_general_cls, quantizers.any) for _ in range(2))), gemms=GEMMS)

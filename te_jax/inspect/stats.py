@@ -94,7 +94,10 @@ def as_sample(inspect) -> Sample | None:
 
 
 def zeros(roles: Iterable[str]) -> dict[str, Stats]:
-    """``{role: {stat: f32[] zero}}``: the statistics input of a core (its gradient carries the statistics)."""
+    """``{role: {stat: f32[] zero}}``: a functional op's statistics input.
+
+    A functional op takes it as ``state["fp8_stats"]``; its gradient carries the statistics.
+    """
     return {str(r): {n: jnp.zeros((), jnp.float32) for n in STAT_NAMES} for r in roles}
 
 
