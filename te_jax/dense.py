@@ -60,6 +60,7 @@ from te_jax.ops.gemm import gemm
 from te_jax.quantize.delayed import as_float32
 from te_jax.recipe import ROLES, Recipe, Role
 from te_jax.sharding import MeshResource, match_cotangent, reduce_amax, to_varying, varying_axes
+from te_jax.state_grad import check_state_update_applied
 
 QUANTIZED = "te_jax_quantized"  # checkpoint name of every forward quantized copy (inputs, weights, activations)
 
@@ -383,6 +384,7 @@ def _dense_bwd(plan, res, cotangents):
     dx, dk = match_cotangent(dx, u, plan.vary[0]), match_cotangent(dk, u, plan.vary[1])
     dbias = None if dbias is None else match_cotangent(dbias, u, plan.vary[2])
     dstate = {role: {} for role in st}
+    check_state_update_applied(st)
     for role, name, dtype, vary in plan.state_leaves:
         g = match_cotangent(grads[role][name], u, vary, "max")  # identical where amaxes were reduced
         dstate[role][name] = lax.convert_element_type(g, dtype)

@@ -56,6 +56,7 @@ from te_jax.quantize.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVF
 from te_jax.quantize.scaled_tensor import ScaledTensor
 from te_jax.recipe import ROLES
 from te_jax.sharding import MeshResource, match_cotangent, reduce_amax, to_varying, varying_axes
+from te_jax.state_grad import check_state_update_applied
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 NORM_STATS = "te_jax_norm_stats"  # checkpoint name of the norm's mean and rsigma
@@ -299,6 +300,7 @@ def state_leaves(states: Mapping[str, Mapping]) -> tuple:
 def state_cotangent(leaves: tuple, grads: Mapping, all_vary) -> dict[str, dict]:
     """The state updates as the cotangent of the incoming state (its leaf dtypes and varying axes)."""
     out: dict[str, dict] = {}
+    check_state_update_applied([role for role, *_ in leaves])
     for role, name, dtype, vary in leaves:
         g = match_cotangent(grads[role][name], all_vary, vary, "max")
         out.setdefault(role, {})[name] = lax.convert_element_type(g, dtype)

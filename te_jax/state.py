@@ -38,6 +38,7 @@ from te_jax import FP8_COLLECTION  # "fp8_meta", defined in te_jax/__init__.py
 from te_jax.autocast import current
 from te_jax.dense import DenseQuantizers
 from te_jax.quantize import delayed
+from te_jax.state_grad import missing_state_error
 
 QUANTIZE_RNG = "quantize"
 
@@ -115,11 +116,7 @@ def layer_state(module, quantizers: DenseQuantizers, prefix: str = "") -> dict[s
     for role, q in quantizers.stateful().items():
         name = prefix + role
         if not module.has_variable(FP8_COLLECTION, name) and not module.is_mutable_collection(FP8_COLLECTION):
-            raise ValueError(
-                f"te_jax: layer {'/'.join(module_path(module)) or '<root>'} has no {FP8_COLLECTION} state "
-                f"{name!r}: initialize the model under te_jax.autocast with this recipe and pass "
-                f"variables[{FP8_COLLECTION!r}] to apply"
-            )
+            raise missing_state_error(f"layer {'/'.join(module_path(module)) or '<root>'}", name)
         out[role] = module.variable(FP8_COLLECTION, name, q.init_state).value
     return out
 

@@ -17,6 +17,7 @@ from te_jax.autocast import current_recipe, inspect_sample, inspecting
 from te_jax.inspect import stats as inspect_stats
 from te_jax.inspect.stats import STATS_COLLECTION
 from te_jax.state import QUANTIZE_RNG, module_path
+from te_jax.state_grad import missing_state_error
 
 HIGH_PRECISION = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 Initializer = Callable[..., Any]
@@ -119,9 +120,7 @@ def gemm_state(module: nn.Module, quantizers, name: str | None = None) -> dict[s
     names = [name] if name is not None else list(stateful)
     for n in names:
         if not module.has_variable(FP8_COLLECTION, n) and not module.is_mutable_collection(FP8_COLLECTION):
-            raise ValueError(
-                f"te_jax: {where(module)} has no {FP8_COLLECTION} state {n!r}: initialize the model under "
-                f"te_jax.autocast with this recipe and pass variables[{FP8_COLLECTION!r}] to apply")
+            raise missing_state_error(where(module), n)
     if name is None:
         return {r: module.variable(FP8_COLLECTION, r, q.init_state).value for r, q in stateful.items()}
     value = dict(module.variable(FP8_COLLECTION, name, quantizers.init_state).value)
