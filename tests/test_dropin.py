@@ -280,3 +280,38 @@ def test_stateless_functional_dense_needs_no_declaration():
 def test_fp8_state_updates_rejects_non_bool():
     with pytest.raises(ValueError, match="True or False"):
         fp8_state_updates(1)
+
+
+# ---- DelayedScaling(scaling_factor_compute_algo=...): TransformerEngine's signature ----------------
+
+
+def _te_style_scaling_factor(amax, scale, fp8_max, recipe):
+    """A TransformerEngine-style callable: reads the recipe's margin and format."""
+    assert isinstance(recipe, R.DelayedScaling)
+    return jnp.where(amax > 0.0, (fp8_max / amax) / (2 ** (recipe.margin + 1)), scale)
+
+
+@pytest.mark.parametrize("margin", [0, 2])
+def test_scaling_factor_compute_algo_gets_the_recipe(margin):
+    recipe = R.DelayedScaling(margin=margin, amax_history_len=2, scaling_factor_compute_algo=_te_style_scaling_factor)
+    quantizer = recipe.quantizer("linear_grad_output")
+    assert quantizer == recipe.quantizer("linear_grad_output") and hash(quantizer) == hash(recipe.quantizer(
+        "linear_grad_output"))  # static in jit: equal recipes give equal quantizers
+    state = quantizer.update_state(quantizer.init_state(), jnp.float32(3.0))
+    assert float(state["scale"][0]) == float(np.float32(57344) / np.float32(3) / np.float32(2 ** (margin + 1)))
+    state = quantizer.update_state(state, jnp.float32(0.0))  # the history still holds 3
+    assert float(state["scale"][0]) == float(np.float32(57344) / np.float32(3) / np.float32(2 ** (margin + 1)))
+
+
+def test_scaling_factor_compute_algo_trains_a_model():
+    recipe = R.DelayedScaling(amax_history_len=4, scaling_factor_compute_algo=_te_style_scaling_factor)
+    (_, variables), = _reference(recipe)[:1]
+    scale = variables["fp8_meta"]["out"]["linear_weight"]["scale"][0]
+    amax = np.max(np.abs(np.asarray(_init(recipe)["params"]["out"]["kernel"])))
+    assert float(scale) == float(np.float32(448) / np.float32(amax) / np.float32(2))
+
+
+@pytest.mark.parametrize("bad", [lambda amax, scale, fp8_max: scale, lambda amax: amax, "max", 3])
+def test_scaling_factor_compute_algo_is_validated(bad):
+    with pytest.raises(ValueError, match=r"f\(amax, scale, fp8_max, recipe\)"):
+        R.DelayedScaling(scaling_factor_compute_algo=bad)

@@ -203,7 +203,7 @@ def test_delayed_fields_change_the_state_update():
     assert _steps(q(), [8.0, 1.0]) == 56.0
     assert _steps(q(amax_compute_algo=lambda h: 2 * jnp.max(h)), [8.0, 1.0]) == 28.0
     # scaling_factor_compute_algo
-    sf = lambda amax, scale, fp8_max, margin: fp8_max / amax / 4 + margin  # noqa: E731
+    sf = lambda amax, scale, fp8_max, recipe: fp8_max / amax / 4 + recipe.margin  # noqa: E731  (TE's signature)
     assert _steps(q(scaling_factor_compute_algo=sf), [2.0]) == 56.0
     assert _steps(q(scaling_factor_compute_algo=sf, margin=1), [2.0]) == 57.0
     # format: the gradient quantizer's dtype and fp8_max
@@ -224,7 +224,7 @@ def _reduction_jaxpr(rec, mesh_resource=None):
 
     f = jax.shard_map(step, mesh=mesh, in_specs=(jax.P("dp"), jax.P(), jax.P()), out_specs=(jax.P("dp"), jax.P()),
                       check_vma=False)
-    with te_jax.autocast(recipe=rec, mesh_resource=mesh_resource):
+    with te_jax.autocast(recipe=rec, mesh_resource=mesh_resource), te_jax.train.fp8_state_updates():
         return str(jax.make_jaxpr(f)(x, k, q.init_state()))
 
 
