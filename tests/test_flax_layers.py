@@ -556,7 +556,7 @@ def test_errors():
         d = tf.DenseGeneral(8)
         d.apply(d.init(jax.random.key(0), x), _x((2, 64, 32)))
     with pytest.raises(TypeError, match="te_jax: LayerNormDenseGeneral: the input must be a float32"):
-        tf.LayerNormDenseGeneral(8).init(jax.random.key(0), jnp.ones((4, 8), jnp.int32))
+        tf.LayerNormDenseGeneral(8).init(jax.random.key(0), jnp.ones((4, 8), jnp.complex64))
     with pytest.raises(TypeError, match="te_jax: LayerNorm: dtype=int8 is not supported"):
         tf.LayerNorm(dtype=jnp.int8).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"te_jax: LayerNormMLP .*\(wi\): MXFP8 .* tokens .* \(40\) is not a multiple "

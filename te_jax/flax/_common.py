@@ -43,6 +43,12 @@ def check_dtypes(module: nn.Module, x: jax.Array | None = None) -> None:
                             f"got {dtype if dtype is not None else type(x).__name__}")
 
 
+def canonical_input(x) -> jax.Array:
+    """``x`` in the dtype flax.linen's layers compute it in: NumPy float64 is float32 with x64 off, integers and
+    bools are promoted to float32 (flax's ``canonicalize_dtype``); float32/bfloat16/float16 arrays pass unchanged."""
+    return jnp.asarray(x, flax_dtypes.canonicalize_dtype(x))
+
+
 def canonical_axes(axes, ndim: int, module: nn.Module, what: str = "axis") -> tuple[int, ...]:
     axes = (axes,) if isinstance(axes, (int, np.integer)) else tuple(axes)
     out = tuple(int(a) % ndim for a in axes if -ndim <= int(a) < ndim)
