@@ -57,22 +57,30 @@ def _tx():
     return optax.adamw(1e-2, weight_decay=0.1)
 
 
-def _reference(recipe):
-    """(loss, variables) after each step of te_jax.train.TrainState + te_jax.train.value_and_grad."""
-    x, y = _data()
-    state = TrainState.create(apply_fn=Net().apply, params=_init(recipe), tx=_tx())
+def _run(step, carry, variables_of):
+    """(loss, variables) after each of STEPS jitted steps ``carry -> (*carry, loss)``."""
+    step, out = jax.jit(step), []
+    for _ in range(STEPS):
+        *carry, loss = step(*carry)
+        out.append((loss, variables_of(*carry)))
+    return out
 
-    @jax.jit
+
+def _train_state_loop(recipe, state_cls=TrainState, grad_fn=value_and_grad):
+    """A TrainState over all the variables; te_jax's with te_jax's value_and_grad is the reference."""
+    x, y = _data()
+    state = state_cls.create(apply_fn=Net().apply, params=_init(recipe), tx=_tx())
+
     def step(state):
         with te_jax.autocast(recipe=recipe):
-            loss, grads = value_and_grad(_loss)(state.params, x, y)
+            loss, grads = grad_fn(_loss)(state.params, x, y)
         return state.apply_gradients(grads=grads), loss
 
-    out = []
-    for _ in range(STEPS):
-        state, loss = step(state)
-        out.append((loss, state.params))
-    return out
+    return _run(step, (state,), lambda state: state.params)
+
+
+def _reference(recipe):
+    return _train_state_loop(recipe)
 
 
 def _assert_same(got, want):
@@ -86,105 +94,45 @@ def _assert_same(got, want):
 # ---- the loops ---------------------------------------------------------------------------
 
 
-def _flax_train_state(recipe):
-    """(a) flax's own TrainState over all the variables with jax.value_and_grad."""
-    x, y = _data()
-    state = flax_train_state.TrainState.create(apply_fn=Net().apply, params=_init(recipe), tx=_tx())
-
-    @jax.jit
-    def step(state):
-        with te_jax.autocast(recipe=recipe):
-            loss, grads = jax.value_and_grad(_loss)(state.params, x, y)
-        return state.apply_gradients(grads=grads), loss
-
-    out = []
-    for _ in range(STEPS):
-        state, loss = step(state)
-        out.append((loss, state.params))
-    return out
-
-
-def _optax_loop(recipe):
-    """(b) a plain optax loop over ``variables``."""
+def _optax_loop(recipe, grad_fn=jax.value_and_grad):
+    """A plain optax loop over ``variables``."""
     x, y = _data()
     variables, tx = _init(recipe), _tx()
-    opt_state = tx.init(variables)
 
-    @jax.jit
     def step(variables, opt_state):
         with te_jax.autocast(recipe=recipe):
-            loss, grads = jax.value_and_grad(_loss)(variables, x, y)
+            loss, grads = grad_fn(_loss)(variables, x, y)
         updates, opt_state = tx.update(grads, opt_state, variables)
         return optax.apply_updates(variables, updates), opt_state, loss
 
-    out = []
-    for _ in range(STEPS):
-        variables, opt_state, loss = step(variables, opt_state)
-        out.append((loss, variables))
-    return out
+    return _run(step, (variables, tx.init(variables)), lambda variables, _: variables)
 
 
 def _params_only_loop(recipe, grad_fn=jax.value_and_grad):
-    """(c) differentiating the parameters only, the other collections passed along un-differentiated."""
+    """Differentiating the parameters only, the other collections passed along un-differentiated."""
     x, y = _data()
     variables, tx = _init(recipe), _tx()
     params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
-    opt_state = tx.init(params)
 
-    @jax.jit
     def step(params, opt_state):
         with te_jax.autocast(recipe=recipe):
             loss, grads = grad_fn(lambda p: _loss({"params": p, **rest}, x, y))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    out = []
-    for _ in range(STEPS):
-        params, opt_state, loss = step(params, opt_state)
-        out.append((loss, {"params": params, **rest}))
-    return out
+    return _run(step, (params, tx.init(params)), lambda params, _: {"params": params, **rest})
 
 
 def _te_grads_flax_train_state(recipe):
-    """(d) te_jax.train.value_and_grad, stepped by flax's TrainState."""
-    x, y = _data()
-    state = flax_train_state.TrainState.create(apply_fn=Net().apply, params=_init(recipe), tx=_tx())
-
-    @jax.jit
-    def step(state):
-        with te_jax.autocast(recipe=recipe):
-            loss, grads = value_and_grad(_loss)(state.params, x, y)
-        return state.apply_gradients(grads=grads), loss
-
-    out = []
-    for _ in range(STEPS):
-        state, loss = step(state)
-        out.append((loss, state.params))
-    return out
+    return _train_state_loop(recipe, flax_train_state.TrainState, value_and_grad)
 
 
 def _te_grads_optax_loop(recipe):
-    """(e) te_jax.train.value_and_grad, stepped by optax over all the variables."""
-    x, y = _data()
-    variables, tx = _init(recipe), _tx()
-    opt_state = tx.init(variables)
-
-    @jax.jit
-    def step(variables, opt_state):
-        with te_jax.autocast(recipe=recipe):
-            loss, grads = value_and_grad(_loss)(variables, x, y)
-        updates, opt_state = tx.update(grads, opt_state, variables)
-        return optax.apply_updates(variables, updates), opt_state, loss
-
-    out = []
-    for _ in range(STEPS):
-        variables, opt_state, loss = step(variables, opt_state)
-        out.append((loss, variables))
-    return out
+    return _optax_loop(recipe, value_and_grad)
 
 
-LOOPS = {
-    "flax_train_state": _flax_train_state,
+LOOPS = {  # (a) flax's TrainState, (b) optax, (c) the parameters alone; then te_jax's gradients in (a), (b)
+    "flax_train_state": lambda r: _train_state_loop(r, flax_train_state.TrainState, jax.value_and_grad),
     "optax_loop": _optax_loop,
     "params_only": _params_only_loop,
     "params_only_te_value_and_grad": lambda r: _params_only_loop(r, value_and_grad),

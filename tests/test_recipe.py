@@ -369,7 +369,7 @@ def test_fast_accumulation_reaches_the_forward_gemm(rec):
     for fast in (True, False):
         recipe = rec(fast_accumulation=fast)
         assert te_jax.DenseQuantizers.from_recipe(recipe).fast_accum is fast
-        with te_jax.autocast(recipe=recipe):
+        with te_jax.autocast(recipe=recipe), te_jax.train.fp8_state_updates():
             v = m.init(jax.random.key(0), x)
             text = jax.jit(jax.value_and_grad(lambda v, x: m.apply(v, x, rngs={"quantize": jax.random.key(1)}).astype(
                 jnp.float32).sum(), argnums=(0, 1))).lower(v, x).as_text()
