@@ -200,7 +200,8 @@ def accumulate_gradients(fun: Callable, variables: Any, micro_batches: Any, *, h
 
     zero = _map_trainable(lambda t: jax.tree.map(jnp.zeros_like, t), variables)
     if _has_fp8(variables):
-        zero = FP8Gradients(zero, **{c: unused_update(variables[c]) for c in _merged(variables)})  # max-merge's identity
+        # "unused this step": the identity of the max-merge
+        zero = FP8Gradients(zero, **{c: unused_update(variables[c]) for c in _merged(variables)})
     (loss, grads), aux = lax.scan(body, (jnp.zeros((), jnp.float32), zero), micro_batches)
     if average:
         loss = loss / n
