@@ -30,6 +30,7 @@ import dataclasses
 import enum
 import importlib
 import importlib.util
+import inspect
 import math
 import re
 from collections.abc import Callable
@@ -170,6 +171,35 @@ def _set(obj, name, value) -> None:
     object.__setattr__(obj, name, value)
 
 
+def _check_scaling_factor_compute_algo(fn) -> None:
+    """``fn`` must be None or callable as ``fn(amax, scale, fp8_max, recipe)``."""
+    if fn is None:
+        return
+    wanted = "None or a callable f(amax, scale, fp8_max, recipe) -> new scale (TransformerEngine's signature)"
+    if not callable(fn):
+        raise ValueError(f"te_jax: DelayedScaling.scaling_factor_compute_algo must be {wanted}, got {fn!r}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have none: nothing to check
+        return
+    try:
+        signature.bind(None, None, None, None)
+    except TypeError as e:
+        raise ValueError(f"te_jax: DelayedScaling.scaling_factor_compute_algo must be {wanted}; "
+                         f"{getattr(fn, '__name__', fn)!r}{signature} cannot take those four arguments ({e})") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScalingFactorOfRecipe:
+    """The quantizer's ``f(amax, scale, fp8_max, margin)`` calling the recipe's ``fn(amax, scale, fp8_max, recipe)``."""
+
+    fn: Callable
+    recipe: Recipe
+
+    def __call__(self, amax, scale, fp8_max, margin):
+        return self.fn(amax, scale, fp8_max, self.recipe)
+
+
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling(Recipe):
     """Per-tensor FP8 whose scale comes from an amax history kept in the "fp8_meta" collection.
@@ -181,7 +211,13 @@ class DelayedScaling(Recipe):
       amax_compute_algo: "max" (over the history), "most_recent", or a
         callable ``f(amax_history f32[L]) -> amax``.
       scaling_factor_compute_algo: None, or a callable
-        ``f(amax, scale, fp8_max, margin) -> new scale``.
+        ``f(amax, scale, fp8_max, recipe) -> new scale``, TransformerEngine's
+        signature: ``amax`` is the f32[1] amax the history gives, ``scale``
+        the current f32[1] scale, ``fp8_max`` the tensor format's largest
+        value (a float: 448 for E4M3, 57344 for E5M2) and ``recipe`` this
+        recipe (e.g. ``recipe.margin``). As for the default
+        ``(fp8_max / amax) / 2**margin``, the old scale is kept where
+        ``amax`` is 0 or not finite, and the result is capped at 2^126.
       reduce_amax: reduce amaxes over the autocast MeshResource's mesh axes
         (every manual axis when it gives none) inside shard_map, so every
         device keeps the same state. Under jit with shardings amaxes are
@@ -209,9 +245,7 @@ class DelayedScaling(Recipe):
         if not callable(self.amax_compute_algo):
             _check_choice("DelayedScaling.amax_compute_algo", self.amax_compute_algo,
                           ("max", "most_recent", "<callable>"))
-        if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
-            raise ValueError("te_jax: DelayedScaling.scaling_factor_compute_algo must be None or a callable "
-                             f"f(amax, scale, fp8_max, margin), got {self.scaling_factor_compute_algo!r}")
+        _check_scaling_factor_compute_algo(self.scaling_factor_compute_algo)
         _bool("DelayedScaling", "reduce_amax", self.reduce_amax)
         _check_choice("DelayedScaling.amax_reduction", self.amax_reduction, ("max", "mean"))
 
@@ -224,7 +258,8 @@ class DelayedScaling(Recipe):
             margin=self.margin,
             amax_history_len=self.amax_history_len,
             amax_compute_algo=self.amax_compute_algo,
-            scaling_factor_compute_algo=self.scaling_factor_compute_algo,
+            scaling_factor_compute_algo=None if self.scaling_factor_compute_algo is None
+            else _ScalingFactorOfRecipe(self.scaling_factor_compute_algo, self),
             reduce_amax=self.reduce_amax,
             amax_reduction=self.amax_reduction,
         )

@@ -28,6 +28,18 @@ Quantization statistics (``te_jax.autocast(..., inspect=True)``, see
 "fp8_stats" collection, its gradient is the statistics of the step
 (``grads["fp8_stats"]``, uses of one layer merged by max), and
 ``apply_gradients`` leaves ``fp8_stats`` as it is.
+
+Only these helpers may step FP8 state. The backward of a stateful layer
+raises ``FP8StateError`` when traced outside ``value_and_grad``/``grad``
+over variables holding "fp8_meta" (or outside ``fp8_state_updates()``, the
+declaration for functional-API users; ``te_jax.state_grad``): ``jax.grad``
+over all the variables would let an optimizer move the state like a
+parameter, ``jax.grad`` over the parameters alone would leave it stale. The
+gradients ``value_and_grad`` returns for such variables are a
+``FP8Gradients``: flax's ``TrainState.apply_gradients`` raises
+``FP8StateError`` on them, and handing them whole to an optax
+``tx.update``/``optax.apply_updates`` built on a plain variables dict fails
+with a pytree structure error (``FP8Gradients`` against ``dict``).
 """
 
 from __future__ import annotations
@@ -38,11 +50,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 from jax import lax
 
 from te_jax.inspect.stats import STATS_COLLECTION
 from te_jax.state import FP8_COLLECTION, apply_fp8_update, merge_fp8_updates, to_max_merging, unused_update
+from te_jax.state_grad import FP8StateError, fp8_state_updates
+
+__all__ = ["FP8Gradients", "FP8StateError", "TrainState", "accumulate_gradients", "apply_gradients",
+           "fp8_state_updates", "grad", "merge_gradients", "value_and_grad"]
 
 # Collections whose gradient is not a gradient but a max-merged result: the fp8 state update, the statistics.
 MAX_MERGED = (FP8_COLLECTION, STATS_COLLECTION)
@@ -55,6 +72,38 @@ def _has_fp8(tree: Any) -> bool:
 
 def _merged(tree: Mapping) -> list[str]:
     return [c for c in MAX_MERGED if c in tree]
+
+
+class FP8Gradients(dict):
+    """The gradients of a variables dict holding "fp8_meta" or "fp8_stats" (a dict; a pytree of its own type).
+
+    ``grads["params"]`` are gradients; ``grads["fp8_meta"]`` is the state
+    update and ``grads["fp8_stats"]`` the statistics, neither of which an
+    optimizer may see. Being a type of its own, the whole dict cannot be
+    mapped against a plain variables dict (an optax update over all the
+    variables fails), and flax's ``TrainState.apply_gradients``, which asks
+    for its "_overwrite_with_gradient" entry, gets ``FP8StateError``.
+    """
+
+    def __contains__(self, key: object) -> bool:
+        if key == OVERWRITE_WITH_GRADIENT:
+            raise FP8StateError(
+                f"te_jax: these gradients carry the FP8 state update ({', '.join(map(repr, _merged(self)))}), "
+                f"which flax's TrainState.apply_gradients would hand to the optimizer; step with "
+                f"te_jax.train.TrainState (a drop-in for flax's, created with params=the whole variables dict) or "
+                f"te_jax.train.apply_gradients")
+        return super().__contains__(key)
+
+    def __repr__(self) -> str:
+        return f"FP8Gradients({dict.__repr__(self)})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    FP8Gradients,
+    lambda g: (tuple((jax.tree_util.DictKey(k), g[k]) for k in sorted(g)), tuple(sorted(g))),
+    lambda keys, children: FP8Gradients(zip(keys, children)),
+    lambda g: (tuple(g[k] for k in sorted(g)), tuple(sorted(g))),
+)
 
 
 def _is_tracer(tree: Any) -> bool:
@@ -70,6 +119,11 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
     its ordinary gradient. Uses of one state merge by max, not sum. Called
     outside jit, the computation is jitted internally, so ``fun``'s outputs
     (and aux) must be arrays.
+
+    With "fp8_meta" or "fp8_stats" in the differentiated variables the
+    gradients are a ``FP8Gradients`` dict, and the differentiation runs
+    inside ``fp8_state_updates()`` when "fp8_meta" is there. Stateful layers
+    whose state is not in the differentiated argument raise ``FP8StateError``.
     """
     if not isinstance(argnums, int):
         raise ValueError(f"te_jax: value_and_grad differentiates one argument; argnums must be an int, got {argnums!r}")
@@ -93,12 +147,13 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
                 raise TypeError(f"te_jax: value_and_grad needs a real scalar output, got {jnp.result_type(out)}"
                                 f"{list(jnp.shape(out))}")
             (grads,) = vjp_fn(jnp.ones_like(out))
-            grads = {**grads, **{c: jax.tree.map(lambda g: lax.convert_element_type(g, jnp.float32), grads[c])
-                                 for c in _merged(grads)}}
+            grads = FP8Gradients({**grads, **{c: jax.tree.map(lambda g: lax.convert_element_type(g, jnp.float32),
+                                                              grads[c]) for c in _merged(grads)}})
             return out, aux, grads
 
         # Max-merging cotangents only work traced; eager calls run jitted.
-        out, aux, grads = run(variables) if _is_tracer(variables) else jax.jit(run)(variables)
+        with fp8_state_updates(FP8_COLLECTION in variables):
+            out, aux, grads = run(variables) if _is_tracer(variables) else jax.jit(run)(variables)
         return ((out, aux) if has_aux else out), grads
 
     return wrapped
@@ -119,8 +174,8 @@ def merge_gradients(a: Any, b: Any) -> Any:
     """Gradients of two micro-batches: parameters summed, fp8 updates and statistics max-merged."""
     if not _has_fp8(a):
         return jax.tree.map(jnp.add, a, b)
-    return {k: (merge_fp8_updates if k in MAX_MERGED else lambda x, y: jax.tree.map(jnp.add, x, y))(a[k], b[k])
-            for k in a}
+    return FP8Gradients({k: (merge_fp8_updates if k in MAX_MERGED else lambda x, y: jax.tree.map(jnp.add, x, y))(
+        a[k], b[k]) for k in a})
 
 
 def accumulate_gradients(fun: Callable, variables: Any, micro_batches: Any, *, has_aux: bool = False,
@@ -145,8 +200,8 @@ def accumulate_gradients(fun: Callable, variables: Any, micro_batches: Any, *, h
 
     zero = _map_trainable(lambda t: jax.tree.map(jnp.zeros_like, t), variables)
     if _has_fp8(variables):
-        for c in _merged(variables):
-            zero[c] = unused_update(variables[c])  # the identity of the max-merge
+        # "unused this step": the identity of the max-merge
+        zero = FP8Gradients(zero, **{c: unused_update(variables[c]) for c in _merged(variables)})
     (loss, grads), aux = lax.scan(body, (jnp.zeros((), jnp.float32), zero), micro_batches)
     if average:
         loss = loss / n
@@ -166,7 +221,8 @@ def _with_trainable(tree: Any, trainable: Any) -> Any:
     if not _has_fp8(tree):
         return trainable
     rest = {k for k in tree if k not in MAX_MERGED}
-    return {**(trainable if rest != {"params"} else {"params": trainable}), **{c: tree[c] for c in _merged(tree)}}
+    out = {**(trainable if rest != {"params"} else {"params": trainable}), **{c: tree[c] for c in _merged(tree)}}
+    return FP8Gradients(out) if isinstance(tree, FP8Gradients) else out
 
 
 def _map_trainable(fn, tree):
@@ -180,8 +236,9 @@ def apply_gradients(variables: Any, grads: Any, opt_state: Any, tx: optax.Gradie
       ``(new_variables, new_opt_state)``.
     """
     if _has_fp8(variables) and not _has_fp8(grads):
-        raise ValueError(f"te_jax: the variables hold {' and '.join(map(repr, _merged(variables)))} but the gradients "
-                         "do not; compute them with te_jax.train.value_and_grad over the whole variables dict")
+        raise FP8StateError(f"te_jax: the variables hold {' and '.join(map(repr, _merged(variables)))} but the "
+                            "gradients do not; compute them with te_jax.train.value_and_grad over the whole "
+                            "variables dict")
     updates, new_opt_state = tx.update(_trainable(grads), opt_state, _trainable(variables))
     new = _with_trainable(variables, optax.apply_updates(_trainable(variables), updates))
     if FP8_COLLECTION in new:

@@ -365,8 +365,9 @@ def test_layernorm_dense_equals_dense_of_normalize(recipe):
     def unfused(x, gamma, beta, w, b):
         return dense(normalize(x, gamma, beta), w, b, quantizers=q, state=st, key=key)[0]
 
-    outs = [jax.jit(jax.value_and_grad(lambda *a, f=f: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2, 3, 4)))(
-        x, gamma, beta, w, b) for f in (fused, unfused)]
+    with te_jax.train.fp8_state_updates():  # the state's update is not compared here
+        outs = [jax.jit(jax.value_and_grad(lambda *a, f=f: jnp.sum(jnp.sin(f(*a))), argnums=(0, 1, 2, 3, 4)))(
+            x, gamma, beta, w, b) for f in (fused, unfused)]
     for a, b_ in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
         _close(a, b_, 2e-5)
 
@@ -394,8 +395,10 @@ def test_layernorm_mlp_equals_dense_chain(recipe, act):
         return dense(a, w2, b2, quantizers=q.wo, state=st["wo"], key=ko)[0]
 
     for m in (None, mask):
-        outs = [jax.jit(jax.value_and_grad(lambda *a, f=f: jnp.sum(jnp.sin(f(*a, mask=m))), argnums=tuple(range(7))))(
-            x, gamma, beta, w1, b1, w2, b2) for f in (fused, unfused)]
+        with te_jax.train.fp8_state_updates():  # the state's update is not compared here
+            outs = [jax.jit(jax.value_and_grad(lambda *a, f=f: jnp.sum(jnp.sin(f(*a, mask=m))),
+                                               argnums=tuple(range(7))))(x, gamma, beta, w1, b1, w2, b2)
+                    for f in (fused, unfused)]
         for a, b_ in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
             _close(a, b_, 5e-5)
 
@@ -556,7 +559,7 @@ def test_errors():
         d = tf.DenseGeneral(8)
         d.apply(d.init(jax.random.key(0), x), _x((2, 64, 32)))
     with pytest.raises(TypeError, match="te_jax: LayerNormDenseGeneral: the input must be a float32"):
-        tf.LayerNormDenseGeneral(8).init(jax.random.key(0), jnp.ones((4, 8), jnp.int32))
+        tf.LayerNormDenseGeneral(8).init(jax.random.key(0), jnp.ones((4, 8), jnp.complex64))
     with pytest.raises(TypeError, match="te_jax: LayerNorm: dtype=int8 is not supported"):
         tf.LayerNorm(dtype=jnp.int8).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"te_jax: LayerNormMLP .*\(wi\): MXFP8 .* tokens .* \(40\) is not a multiple "

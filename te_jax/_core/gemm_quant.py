@@ -24,6 +24,7 @@ from te_jax.quantize.delayed import as_float32
 from te_jax.quantize.scaled_tensor import ScaledTensor
 from te_jax.recipe import ROLES
 from te_jax.sharding import MeshResource, match_cotangent, reduce_amax, varying_axes
+from te_jax.state_grad import check_state_update_applied
 
 
 def mesh_resource_or_autocast(mesh_resource: MeshResource | None) -> MeshResource | None:
@@ -144,8 +145,10 @@ def state_cotangent(leaves: tuple, grads: Mapping, all_vary) -> dict[str, dict]:
     ``leaves`` is ``state_leaves`` of the incoming state, ``grads`` the
     ``GemmQuant.grads`` of forward and backward merged. In shard_map each leaf
     is reduced by max over the axes it does not vary over (identical where the
-    amaxes were reduced already).
+    amaxes were reduced already). Raises ``te_jax.state_grad.FP8StateError``
+    when the caller did not declare that it applies the update.
     """
+    check_state_update_applied([role for role, _ in leaves])
     return {role: {name: lax.convert_element_type(match_cotangent(grads[role][name], all_vary, vary, "max"), dtype)
                    for name, dtype, vary in names}
             for role, names in leaves}

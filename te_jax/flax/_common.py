@@ -17,6 +17,7 @@ from te_jax.autocast import current_recipe, inspect_sample, inspecting
 from te_jax.inspect import stats as inspect_stats
 from te_jax.inspect.stats import STATS_COLLECTION
 from te_jax.state import QUANTIZE_RNG, module_path
+from te_jax.state_grad import missing_state_error
 
 HIGH_PRECISION = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 Initializer = Callable[..., Any]
@@ -40,6 +41,12 @@ def check_dtypes(module: nn.Module, x: jax.Array | None = None) -> None:
         if dtype is None or jnp.dtype(dtype) not in HIGH_PRECISION:
             raise TypeError(f"te_jax: {where(module)}: the input must be a float32, bfloat16 or float16 array, "
                             f"got {dtype if dtype is not None else type(x).__name__}")
+
+
+def canonical_input(x) -> jax.Array:
+    """``x`` in the dtype flax.linen's layers compute it in: NumPy float64 is float32 with x64 off, integers and
+    bools are promoted to float32 (flax's ``canonicalize_dtype``); float32/bfloat16/float16 arrays pass unchanged."""
+    return jnp.asarray(x, flax_dtypes.canonicalize_dtype(x))
 
 
 def canonical_axes(axes, ndim: int, module: nn.Module, what: str = "axis") -> tuple[int, ...]:
@@ -119,9 +126,7 @@ def gemm_state(module: nn.Module, quantizers, name: str | None = None) -> dict[s
     names = [name] if name is not None else list(stateful)
     for n in names:
         if not module.has_variable(FP8_COLLECTION, n) and not module.is_mutable_collection(FP8_COLLECTION):
-            raise ValueError(
-                f"te_jax: {where(module)} has no {FP8_COLLECTION} state {n!r}: initialize the model under "
-                f"te_jax.autocast with this recipe and pass variables[{FP8_COLLECTION!r}] to apply")
+            raise missing_state_error(where(module), n)
     if name is None:
         return {r: module.variable(FP8_COLLECTION, r, q.init_state).value for r, q in stateful.items()}
     value = dict(module.variable(FP8_COLLECTION, name, quantizers.init_state).value)

@@ -25,15 +25,17 @@ class DenseGeneral(nn.Module):
     """A linear transformation with flexible axes; quantized with the active autocast recipe.
 
     Same arguments, parameters ("kernel" ``[*in axes, *features]``, "bias"
-    ``features``) and, without autocast, the same result as
-    ``flax.linen.DenseGeneral``. Under ``te_jax.autocast(recipe=...)`` it
+    ``features``), input dtype rules (NumPy float64 and integer inputs are
+    promoted as flax promotes them, also under autocast) and, without
+    autocast, the same result as ``flax.linen.DenseGeneral``. Under ``te_jax.autocast(recipe=...)`` it
     calls ``te_jax.dense``: forward, dgrad and wgrad GEMMs quantized, the
     roles carrying this module's path. Delayed-scaling state lives in
     ``fp8_meta/<path>/<role>``.
 
     Attributes:
       features: int or tuple of output features.
-      axis: int or tuple of input axes to contract.
+      axis: int or tuple of input axes to contract; the kernel takes them in
+        ascending order (as flax's does), whatever order they are given in.
       batch_dims: leading batch axes shared by input and kernel (high precision only).
       use_bias: add a bias.
       dtype: the computation dtype (default: inferred from input and params).
@@ -65,9 +67,10 @@ class DenseGeneral(nn.Module):
     @nn.compact
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """Contracts ``axis`` of ``inputs`` with the kernel: ``[*other axes, *features]``."""
-        C.check_dtypes(self, inputs)
+        C.check_dtypes(self)  # the input's dtype after promotion, as flax's
+        inputs = jnp.asarray(inputs)
         features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
-        axis = C.canonical_axes(self.axis, inputs.ndim, self)
+        axis = tuple(sorted(C.canonical_axes(self.axis, inputs.ndim, self)))  # the kernel's order, as flax's
         batch = C.canonical_axes(self.batch_dims, inputs.ndim, self, "batch_dims") if self.batch_dims else ()
         if batch and set(batch) != set(range(len(batch))):
             raise ValueError(f"te_jax: {C.where(self)}: batch_dims {self.batch_dims} must be consecutive leading axes")

@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from te_jax._core import DenseQuantizers
 from te_jax._core.norm import NORM_TYPES, NormSpec, normalize_hp
@@ -62,11 +63,17 @@ def gemm_norm_params(module: nn.Module, x: jax.Array):
 class LayerNorm(nn.Module):
     """Layer normalization (or RMS normalization) over the last axis, on the fused norm kernels.
 
-    Accepts ``flax.linen.LayerNorm``'s arguments and, without zero-centred
-    gamma, computes what it computes (``layernorm_type="rmsnorm"``: what
-    ``flax.linen.RMSNorm`` computes); parameters "scale" and "bias" ``[H]``.
-    Statistics are always float32 and two-pass (``use_fast_variance`` and
-    ``force_float32_reductions`` are accepted and have no effect).
+    Accepts ``flax.linen.LayerNorm``'s arguments and call (``mask``
+    included); parameters "scale" and "bias" ``[H]``. Outside autocast it
+    computes exactly what ``flax.linen.LayerNorm`` computes
+    (``layernorm_type="rmsnorm"``: ``flax.linen.RMSNorm``), operation for
+    operation, honouring ``use_fast_variance`` and ``force_float32_reductions``
+    and promoting NumPy float64 and integer inputs as flax does;
+    ``zero_centered_gamma`` scales by ``1 + scale``. Under an enabled
+    ``te_jax.autocast`` (nothing here is quantized) it runs te_jax's fused
+    norm kernel: float32, two-pass statistics, within a few float32 ulps of
+    flax; a call with ``mask`` keeps flax's computation there too (the fused
+    kernel has no mask).
 
     Attributes:
       epsilon: added to the variance.
@@ -102,7 +109,9 @@ class LayerNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None) -> jax.Array:
-        C.check_dtypes(self, x)
+        """Normalizes over the last axis; ``mask`` (broadcastable to ``x``) selects the elements the statistics read."""
+        C.check_dtypes(self)
+        x = jnp.asarray(x)
         last = (x.ndim - 1,)
         for name in ("reduction_axes", "feature_axes"):
             if C.canonical_axes(getattr(self, name), x.ndim, self, name) != last:
@@ -111,14 +120,45 @@ class LayerNorm(nn.Module):
         if self.axis_name is not None or self.axis_index_groups is not None:
             raise ValueError(f"te_jax: {C.where(self)}: axis_name / axis_index_groups are not supported; under jit "
                              "with sharded inputs the statistics are global already")
-        if mask is not None:
-            raise ValueError(f"te_jax: {C.where(self)}: mask is not supported")
         gamma, beta, zcg = norm_params(self, x, layernorm_type=self.layernorm_type,
                                        zero_centered_gamma=self.zero_centered_gamma, use_scale=self.use_scale,
                                        use_bias=self.use_bias, scale_init=self.scale_init, bias_init=self.bias_init,
                                        scale_axes=self.scale_axes, bias_axes=self.bias_axes, bias_name="bias")
         dtype = C.compute_dtype(self.dtype, x, gamma if self.use_scale else None, beta)
-        return normalize_hp(NormSpec(self.layernorm_type, zcg, float(self.epsilon)), x, gamma, beta, dtype)
+        C.check_dtypes(self, jnp.zeros((), dtype))
+        if C.recipe_or_none() is not None and mask is None:
+            x = C.canonical_input(x)
+            return normalize_hp(NormSpec(self.layernorm_type, zcg, float(self.epsilon)), x, gamma, beta, dtype)
+        return self._flax_normalize(x, gamma if self.use_scale else None, beta, zcg, mask, dtype)
+
+    def _flax_normalize(self, x, gamma, beta, zero_centered_gamma: bool, mask, dtype):
+        """flax.linen.LayerNorm's (RMSNorm's) statistics and normalization, in its order of operations."""
+        stats_dtype = jnp.result_type(x) if self.dtype is None else self.dtype
+        if self.force_float32_reductions:
+            stats_dtype = jnp.promote_types(stats_dtype, jnp.float32)
+        xs = x.astype(stats_dtype)
+        where = None if mask is None else jnp.asarray(mask, bool)
+        mean = functools.partial(jnp.mean, axis=-1, keepdims=True, where=where)
+        if self.layernorm_type == "rmsnorm":
+            var = mean(lax.square(xs))
+            mu = jnp.zeros_like(var)
+        elif self.use_fast_variance:
+            squares = lax.square(xs)  # before the means: the order of uses sets how x's gradient terms add up
+            mu, mu2 = mean(xs), mean(squares)
+            var = jnp.maximum(0.0, mu2 - lax.square(mu))
+        else:
+            mu = mean(xs)
+            var = mean(lax.square(xs - mu))
+        y = x - mu
+        mul = lax.rsqrt(var + self.epsilon)
+        if gamma is not None:
+            if not self.force_float32_reductions:
+                gamma = jnp.asarray(gamma, self.param_dtype)
+            mul = mul * (gamma + 1 if zero_centered_gamma else gamma)
+        y = y * mul
+        if beta is not None:
+            y = y + (beta if self.force_float32_reductions else jnp.asarray(beta, self.param_dtype))
+        return jnp.asarray(y, dtype)
 
 
 class LayerNormDenseGeneral(nn.Module):
@@ -168,7 +208,7 @@ class LayerNormDenseGeneral(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        C.check_dtypes(self, x)
+        C.check_dtypes(self, x := C.canonical_input(x))
         features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
         axis = C.canonical_axes(self.axis, x.ndim, self)
         n_in = len(axis)

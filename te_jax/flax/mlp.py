@@ -92,7 +92,7 @@ class LayerNormMLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
         """``[..., H] -> [..., H]``; dropout is active when ``deterministic`` is False."""
-        C.check_dtypes(self, x)
+        C.check_dtypes(self, x := C.canonical_input(x))
         act = activation_name(self.activation, self)
         h, f = x.shape[-1], int(self.intermediate_dim)
         if f < 1:

@@ -166,7 +166,7 @@ class TransformerLayer(nn.Module):
         """Args: x ``[B, T, H]``; mask: boolean, broadcastable to ``[B, N, T, T]`` (True: attend), combined
         with the causal mask; positions: ``[B, T]`` or ``[T]`` for the rotary embedding (default 0..T-1);
         deterministic: no dropout."""
-        C.check_dtypes(self, x)
+        C.check_dtypes(self, x := C.canonical_input(x))
         if x.ndim != 3:
             raise ValueError(f"te_jax: {C.where(self)}: the input must be [batch, seq, hidden], got {x.shape}")
         h, n = x.shape[-1], self.num_attention_heads

@@ -141,8 +141,9 @@ class DelayedScalingQuantizer:
 
     Attributes:
       dtype: jnp.float8_e4m3fn or jnp.float8_e5m2.
-      margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo:
-        as in ``te_jax.recipe.DelayedScaling``.
+      margin, amax_history_len, amax_compute_algo: as in ``te_jax.recipe.DelayedScaling``.
+      scaling_factor_compute_algo: None or ``f(amax, scale, fp8_max, margin)``; the recipe binds its own
+        TransformerEngine-style ``f(amax, scale, fp8_max, recipe)`` to this form.
       reduce_amax: callers reduce this tensor's amax across devices before
         ``update_state`` (``te_jax.sharding.reduce_amax``).
       amax_reduction: "max" or "mean".
