@@ -76,7 +76,8 @@ class DenseQuantizers:
         roles "linear_input", "linear_weight", "linear_output",
         "linear_grad_output", "linear_grad_input".
       fast_accum: the forward GEMM's FP8 fast accumulation (the recipe's
-        ``fast_accumulation``).
+        ``fast_accumulation``); None: the GEMM mode's default (True for
+        per-tensor FP8; the block modes have none).
       backward_fast_accum: the same for the two backward GEMMs (the recipe's
         ``backward_fast_accumulation``; default: split accumulation).
     """
@@ -86,7 +87,7 @@ class DenseQuantizers:
     output: Any = None
     grad_output: Any = None
     grad_input: Any = None
-    fast_accum: bool = True
+    fast_accum: bool | None = None
     backward_fast_accum: bool = False
 
     @classmethod
