@@ -46,7 +46,8 @@ struct TileGeom {
   static constexpr int kSegRows = kTM * kTN / kThreads;  // rows per thread in the column phase
   static constexpr int kSegs = kTM / kSegRows;
   static constexpr int kVpt = kTM * kTN / 8 / kThreads;  // row-phase vectors per thread
-  static constexpr int kBlk = kMode == kModeMx ? 32 : (kMode == kModeBlock ? 128 : 16);
+  static constexpr int kBlk =
+      static_cast<int>(kMode == kModeMx ? kMxfp8Block : (kMode == kModeBlock ? kFp8Block : kNvfp4Block));
 };
 
 struct CastArgs {

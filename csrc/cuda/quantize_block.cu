@@ -22,7 +22,7 @@ template <bool kMx>
 struct TileCfg {
   static constexpr int kTM = kMx ? 64 : 128;
   static constexpr int kTN = kMx ? 64 : 128;
-  static constexpr int kBlk = kMx ? 32 : 128;
+  static constexpr int kBlk = static_cast<int>(kMx ? kMxfp8Block : kFp8Block);
   static constexpr int kThreads = kMx ? 128 : 512;
 };
 
