@@ -146,22 +146,33 @@ class Recipe:
     Attributes:
       fast_accumulation: (keyword only, every recipe) the forward GEMMs use
         Hopper's FP8 fast accumulation; False gives them split accumulation
-        too (slower, closer to float32 sums).
+        too (slower, closer to float32 sums). Per-tensor FP8 only: the
+        block-scaled recipes default to False and refuse True (see
+        ``BlockScaledRecipe``); CustomRecipe's default None leaves each GEMM
+        its mode's default.
       backward_fast_accumulation: (keyword only, every recipe) the two
         backward GEMMs (dgrad, wgrad) use fast accumulation too. Off by
         default: gradients are summed with split accumulation. On, the
         backward pass is faster and its sums less exact, as in
         TransformerEngine-JAX's current scaling, which uses fast
-        accumulation for all three GEMMs (per-tensor FP8 only: the
-        block-scaled kernels and the MXFP8/NVFP4 emulation ignore it).
+        accumulation for all three GEMMs.
+      gemm_autotune: (keyword only, every recipe) the GEMMs time cuBLASLt's
+        candidate algorithms the first time each configuration runs and keep
+        the fastest. Off by default: cuBLASLt's heuristic choice, so every
+        run gives the same result bits.
     """
 
-    fast_accumulation: bool = dataclasses.field(default=True, kw_only=True)
+    fast_accumulation: bool | None = dataclasses.field(default=True, kw_only=True)
     backward_fast_accumulation: bool = dataclasses.field(default=False, kw_only=True)
+    gemm_autotune: bool = dataclasses.field(default=False, kw_only=True)
+
+    _fast_accumulation_may_be_none = False
 
     def __post_init__(self):
-        _bool(type(self).__name__, "fast_accumulation", self.fast_accumulation)
+        if not (self.fast_accumulation is None and self._fast_accumulation_may_be_none):
+            _bool(type(self).__name__, "fast_accumulation", self.fast_accumulation)
         _bool(type(self).__name__, "backward_fast_accumulation", self.backward_fast_accumulation)
+        _bool(type(self).__name__, "gemm_autotune", self.gemm_autotune)
 
     def quantizer(self, role: str) -> Any:
         raise NotImplementedError
@@ -198,6 +209,30 @@ class _ScalingFactorOfRecipe:
 
     def __call__(self, amax, scale, fp8_max, margin):
         return self.fn(amax, scale, fp8_max, self.recipe)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaledRecipe(Recipe):
+    """Base of the block-scaled recipes, whose GEMMs always accumulate in float32.
+
+    Float8 block scaling's kernels promote every 128-long K block into float32
+    sums; MXFP8 and NVFP4 run as block-scaled MMA (sm_100) or as a bfloat16
+    GEMM (sm_90), both with float32 accumulation. FP8 fast accumulation
+    cannot apply, so ``fast_accumulation`` and ``backward_fast_accumulation``
+    default to False and True is refused.
+    """
+
+    fast_accumulation: bool = dataclasses.field(default=False, kw_only=True)
+    backward_fast_accumulation: bool = dataclasses.field(default=False, kw_only=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("fast_accumulation", "backward_fast_accumulation"):
+            if getattr(self, name):
+                raise ValueError(f"te_jax: {type(self).__name__}.{name} must be False: its GEMMs always accumulate "
+                                 "in float32 (block-scaled kernels promote every block; MXFP8 and NVFP4 run as "
+                                 "block-scaled MMA on sm_100 or a bfloat16 GEMM on sm_90), so FP8 fast accumulation "
+                                 "cannot apply")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +334,7 @@ class Float8CurrentScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8BlockScaling(Recipe):
+class MXFP8BlockScaling(BlockScaledRecipe):
     """MXFP8: 1x32 blocks along the contraction axis with power-of-two (E8M0) scales.
 
     Attributes:
@@ -320,7 +355,7 @@ class MXFP8BlockScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4BlockScaling(Recipe):
+class NVFP4BlockScaling(BlockScaledRecipe):
     """NVFP4: E2M1 values in 16-element blocks with E4M3 block scales and a float32 global scale.
 
     By default weights use 16x16 (2D) blocks, the wgrad operands of inputs and
@@ -354,7 +389,7 @@ class NVFP4BlockScaling(Recipe):
 
 
 @dataclasses.dataclass(frozen=True)
-class Float8BlockScaling(Recipe):
+class Float8BlockScaling(BlockScaledRecipe):
     """Float8 block scaling: 1x128 (dim 1) or 128x128 (dim 2) blocks with float32 scales.
 
     A GEMM cannot take two 128x128-blocked operands, so at most one of the
@@ -413,6 +448,9 @@ class CustomRecipe(Recipe):
     """
 
     qfactory: Callable[[Role], Any]
+    fast_accumulation: bool | None = dataclasses.field(default=None, kw_only=True)
+
+    _fast_accumulation_may_be_none = True  # None: each GEMM's mode default (its quantizers may mix modes)
 
     def __post_init__(self):
         super().__post_init__()

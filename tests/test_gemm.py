@@ -67,7 +67,11 @@ def _f64(x) -> np.ndarray:
 
 
 def _operands(mode: str, rng, m: int = M, n: int = N, k: int = K):
-    """(call(bias, out_dtype, backend, fast_accum), dequantized A [m, k], dequantized B [n, k]) for one mode."""
+    """(call(bias, out_dtype, backend, fast_accum, **extra), dequantized A [m, k], dequantized B [n, k]) for one mode.
+
+    ``fast_accum`` applies to the per-tensor modes only (None: the function's default); ``extra`` goes to the
+    mode's function as it is.
+    """
     x, w = _data(rng, m, k), _data(rng, n, k)
     if mode.startswith("fp8"):
         da, db = {"fp8_e4m3xe4m3": (E4, E4), "fp8_e4m3xe5m2": (E4, E5), "fp8_e5m2xe4m3": (E5, E4)}[mode]
@@ -98,8 +102,9 @@ def _operands(mode: str, rng, m: int = M, n: int = N, k: int = K):
         args, fn, kw = (qa, sa, aa, qb, sb, ab), G.gemm_nvfp4, {}
         deq = (ref.dequantize_nvfp4(qa, sa, aa), ref.dequantize_nvfp4(qb, sb, ab))
 
-    def call(bias=None, out_dtype=F32, backend=None, fast_accum=True):
-        return fn(*args, bias, out_dtype=out_dtype, backend=backend, fast_accum=fast_accum, **kw)
+    def call(bias=None, out_dtype=F32, backend=None, fast_accum=None, **extra):
+        accum = {} if fast_accum is None else dict(fast_accum=fast_accum)
+        return fn(*args, bias, out_dtype=out_dtype, backend=backend, **accum, **extra, **kw)
 
     return call, _f64(deq[0]), _f64(deq[1])
 
@@ -128,14 +133,15 @@ def test_matches_float64_and_reference(mode, out_dtype, with_bias):
         np.testing.assert_allclose(_f64(out), _f64(twin), rtol=ulp, atol=tol * scale)
 
 
-@pytest.mark.parametrize("fast_accum", [True, False], ids=["fast", "split"])
-@pytest.mark.parametrize("mode", ["fp8_e4m3xe4m3", "fp8_e5m2xe4m3", "block_1x128x128x128", "block_1x128x1x128"])
+@pytest.mark.parametrize(("mode", "fast_accum"), [("fp8_e4m3xe4m3", True), ("fp8_e4m3xe4m3", False),
+                                                  ("fp8_e5m2xe4m3", True), ("fp8_e5m2xe4m3", False),
+                                                  ("block_1x128x128x128", None), ("block_1x128x1x128", None)])
 def test_accumulation_bounds(mode, fast_accum):
-    """A long contraction with both accumulation modes: on a GPU, split accumulation (and the block mode,
-    which always promotes) must meet 1e-3, fast accumulation 1e-2; the CPU always meets 1e-5."""
+    """A long contraction: on a GPU, split accumulation (and the block mode, which always promotes and has no
+    fast_accum) must meet 1e-3, fast accumulation 1e-2; the CPU always meets 1e-5."""
     call, a, b = _operands(mode, _rng("accum", mode), m=64, n=128, k=4096)
     err = _rel(call(out_dtype=F32, fast_accum=fast_accum), a @ b.T)
-    assert err <= _tol(mode, fast_accum), f"relative error {err:.3g} with fast_accum={fast_accum}"
+    assert err <= _tol(mode, fast_accum is not False), f"relative error {err:.3g} with fast_accum={fast_accum}"
 
 
 def test_rht_transforms_cancel():
@@ -163,13 +169,18 @@ def _raw(target: str, *args, out_shape, **attrs):
     results = (jax.ShapeDtypeStruct(out_shape, jnp.float32), jax.ShapeDtypeStruct((0,), jnp.uint8))
     with jax.default_device(cpu):
         args = jax.device_put(args, cpu)
-        return jax.ffi.ffi_call(target, results)(*args, fast_accum=True, **attrs)[0].block_until_ready()
+        return jax.ffi.ffi_call(target, results)(*args, **_gemm_attrs(target), **attrs)[0].block_until_ready()
+
+
+def _gemm_attrs(target: str) -> dict:
+    """The attributes every call of ``target`` takes besides its own: autotune, and fast_accum on te_jax_gemm_fp8."""
+    return dict(autotune=False, **(dict(fast_accum=True) if target == "te_jax_gemm_fp8" else {}))
 
 
 def _raw_gpu(target: str, *args, out_shape, workspace: int = 0, **attrs):
     """The custom call on the default (GPU) device, with a workspace of `workspace` bytes."""
     results = (jax.ShapeDtypeStruct(out_shape, jnp.float32), jax.ShapeDtypeStruct((workspace,), jnp.uint8))
-    return jax.ffi.ffi_call(target, results)(*args, fast_accum=True, **attrs)[0].block_until_ready()
+    return jax.ffi.ffi_call(target, results)(*args, **_gemm_attrs(target), **attrs)[0].block_until_ready()
 
 
 def test_e5m2_x_e5m2_is_refused():
@@ -256,13 +267,15 @@ def test_dense_fwd_dgrad_wgrad(name, fast_accum):
     xq, wq, gq = (q.quantize(t, colwise=True, key=key) for q, t in zip((qx, qw, qg), (x, w, dy)))
     row = lambda t: _f64(t.dequantize())  # noqa: E731
     col = lambda t: _f64(t.dequantize_colwise())  # noqa: E731  ([N, M], Hadamard domain with rht)
+    if fast_accum and not name.startswith("fp8"):
+        fast_accum = None  # the block modes' default (they refuse True, see test_fast_accum_of_block_modes)
     kw = dict(out_dtype=F32, fast_accum=fast_accum)
     gemms = {
         "fwd": (G.gemm(xq, wq, ((2,), (0,)), **kw), np.einsum("bsh,fh->bsf", row(xq), col(wq)), x @ w),
         "dgrad": (G.gemm(gq, wq, ((2,), (1,)), **kw), np.einsum("bsf,hf->bsh", row(gq), row(wq)), dy @ w.T),
         "wgrad": (G.gemm(xq, gq, ((0, 1), (0, 1)), **kw), col(xq) @ col(gq).T, jnp.einsum("bsh,bsf->hf", x, dy)),
     }
-    loose, tol = (0.3 if name.startswith("nvfp4") else 0.1), _tol(name, fast_accum)
+    loose, tol = (0.3 if name.startswith("nvfp4") else 0.1), _tol(name, fast_accum is not False)
     for which, (out, want, exact) in gemms.items():
         assert out.shape == want.shape, which
         assert _rel(out, want) <= tol, which
@@ -421,3 +434,53 @@ def test_cuda_handler_validation():
     with pytest.raises(jax.errors.JaxRuntimeError, match="the workspace result is too small"):
         _raw_gpu("te_jax_gemm_fp8_block", qb, sb, qb, sb, no_bias, out_shape=(16, 16), a_block_2d=False,
                  b_block_2d=False)
+
+
+def _gemm_attrs_of(text: str) -> list[dict[str, str]]:
+    """fast_accum and autotune of each te_jax GEMM custom call in a lowered program, in program order."""
+    calls = re.findall(r"stablehlo\.custom_call @te_jax_gemm_\w+\(.*?\{(.*?)\}", text)
+    return [dict(re.findall(r"\b(fast_accum|autotune) = (true|false)", attrs)) for attrs in calls]
+
+
+@pytest.mark.parametrize("mode", ["fp8_e4m3xe4m3", "block_1x128x1x128", "mxfp8", "nvfp4"])
+def test_fast_accum_and_autotune_attributes(mode):
+    """fast_accum reaches te_jax_gemm_fp8 only; every GEMM target takes autotune, off unless asked for."""
+    call, _, _ = _operands(mode, _rng("attrs", mode))
+    fast = {"fast_accum": "true"} if mode.startswith("fp8") else {}
+    for autotune in (False, True):
+        text = _lowered_text(lambda: call(autotune=autotune), platform="cpu")
+        assert _gemm_attrs_of(text) == [{**fast, "autotune": str(autotune).lower()}], text
+        # The CPU handler ignores autotune: the same bits either way.
+        np.testing.assert_array_equal(np.asarray(call(autotune=autotune)), np.asarray(call()))
+    with pytest.raises(TypeError, match="te_jax: GEMM autotune must be True or False, got 1"):
+        call(autotune=1)
+
+
+@pytest.mark.parametrize("name", ["block", "mxfp8", "nvfp4"])
+def test_fast_accum_of_block_modes(name):
+    """The block modes always accumulate in float32: gemm refuses fast_accum=True, saying why; None is False."""
+    rng = _rng("block_accum", name)
+    x, w = jnp.asarray(rng.normal(size=(32, 256)), F32), jnp.asarray(rng.normal(size=(256, 128)), F32)
+    qx, qw, _ = DENSE[name]
+    xq, wq = qx.quantize(x, key=jax.random.key(1)), qw.quantize(w, colwise=True, key=jax.random.key(2))
+    with pytest.raises(ValueError, match=r"fast_accum=True does not apply to \w+ GEMMs: they always accumulate in "
+                                         "float32"):
+        G.gemm(xq, wq, out_dtype=F32, fast_accum=True)
+    default = G.gemm(xq, wq, out_dtype=F32)
+    np.testing.assert_array_equal(np.asarray(default), np.asarray(G.gemm(xq, wq, out_dtype=F32, fast_accum=False)))
+    text = jax.jit(lambda a, b: G.gemm(a, b, out_dtype=F32, autotune=True)).lower(xq, wq).as_text()
+    assert _gemm_attrs_of(text) == [{"autotune": "true"}]
+    for fn in (G.gemm_fp8_block, G.gemm_mxfp8, G.gemm_nvfp4):
+        assert "fast_accum" not in fn.__code__.co_varnames[:fn.__code__.co_argcount + fn.__code__.co_kwonlyargcount]
+
+
+def test_fast_accum_of_per_tensor_gemm():
+    """Per-tensor FP8: fast_accum None means True; it must be a bool."""
+    x, w = jnp.ones((16, 32), F32), jnp.ones((32, 16), F32)
+    q = CurrentScalingQuantizer(E4)
+    xq, wq = q.quantize(x), q.quantize(w, colwise=True)
+    for fast, flag in ((None, "true"), (True, "true"), (False, "false")):
+        text = jax.jit(lambda a, b: G.gemm(a, b, fast_accum=fast)).lower(xq, wq).as_text()
+        assert _gemm_attrs_of(text) == [{"fast_accum": flag, "autotune": "false"}]
+    with pytest.raises(TypeError, match="te_jax: GEMM fast_accum must be True or False"):
+        G.gemm(xq, wq, fast_accum="yes")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 import re
 from pathlib import Path
@@ -28,17 +29,26 @@ E4, E5 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 FORWARD = ("linear_input", "linear_weight")
 
 
+GEMM_FIELDS = ("fast_accumulation", "backward_fast_accumulation", "gemm_autotune")  # every recipe's
+PER_TENSOR = (R.DelayedScaling, R.Float8CurrentScaling)
+BLOCK_SCALED = (R.MXFP8BlockScaling, R.NVFP4BlockScaling, R.Float8BlockScaling)
+
+
 def _defaults(cls):
-    accumulation = ("fast_accumulation", "backward_fast_accumulation")  # every recipe's, checked apart
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.name not in accumulation}
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.name not in GEMM_FIELDS}
 
 
 def test_fields_and_defaults_are_the_issues():
-    for rec in (R.DelayedScaling, R.Float8CurrentScaling, R.MXFP8BlockScaling, R.NVFP4BlockScaling,
-                R.Float8BlockScaling, R.CustomRecipe):  # every recipe's keyword-only field, from the base
+    # Every recipe's keyword-only GEMM fields. fast_accumulation: True for per-tensor FP8, False for the
+    # block-scaled recipes (their GEMMs always accumulate in float32), None (each GEMM's mode default) for
+    # CustomRecipe, whose quantizers may mix modes.
+    fast_default = {**{r: True for r in PER_TENSOR}, **{r: False for r in BLOCK_SCALED}, R.CustomRecipe: None}
+    for rec, fast in fast_default.items():
         fields = {f.name: f for f in dataclasses.fields(rec)}
-        assert fields["fast_accumulation"].kw_only and fields["fast_accumulation"].default is True
-        assert fields["backward_fast_accumulation"].kw_only and fields["backward_fast_accumulation"].default is False
+        assert all(fields[name].kw_only for name in GEMM_FIELDS), rec
+        assert fields["fast_accumulation"].default is fast, rec
+        assert fields["backward_fast_accumulation"].default is False, rec
+        assert fields["gemm_autotune"].default is False, rec
     assert _defaults(R.DelayedScaling) == dict(
         margin=0, fp8_format=R.Format.HYBRID, amax_history_len=1024, amax_compute_algo="max",
         scaling_factor_compute_algo=None, reduce_amax=True, amax_reduction="max")
@@ -50,8 +60,7 @@ def test_fields_and_defaults_are_the_issues():
     assert _defaults(R.Float8BlockScaling) == dict(fp8_format=R.Format.E4M3, x_block_scaling_dim=1,
                                                    w_block_scaling_dim=2, grad_block_scaling_dim=1,
                                                    use_f32_scales=False)
-    assert [f.name for f in dataclasses.fields(R.CustomRecipe)] == ["fast_accumulation", "backward_fast_accumulation",
-                                                                    "qfactory"]
+    assert [f.name for f in dataclasses.fields(R.CustomRecipe)] == [*GEMM_FIELDS, "qfactory"]
     assert {f.name for f in R.Format} == {"E4M3", "E5M2", "HYBRID"}
 
 
@@ -375,8 +384,7 @@ def test_init_state_of_delayed_quantizer():
     assert np.all(np.asarray(st["amax_history"]) == 0) and float(st["scale"][0]) == 1.0
 
 
-@pytest.mark.parametrize("rec", [R.DelayedScaling, R.Float8CurrentScaling, R.MXFP8BlockScaling, R.NVFP4BlockScaling,
-                                 R.Float8BlockScaling])
+@pytest.mark.parametrize("rec", PER_TENSOR)
 def test_fast_accumulation_reaches_the_forward_gemm(rec):
     """Every recipe takes fast_accumulation (keyword only); it sets the forward GEMM's, never the backward's."""
     import te_jax.flax as tf
@@ -394,3 +402,34 @@ def test_fast_accumulation_reaches_the_forward_gemm(rec):
                 jnp.float32).sum(), argnums=(0, 1))).lower(v, x).as_text()
         flags = re.findall(r"fast_accum = (\w+)", text)
         assert flags == [str(fast).lower(), "false", "false"], flags  # forward, then dgrad and wgrad
+
+
+@pytest.mark.parametrize("rec", BLOCK_SCALED)
+def test_block_scaled_recipes_refuse_fast_accumulation(rec):
+    """Block-scaled GEMMs always accumulate in float32: True is refused at construction, saying why."""
+    for name in ("fast_accumulation", "backward_fast_accumulation"):
+        with pytest.raises(ValueError, match=f"{rec.__name__}.{name} must be False: its GEMMs always accumulate"):
+            rec(**{name: True})
+        with pytest.raises(ValueError, match=f"{name} must be True or False"):
+            rec(**{name: "no"})
+    q = te_jax.DenseQuantizers.from_recipe(rec(fast_accumulation=False, backward_fast_accumulation=False))
+    assert q.fast_accum is False and q.backward_fast_accum is False
+
+
+def test_custom_recipe_fast_accumulation_may_be_the_modes_default():
+    assert R.CustomRecipe(qfactory=lambda role: None).fast_accumulation is None
+    for fast in (True, False):
+        assert R.CustomRecipe(qfactory=lambda role: None, fast_accumulation=fast).fast_accumulation is fast
+    with pytest.raises(ValueError, match="CustomRecipe.fast_accumulation must be True or False"):
+        R.CustomRecipe(qfactory=lambda role: None, fast_accumulation=1)
+    with pytest.raises(ValueError, match="DelayedScaling.fast_accumulation must be True or False"):
+        R.DelayedScaling(fast_accumulation=None)  # None is CustomRecipe's alone
+
+
+@pytest.mark.parametrize("rec", [*PER_TENSOR, *BLOCK_SCALED,
+                                 functools.partial(R.CustomRecipe, qfactory=lambda r: None)])
+def test_gemm_autotune_is_a_keyword_bool(rec):
+    assert rec().gemm_autotune is False and rec(gemm_autotune=True).gemm_autotune is True
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="gemm_autotune must be True or False"):
+            rec(gemm_autotune=bad)

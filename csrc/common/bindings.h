@@ -1,52 +1,120 @@
 // The FFI binding (operands, results, attributes, in order) of every target in
 // targets.h, written once and used by both platform modules:
 //
-//   CPU:  XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8Cpu, GemmFp8, BindGemmFp8(ffi::Ffi::Bind()));
-//   CUDA: XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8Cuda, gemm::GemmFp8,
-//             BindGemmFp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+//   CPU:  TE_JAX_CPU_HANDLER(GemmFp8, GemmFp8);
+//   CUDA: TE_JAX_CUDA_HANDLER(GemmFp8, gemm::GemmFp8);
 //
-// so the CPU handlers, which CI runs, check the same contract the CUDA ones
-// are compiled against. Each Bind<Stem> appends the target's operands, results
-// and attributes to the binder it is given (the CUDA one already holds the
-// stream context); the comments name the handler parameter each one binds.
-// The norm/activation targets take their attributes as one dictionary, parsed
-// by norm_act.h. No CUDA headers here: the CPU build has none.
+// define the exported symbols GemmFp8Cpu / GemmFp8Cuda with BindGemmFp8 (the
+// CUDA one on a binder that already holds the stream context), so the CPU
+// handlers, which CI runs, check the same contract the CUDA ones are compiled
+// against. Each Bind<Stem> appends the target's operands, results and
+// attributes to the binder it is given; the comments name the handler
+// parameter each one binds. The norm/activation targets decode their
+// attributes into one typed struct each (norm_act.h), and their handlers are
+// the shared entries of norm_act_checks.h, which check the call and hand it to
+// the platform's `Run(ctx..., call)`:
+//
+//   TE_JAX_CPU_ENTRY(NormFwd, NormFwd);  TE_JAX_CUDA_ENTRY(NormFwd, cuda::NormFwd);
+//
+// No CUDA headers here: the CPU build has none (the CUDA macros are expanded
+// in CUDA sources only).
 #pragma once
 
 #include <utility>
 
 #include "ffi_common.h"
+#include "norm_act.h"
+
+#define TE_JAX_DEFINE_HANDLER(stem, suffix, fn, binder) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(stem##suffix, fn, ::te_jax::Bind##stem(binder))
+#define TE_JAX_CPU_HANDLER(stem, fn) TE_JAX_DEFINE_HANDLER(stem, Cpu, fn, ::xla::ffi::Ffi::Bind())
+#define TE_JAX_CUDA_BINDER ::xla::ffi::Ffi::Bind().Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()
+#define TE_JAX_CUDA_HANDLER(stem, fn) TE_JAX_DEFINE_HANDLER(stem, Cuda, fn, TE_JAX_CUDA_BINDER)
+#define TE_JAX_CPU_ENTRY(stem, run) \
+  TE_JAX_DEFINE_HANDLER(stem, Cpu, (::te_jax::stem##Entry<&run>::Call), ::xla::ffi::Ffi::Bind())
+#define TE_JAX_CUDA_ENTRY(stem, run) \
+  TE_JAX_DEFINE_HANDLER(stem, Cuda, (::te_jax::stem##Entry<&run, cudaStream_t>::Call), TE_JAX_CUDA_BINDER)
 
 namespace te_jax {
+
+// ---- pieces several targets share -------------------------------------------
+// (They take the binder by reference: a binding can be moved into the next
+// one's method, but not copied or moved into a by-value parameter.)
+
+template <typename Binder>
+auto RowColAttrs(Binder&& b) {
+  return std::move(b)
+      .template Attr<bool>("rowwise")
+      .template Attr<bool>("colwise");
+}
+
+// q, s, q_t, s_t of a block-scaled quantize (s and s_t of dtype kScale).
+template <ffi::DataType kScale, typename Binder>
+auto BlockCastResults(Binder&& b) {
+  return std::move(b)
+      .template Ret<ffi::AnyBuffer>()               // q
+      .template Ret<ffi::Buffer<kScale>>()          // s
+      .template Ret<ffi::AnyBuffer>()               // q_t
+      .template Ret<ffi::Buffer<kScale>>();         // s_t
+}
+
+// The seven results of a fused cast (norm/activation; see norm_act.h).
+template <typename Binder>
+auto FusedCastResults(Binder&& b) {
+  return std::move(b)
+      .template Ret<ffi::AnyBuffer>()               // q
+      .template Ret<ffi::AnyBuffer>()               // s
+      .template Ret<ffi::AnyBuffer>()               // q_t
+      .template Ret<ffi::AnyBuffer>()               // s_t
+      .template Ret<ffi::AnyBuffer>()               // amax
+      .template Ret<ffi::AnyBuffer>()               // amax_t
+      .template Ret<ffi::AnyBuffer>();              // scale_out
+}
+
+// A, a_s, B, b_s and bias of a block-scaled FP8 GEMM.
+template <typename Binder>
+auto BlockScaledGemmArgs(Binder&& b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()               // A
+      .template Arg<ffi::AnyBuffer>()               // a_s
+      .template Arg<ffi::AnyBuffer>()               // B
+      .template Arg<ffi::AnyBuffer>()               // b_s
+      .template Arg<ffi::AnyBuffer>();              // bias
+}
+
+// out and workspace, then the `autotune` attribute every GEMM target takes.
+template <typename Binder>
+auto GemmResults(Binder&& b) {
+  return std::move(b)
+      .template Ret<ffi::AnyBuffer>()               // out
+      .template Ret<ffi::AnyBuffer>()               // workspace
+      .template Attr<bool>("autotune");
+}
 
 // ---- quantize ---------------------------------------------------------------
 
 // te_jax_quantize_fp8
 template <typename Binder>
 auto BindQuantizeFp8Tensor(Binder b) {
-  return std::move(b)
+  return RowColAttrs(std::move(b)
       .template Arg<ffi::AnyBuffer>()               // x
       .template Arg<ffi::Buffer<ffi::F32>>()        // scale
       .template Ret<ffi::AnyBuffer>()               // q
       .template Ret<ffi::AnyBuffer>()               // q_t
       .template Ret<ffi::Buffer<ffi::F32>>()        // amax
-      .template Ret<ffi::Buffer<ffi::F32>>()        // scale_inv
-      .template Attr<bool>("rowwise")
-      .template Attr<bool>("colwise");
+      .template Ret<ffi::Buffer<ffi::F32>>());      // scale_inv
 }
 
 // te_jax_quantize_fp8_current
 template <typename Binder>
 auto BindQuantizeFp8Current(Binder b) {
-  return std::move(b)
+  return RowColAttrs(std::move(b)
       .template Arg<ffi::AnyBuffer>()               // x
       .template Ret<ffi::AnyBuffer>()               // q
       .template Ret<ffi::AnyBuffer>()               // q_t
       .template Ret<ffi::Buffer<ffi::F32>>()        // amax
       .template Ret<ffi::Buffer<ffi::F32>>()        // scale
-      .template Ret<ffi::Buffer<ffi::F32>>()        // scale_inv
-      .template Attr<bool>("rowwise")
-      .template Attr<bool>("colwise")
+      .template Ret<ffi::Buffer<ffi::F32>>())       // scale_inv
       .template Attr<bool>("power_2")
       .template Attr<float>("epsilon");
 }
@@ -54,27 +122,13 @@ auto BindQuantizeFp8Current(Binder b) {
 // te_jax_quantize_mxfp8
 template <typename Binder>
 auto BindQuantizeMxfp8(Binder b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()               // x
-      .template Ret<ffi::AnyBuffer>()               // q
-      .template Ret<ffi::Buffer<ffi::U8>>()         // s
-      .template Ret<ffi::AnyBuffer>()               // q_t
-      .template Ret<ffi::Buffer<ffi::U8>>()         // s_t
-      .template Attr<bool>("rowwise")
-      .template Attr<bool>("colwise");
+  return RowColAttrs(BlockCastResults<ffi::U8>(std::move(b).template Arg<ffi::AnyBuffer>()));  // x
 }
 
 // te_jax_quantize_fp8_block
 template <typename Binder>
 auto BindQuantizeFp8Block(Binder b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()               // x
-      .template Ret<ffi::AnyBuffer>()               // q
-      .template Ret<ffi::Buffer<ffi::F32>>()        // s
-      .template Ret<ffi::AnyBuffer>()               // q_t
-      .template Ret<ffi::Buffer<ffi::F32>>()        // s_t
-      .template Attr<bool>("rowwise")
-      .template Attr<bool>("colwise")
+  return RowColAttrs(BlockCastResults<ffi::F32>(std::move(b).template Arg<ffi::AnyBuffer>()))  // x
       .template Attr<bool>("block_2d")
       .template Attr<bool>("power_2");
 }
@@ -82,7 +136,7 @@ auto BindQuantizeFp8Block(Binder b) {
 // te_jax_quantize_nvfp4
 template <typename Binder>
 auto BindQuantizeNvfp4(Binder b) {
-  return std::move(b)
+  return RowColAttrs(std::move(b)
       .template Arg<ffi::AnyBuffer>()               // x
       .template Arg<ffi::Buffer<ffi::U32>>()        // key
       .template Ret<ffi::Buffer<ffi::U8>>()         // q
@@ -90,9 +144,7 @@ auto BindQuantizeNvfp4(Binder b) {
       .template Ret<ffi::Buffer<ffi::U8>>()         // q_t
       .template Ret<ffi::AnyBuffer>()               // s_t
       .template Ret<ffi::Buffer<ffi::F32>>()        // amax
-      .template Ret<ffi::Buffer<ffi::F32>>()        // amax_t
-      .template Attr<bool>("rowwise")
-      .template Attr<bool>("colwise")
+      .template Ret<ffi::Buffer<ffi::F32>>())       // amax_t
       .template Attr<bool>("block_2d")
       .template Attr<bool>("rht")
       .template Attr<bool>("stochastic_rounding");
@@ -143,84 +195,56 @@ auto BindDequantizeNvfp4(Binder b) {
 // te_jax_gemm_fp8
 template <typename Binder>
 auto BindGemmFp8(Binder b) {
-  return std::move(b)
+  return GemmResults(std::move(b)
       .template Arg<ffi::AnyBuffer>()               // A
       .template Arg<ffi::AnyBuffer>()               // B
       .template Arg<ffi::AnyBuffer>()               // a_scale_inv
       .template Arg<ffi::AnyBuffer>()               // b_scale_inv
-      .template Arg<ffi::AnyBuffer>()               // bias
-      .template Ret<ffi::AnyBuffer>()               // out
-      .template Ret<ffi::AnyBuffer>()               // workspace
+      .template Arg<ffi::AnyBuffer>())              // bias
       .template Attr<bool>("fast_accum");
 }
 
 // te_jax_gemm_fp8_block
 template <typename Binder>
 auto BindGemmFp8Block(Binder b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()               // A
-      .template Arg<ffi::AnyBuffer>()               // a_s
-      .template Arg<ffi::AnyBuffer>()               // B
-      .template Arg<ffi::AnyBuffer>()               // b_s
-      .template Arg<ffi::AnyBuffer>()               // bias
-      .template Ret<ffi::AnyBuffer>()               // out
-      .template Ret<ffi::AnyBuffer>()               // workspace
+  return GemmResults(BlockScaledGemmArgs(std::move(b)))
       .template Attr<bool>("a_block_2d")
-      .template Attr<bool>("b_block_2d")
-      .template Attr<bool>("fast_accum");
+      .template Attr<bool>("b_block_2d");
 }
 
 // te_jax_gemm_mxfp8
 template <typename Binder>
 auto BindGemmMxfp8(Binder b) {
-  return std::move(b)
-      .template Arg<ffi::AnyBuffer>()               // A
-      .template Arg<ffi::AnyBuffer>()               // a_s
-      .template Arg<ffi::AnyBuffer>()               // B
-      .template Arg<ffi::AnyBuffer>()               // b_s
-      .template Arg<ffi::AnyBuffer>()               // bias
-      .template Ret<ffi::AnyBuffer>()               // out
-      .template Ret<ffi::AnyBuffer>()               // workspace
-      .template Attr<bool>("fast_accum");
+  return GemmResults(BlockScaledGemmArgs(std::move(b)));
 }
 
 // te_jax_gemm_nvfp4
 template <typename Binder>
 auto BindGemmNvfp4(Binder b) {
-  return std::move(b)
+  return GemmResults(std::move(b)
       .template Arg<ffi::AnyBuffer>()               // A (packed)
       .template Arg<ffi::AnyBuffer>()               // a_s
       .template Arg<ffi::AnyBuffer>()               // a_amax
       .template Arg<ffi::AnyBuffer>()               // B (packed)
       .template Arg<ffi::AnyBuffer>()               // b_s
       .template Arg<ffi::AnyBuffer>()               // b_amax
-      .template Arg<ffi::AnyBuffer>()               // bias
-      .template Ret<ffi::AnyBuffer>()               // out
-      .template Ret<ffi::AnyBuffer>()               // workspace
-      .template Attr<bool>("fast_accum");
+      .template Arg<ffi::AnyBuffer>());             // bias
 }
 
-// ---- fused norm / activation (attributes: one dictionary, see norm_act.h) ---
+// ---- fused norm / activation (typed attribute structs, see norm_act.h) ------
 
 // te_jax_norm_fwd
 template <typename Binder>
 auto BindNormFwd(Binder b) {
-  return std::move(b)
+  return FusedCastResults(std::move(b)
       .template Arg<ffi::AnyBuffer>()               // x
       .template Arg<ffi::Buffer<ffi::F32>>()        // gamma
       .template Arg<ffi::Buffer<ffi::F32>>()        // beta
       .template Arg<ffi::Buffer<ffi::F32>>()        // scale
-      .template Arg<ffi::Buffer<ffi::U32>>()        // key
-      .template Ret<ffi::AnyBuffer>()               // q
-      .template Ret<ffi::AnyBuffer>()               // s
-      .template Ret<ffi::AnyBuffer>()               // q_t
-      .template Ret<ffi::AnyBuffer>()               // s_t
-      .template Ret<ffi::AnyBuffer>()               // amax
-      .template Ret<ffi::AnyBuffer>()               // amax_t
-      .template Ret<ffi::AnyBuffer>()               // scale_out
+      .template Arg<ffi::Buffer<ffi::U32>>())       // key
       .template Ret<ffi::Buffer<ffi::F32>>()        // mean
       .template Ret<ffi::Buffer<ffi::F32>>()        // rsigma
-      .Attrs();                                     // attrs
+      .template Attrs<NormFwdAttrs>();              // attrs
 }
 
 // te_jax_norm_bwd
@@ -236,44 +260,30 @@ auto BindNormBwd(Binder b) {
       .template Ret<ffi::Buffer<ffi::F32>>()        // dgamma
       .template Ret<ffi::Buffer<ffi::F32>>()        // dbeta
       .template Ret<ffi::Buffer<ffi::F32>>()        // workspace
-      .Attrs();                                     // attrs
+      .template Attrs<NormBwdAttrs>();              // attrs
 }
 
 // te_jax_act_fwd
 template <typename Binder>
 auto BindActFwd(Binder b) {
-  return std::move(b)
+  return FusedCastResults(std::move(b)
       .template Arg<ffi::AnyBuffer>()               // x
       .template Arg<ffi::Buffer<ffi::F32>>()        // scale
-      .template Arg<ffi::Buffer<ffi::U32>>()        // key
-      .template Ret<ffi::AnyBuffer>()               // q
-      .template Ret<ffi::AnyBuffer>()               // s
-      .template Ret<ffi::AnyBuffer>()               // q_t
-      .template Ret<ffi::AnyBuffer>()               // s_t
-      .template Ret<ffi::AnyBuffer>()               // amax
-      .template Ret<ffi::AnyBuffer>()               // amax_t
-      .template Ret<ffi::AnyBuffer>()               // scale_out
-      .Attrs();                                     // attrs
+      .template Arg<ffi::Buffer<ffi::U32>>())       // key
+      .template Attrs<ActFwdAttrs>();               // attrs
 }
 
 // te_jax_act_bwd
 template <typename Binder>
 auto BindActBwd(Binder b) {
-  return std::move(b)
+  return FusedCastResults(std::move(b)
       .template Arg<ffi::AnyBuffer>()               // dy
       .template Arg<ffi::AnyBuffer>()               // x
       .template Arg<ffi::Buffer<ffi::F32>>()        // scale
-      .template Arg<ffi::Buffer<ffi::U32>>()        // key
-      .template Ret<ffi::AnyBuffer>()               // q
-      .template Ret<ffi::AnyBuffer>()               // s
-      .template Ret<ffi::AnyBuffer>()               // q_t
-      .template Ret<ffi::AnyBuffer>()               // s_t
-      .template Ret<ffi::AnyBuffer>()               // amax
-      .template Ret<ffi::AnyBuffer>()               // amax_t
-      .template Ret<ffi::AnyBuffer>()               // scale_out
+      .template Arg<ffi::Buffer<ffi::U32>>())       // key
       .template Ret<ffi::Buffer<ffi::F32>>()        // dbias
       .template Ret<ffi::Buffer<ffi::F32>>()        // workspace
-      .Attrs();                                     // attrs
+      .template Attrs<ActBwdAttrs>();               // attrs
 }
 
 }  // namespace te_jax

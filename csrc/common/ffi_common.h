@@ -90,6 +90,13 @@ inline ffi::Error CheckDivisible(int64_t extent, int64_t block, std::string_view
     if (_te_err.failure()) return _te_err;    \
   } while (0)
 
+// The same inside a function that returns ffi::ErrorOr<T>.
+#define TE_RETURN_IF_ERROR_OR(expr)                                   \
+  do {                                                                \
+    ::xla::ffi::Error _te_err = (expr);                               \
+    if (_te_err.failure()) return ::xla::ffi::Unexpected(_te_err);    \
+  } while (0)
+
 constexpr int64_t kMxfp8Block = 32;
 constexpr int64_t kNvfp4Block = 16;
 constexpr int64_t kFp8Block = 128;

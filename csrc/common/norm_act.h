@@ -1,5 +1,5 @@
 // Shared by the CPU and CUDA norm/activation handlers: the cast modes and
-// their FFI attributes, explicitly rounded float32 arithmetic, and the
+// their typed FFI attributes, explicitly rounded float32 arithmetic, and the
 // activation functions and their derivatives. The float32 formulas here are
 // the same as te_jax/quantize/ref_norm_act.py, operation for operation.
 #pragma once
@@ -51,12 +51,49 @@ inline int64_t BlockOf(CastMode m) {
   }
 }
 
-// Reads the cast attributes: mode (string), rowwise, colwise, power_2,
-// amax_epsilon, rht, stochastic_rounding.
-inline ffi::Error ParseCastSpec(const ffi::Dictionary& attrs, CastSpec* spec) {
-  auto mode = attrs.get<std::string_view>("mode");
-  if (mode.has_error()) return mode.error();
-  const std::string_view m = mode.value();
+// The typed FFI attributes of the norm/activation targets (decoded by XLA,
+// names and types checked; registered at the end of this file). Each target
+// takes the seven cast attributes of te_jax/ops/fused_cast.py's CastSpec
+// after its own: mode (string), rowwise, colwise, power_2, amax_epsilon, rht,
+// stochastic_rounding.
+#define TE_JAX_CAST_ATTR_FIELDS \
+  std::string_view mode;        \
+  bool rowwise;                 \
+  bool colwise;                 \
+  bool power_2;                 \
+  float amax_epsilon;           \
+  bool rht;                     \
+  bool stochastic_rounding;
+#define TE_JAX_CAST_ATTR_MEMBERS                                                                         \
+  ::xla::ffi::StructMember<std::string_view>("mode"), ::xla::ffi::StructMember<bool>("rowwise"),         \
+      ::xla::ffi::StructMember<bool>("colwise"), ::xla::ffi::StructMember<bool>("power_2"),              \
+      ::xla::ffi::StructMember<float>("amax_epsilon"), ::xla::ffi::StructMember<bool>("rht"),            \
+      ::xla::ffi::StructMember<bool>("stochastic_rounding")
+
+struct NormFwdAttrs {  // te_jax_norm_fwd
+  std::string_view kind;  // "layernorm" | "rmsnorm"
+  bool zero_centered_gamma;
+  float epsilon;
+  TE_JAX_CAST_ATTR_FIELDS
+};
+struct NormBwdAttrs {  // te_jax_norm_bwd
+  std::string_view kind;
+  bool zero_centered_gamma;
+};
+struct ActFwdAttrs {  // te_jax_act_fwd
+  std::string_view act;
+  TE_JAX_CAST_ATTR_FIELDS
+};
+struct ActBwdAttrs {  // te_jax_act_bwd
+  std::string_view act;
+  bool dbias;
+  TE_JAX_CAST_ATTR_FIELDS
+};
+
+// The CastSpec of a target's cast attributes (any of the structs above but NormBwdAttrs).
+template <typename Attrs>
+ffi::Error ParseCastSpec(const Attrs& attrs, CastSpec* spec) {
+  const std::string_view m = attrs.mode;
   if (m == "none") spec->mode = CastMode::kNone;
   else if (m == "fp8_tensor") spec->mode = CastMode::kFp8Tensor;
   else if (m == "fp8_current") spec->mode = CastMode::kFp8Current;
@@ -64,20 +101,12 @@ inline ffi::Error ParseCastSpec(const ffi::Dictionary& attrs, CastSpec* spec) {
   else if (m == "fp8_block") spec->mode = CastMode::kFp8Block;
   else if (m == "nvfp4") spec->mode = CastMode::kNvfp4;
   else return InvalidArgument("unknown cast mode '" + std::string(m) + "'");
-  auto flag = [&](const char* name, bool* out) -> ffi::Error {
-    auto v = attrs.get<bool>(name);
-    if (v.has_error()) return v.error();
-    *out = v.value();
-    return ffi::Error::Success();
-  };
-  TE_RETURN_IF_ERROR(flag("rowwise", &spec->rowwise));
-  TE_RETURN_IF_ERROR(flag("colwise", &spec->colwise));
-  TE_RETURN_IF_ERROR(flag("power_2", &spec->power_2));
-  TE_RETURN_IF_ERROR(flag("rht", &spec->rht));
-  TE_RETURN_IF_ERROR(flag("stochastic_rounding", &spec->sr));
-  auto eps = attrs.get<float>("amax_epsilon");
-  if (eps.has_error()) return eps.error();
-  spec->epsilon = eps.value();
+  spec->rowwise = attrs.rowwise;
+  spec->colwise = attrs.colwise;
+  spec->power_2 = attrs.power_2;
+  spec->rht = attrs.rht;
+  spec->sr = attrs.stochastic_rounding;
+  spec->epsilon = attrs.amax_epsilon;
   if (!spec->rowwise && !spec->colwise) return InvalidArgument("ask for at least one of rowwise or colwise");
   if (spec->mode == CastMode::kNone && spec->colwise) return InvalidArgument("an unquantized output has no columnwise copy");
   if (spec->rht && !(spec->mode == CastMode::kNvfp4 && spec->colwise)) spec->rht = false;
@@ -209,19 +238,11 @@ struct NormAttrs {
   float epsilon = 0.0f;
 };
 
-inline ffi::Error ParseNormAttrs(const ffi::Dictionary& attrs, bool with_eps, NormAttrs* na) {
-  auto kind = attrs.get<std::string_view>("kind");
-  if (kind.has_error()) return kind.error();
-  if (kind.value() == "rmsnorm") na->rms = true;
-  else if (kind.value() != "layernorm") return InvalidArgument("norm kind must be layernorm or rmsnorm");
-  auto zc = attrs.get<bool>("zero_centered_gamma");
-  if (zc.has_error()) return zc.error();
-  na->zero_centered_gamma = zc.value();
-  if (with_eps) {
-    auto eps = attrs.get<float>("epsilon");
-    if (eps.has_error()) return eps.error();
-    na->epsilon = eps.value();
-  }
+inline ffi::Error ParseNormAttrs(std::string_view kind, bool zero_centered_gamma, float epsilon, NormAttrs* na) {
+  if (kind == "rmsnorm") na->rms = true;
+  else if (kind != "layernorm") return InvalidArgument("norm kind must be layernorm or rmsnorm");
+  na->zero_centered_gamma = zero_centered_gamma;
+  na->epsilon = epsilon;
   return ffi::Error::Success();
 }
 
@@ -239,10 +260,7 @@ TE_HD float RsigmaOf(float var, float eps) {
 
 enum class ActKind : int { kGelu = 0, kRelu, kSilu, kSrelu, kSwiglu, kGeglu };
 
-inline ffi::Error ParseAct(const ffi::Dictionary& attrs, ActKind* act) {
-  auto name = attrs.get<std::string_view>("act");
-  if (name.has_error()) return name.error();
-  const std::string_view a = name.value();
+inline ffi::Error ParseAct(std::string_view a, ActKind* act) {
   if (a == "gelu") *act = ActKind::kGelu;
   else if (a == "relu") *act = ActKind::kRelu;
   else if (a == "silu") *act = ActKind::kSilu;
@@ -375,3 +393,13 @@ TE_HD float ActGradGatedG(ActKind k, float dy, float a) { return MulRn(dy, ActVa
 TE_HD float ActGradPlain(ActKind k, float dy, float x) { return MulRn(dy, ActGrad(k, x)); }
 
 }  // namespace te_jax
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::te_jax::NormFwdAttrs, ::xla::ffi::StructMember<std::string_view>("kind"),
+                                      ::xla::ffi::StructMember<bool>("zero_centered_gamma"),
+                                      ::xla::ffi::StructMember<float>("epsilon"), TE_JAX_CAST_ATTR_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::te_jax::NormBwdAttrs, ::xla::ffi::StructMember<std::string_view>("kind"),
+                                      ::xla::ffi::StructMember<bool>("zero_centered_gamma"));
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::te_jax::ActFwdAttrs, ::xla::ffi::StructMember<std::string_view>("act"),
+                                      TE_JAX_CAST_ATTR_MEMBERS);
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::te_jax::ActBwdAttrs, ::xla::ffi::StructMember<std::string_view>("act"),
+                                      ::xla::ffi::StructMember<bool>("dbias"), TE_JAX_CAST_ATTR_MEMBERS);

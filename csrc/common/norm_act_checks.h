@@ -1,8 +1,10 @@
-// The operand checks of the norm and activation targets, shared by their CPU
-// and CUDA handlers (the same contract, the same errors). Each parses the
-// attributes and checks every operand and result the handlers have in common;
-// what differs per platform (dtype agreement of gradients, the GPU workspace)
-// stays with the handler.
+// The entry points of the norm and activation targets, shared by their CPU
+// and CUDA handlers (the same contract, the same errors). Each entry is the
+// handler the platform module registers (bindings.h: TE_JAX_CPU_ENTRY,
+// TE_JAX_CUDA_ENTRY): it takes the target's operands, results and typed
+// attributes, checks everything the platforms have in common and calls the
+// platform's `kRun(ctx..., call)` with the checked call. What differs per
+// platform (dtype agreement of gradients, the GPU workspace) stays with kRun.
 #pragma once
 
 #include <cstdint>
@@ -12,109 +14,179 @@
 
 namespace te_jax {
 
-// The seven cast results, as the handlers receive them.
-struct CastOutputRefs {
-  const ffi::AnyBuffer &q, &s, &q_t, &s_t, &amax, &amax_t, &scale;
+using F32Arg = ffi::Buffer<ffi::F32>;
+using U32Arg = ffi::Buffer<ffi::U32>;
+using AnyRet = ffi::Result<ffi::AnyBuffer>;
+using F32Ret = ffi::Result<ffi::Buffer<ffi::F32>>;
+
+// The seven cast results (see CheckCastResults).
+struct FusedCastOut {
+  ffi::AnyBuffer q, s, q_t, s_t, amax, amax_t, scale;
 };
 
-inline ffi::Error CheckCastOutputs(const CastSpec& sp, const MatrixBatch& mb, const CastOutputRefs& r) {
+inline ffi::Error CheckCastOutputs(const CastSpec& sp, const MatrixBatch& mb, const FusedCastOut& r) {
   return CheckCastResults(sp, mb, r.q, r.s, r.q_t, r.s_t, r.amax, r.amax_t, r.scale);
 }
 
-// te_jax_norm_fwd: x [B, M, H] -> the cast of norm(x), mean and rsigma [B, M].
-struct NormFwdArgs {
+// x in high precision, as a batch of matrices.
+inline ffi::ErrorOr<MatrixBatch> InputBatch(const ffi::AnyBuffer& x) {
+  TE_RETURN_IF_ERROR_OR(CheckHighPrecision(x, "x"));
+  return MatrixBatchOf(x, "x");
+}
+
+// The cast's per-matrix operands: scale [B] and key [B, 2].
+inline ffi::Error CheckCastOperands(const F32Arg& scale, const U32Arg& key, int64_t batch) {
+  TE_RETURN_IF_ERROR(CheckCount(scale, batch, "scale"));
+  return CheckCount(key, 2 * batch, "key");
+}
+
+// ---- te_jax_norm_fwd: x [B, M, H] -> the cast of norm(x), mean and rsigma [B, M] ----
+
+struct NormFwdCall {
+  ffi::AnyBuffer x;
+  const float* gamma;  // [B, H]
+  const float* beta;   // [B, H], or nullptr (no beta)
+  const float* scale;  // [B]
+  const uint32_t* key; // [B, 2]
+  FusedCastOut out;
+  float* mean;         // [B, M], or nullptr (rmsnorm)
+  float* rsigma;       // [B, M]
   MatrixBatch mb;
   NormAttrs na;
   CastSpec sp;
-  bool has_beta = false;
 };
 
-inline ffi::Error CheckNormFwd(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& gamma,
-                               const ffi::Buffer<ffi::F32>& beta, const ffi::Buffer<ffi::F32>& scale,
-                               const ffi::Buffer<ffi::U32>& key, const CastOutputRefs& out,
-                               const ffi::Buffer<ffi::F32>& mean, const ffi::Buffer<ffi::F32>& rsigma,
-                               const ffi::Dictionary& attrs, NormFwdArgs* a) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  a->mb = mb_or.value();
-  TE_RETURN_IF_ERROR(ParseNormAttrs(attrs, true, &a->na));
-  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &a->sp));
-  TE_RETURN_IF_ERROR(CheckCastOutputs(a->sp, a->mb, out));
-  const int64_t B = a->mb.batch, M = a->mb.rows, H = a->mb.cols;
-  TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
-  a->has_beta = beta.element_count() != 0;
-  if (a->has_beta) TE_RETURN_IF_ERROR(CheckCount(beta, B * H, "beta"));
-  if (a->has_beta && a->na.rms) return InvalidArgument("rmsnorm takes no beta");
-  TE_RETURN_IF_ERROR(CheckCount(scale, B, "scale"));
-  TE_RETURN_IF_ERROR(CheckCount(key, 2 * B, "key"));
-  TE_RETURN_IF_ERROR(CheckCount(mean, a->na.rms ? 0 : B * M, "mean"));
-  return CheckCount(rsigma, B * M, "rsigma");
-}
+template <auto kRun, typename... Ctx>
+struct NormFwdEntry {
+  static ffi::Error Call(Ctx... ctx, ffi::AnyBuffer x, F32Arg gamma, F32Arg beta, F32Arg scale, U32Arg key, AnyRet q,
+                         AnyRet s, AnyRet q_t, AnyRet s_t, AnyRet amax, AnyRet amax_t, AnyRet scale_out, F32Ret mean,
+                         F32Ret rsigma, NormFwdAttrs attrs) {
+    auto mb = InputBatch(x);
+    if (mb.has_error()) return mb.error();
+    NormFwdCall c{x, gamma.typed_data(), nullptr, scale.typed_data(), key.typed_data(),
+                  FusedCastOut{*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out}, nullptr, rsigma->typed_data(),
+                  mb.value(), {}, {}};
+    TE_RETURN_IF_ERROR(ParseNormAttrs(attrs.kind, attrs.zero_centered_gamma, attrs.epsilon, &c.na));
+    TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &c.sp));
+    TE_RETURN_IF_ERROR(CheckCastOutputs(c.sp, c.mb, c.out));
+    const int64_t B = c.mb.batch, M = c.mb.rows, H = c.mb.cols;
+    TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
+    if (beta.element_count() != 0) {
+      TE_RETURN_IF_ERROR(CheckCount(beta, B * H, "beta"));
+      if (c.na.rms) return InvalidArgument("rmsnorm takes no beta");
+      c.beta = beta.typed_data();
+    }
+    TE_RETURN_IF_ERROR(CheckCastOperands(scale, key, B));
+    TE_RETURN_IF_ERROR(CheckCount(*mean, c.na.rms ? 0 : B * M, "mean"));
+    TE_RETURN_IF_ERROR(CheckCount(*rsigma, B * M, "rsigma"));
+    if (!c.na.rms) c.mean = mean->typed_data();
+    return kRun(ctx..., c);
+  }
+};
 
-// te_jax_norm_bwd: the shapes of dy, x, the statistics, gamma and the gradients (dtypes: the handler's).
-inline ffi::Error CheckNormBwd(const ffi::AnyBuffer& dy, const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& mean,
-                               const ffi::Buffer<ffi::F32>& rsigma, const ffi::Buffer<ffi::F32>& gamma,
-                               const ffi::AnyBuffer& dx, const ffi::Buffer<ffi::F32>& dgamma,
-                               const ffi::Buffer<ffi::F32>& dbeta, const ffi::Dictionary& attrs, MatrixBatch* mb,
-                               NormAttrs* na) {
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  *mb = mb_or.value();
-  TE_RETURN_IF_ERROR(ParseNormAttrs(attrs, false, na));
-  const int64_t B = mb->batch, M = mb->rows, H = mb->cols;
-  TE_RETURN_IF_ERROR(CheckCount(dy, B * M * H, "dy"));
-  TE_RETURN_IF_ERROR(CheckCount(dx, B * M * H, "dx"));
-  TE_RETURN_IF_ERROR(CheckCount(mean, na->rms ? 0 : B * M, "mean"));
-  TE_RETURN_IF_ERROR(CheckCount(rsigma, B * M, "rsigma"));
-  TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
-  TE_RETURN_IF_ERROR(CheckCount(dgamma, B * H, "dgamma"));
-  return CheckCount(dbeta, na->rms ? 0 : B * H, "dbeta");
-}
+// ---- te_jax_norm_bwd: dx [B, M, H], dgamma and dbeta [B, H] (dtypes: kRun's) -------
 
-// te_jax_act_fwd: x [B, M, N] -> the cast of act(x) [B, M, F].
-struct ActArgs {
-  MatrixBatch mb;  // x
-  ActKind act = ActKind::kGelu;
+struct NormBwdCall {
+  ffi::AnyBuffer dy, x;
+  const float* mean;    // [B, M], or nullptr (rmsnorm)
+  const float* rsigma;  // [B, M]
+  const float* gamma;   // [B, H]
+  ffi::AnyBuffer dx;
+  float* dgamma;        // [B, H]
+  float* dbeta;         // [B, H], or nullptr (rmsnorm)
+  float* workspace;
+  int64_t workspace_elems;
+  MatrixBatch mb;
+  NormAttrs na;
+};
+
+template <auto kRun, typename... Ctx>
+struct NormBwdEntry {
+  static ffi::Error Call(Ctx... ctx, ffi::AnyBuffer dy, ffi::AnyBuffer x, F32Arg mean, F32Arg rsigma, F32Arg gamma,
+                         AnyRet dx, F32Ret dgamma, F32Ret dbeta, F32Ret workspace, NormBwdAttrs attrs) {
+    auto mb_or = MatrixBatchOf(x, "x");
+    if (mb_or.has_error()) return mb_or.error();
+    NormBwdCall c{dy, x, nullptr, rsigma.typed_data(), gamma.typed_data(), *dx, dgamma->typed_data(), nullptr,
+                  workspace->typed_data(), static_cast<int64_t>(workspace->element_count()), mb_or.value(), {}};
+    TE_RETURN_IF_ERROR(ParseNormAttrs(attrs.kind, attrs.zero_centered_gamma, 0.0f, &c.na));
+    const int64_t B = c.mb.batch, M = c.mb.rows, H = c.mb.cols;
+    const bool rms = c.na.rms;
+    TE_RETURN_IF_ERROR(CheckCount(dy, B * M * H, "dy"));
+    TE_RETURN_IF_ERROR(CheckCount(*dx, B * M * H, "dx"));
+    TE_RETURN_IF_ERROR(CheckCount(mean, rms ? 0 : B * M, "mean"));
+    TE_RETURN_IF_ERROR(CheckCount(rsigma, B * M, "rsigma"));
+    TE_RETURN_IF_ERROR(CheckCount(gamma, B * H, "gamma"));
+    TE_RETURN_IF_ERROR(CheckCount(*dgamma, B * H, "dgamma"));
+    TE_RETURN_IF_ERROR(CheckCount(*dbeta, rms ? 0 : B * H, "dbeta"));
+    if (!rms) {
+      c.mean = mean.typed_data();
+      c.dbeta = dbeta->typed_data();
+    }
+    return kRun(ctx..., c);
+  }
+};
+
+// ---- te_jax_act_fwd / te_jax_act_bwd -------------------------------------------------
+
+// act_fwd: x [B, M, N] -> the cast of act(x) [B, M, F]. act_bwd: dy [B, M, F]
+// and x -> the cast of dx [B, M, N], and dbias [B, N] when asked (dtypes: kRun's).
+struct ActCall {
+  ffi::AnyBuffer dy;  // act_bwd only
+  ffi::AnyBuffer x;
+  const float* scale;
+  const uint32_t* key;
+  FusedCastOut out;
+  float* dbias;       // act_bwd with dbias, else nullptr
+  float* workspace;   // act_bwd only
+  int64_t workspace_elems;
+  MatrixBatch mb;     // x
+  ActKind act;
   CastSpec sp;
-  int64_t out_cols = 0;  // F
-  bool dbias = false;    // act_bwd only
+  int64_t out_cols;   // F
 };
 
-inline ffi::Error CheckActFwd(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& scale,
-                              const ffi::Buffer<ffi::U32>& key, const CastOutputRefs& out,
-                              const ffi::Dictionary& attrs, ActArgs* a) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  a->mb = mb_or.value();
-  TE_RETURN_IF_ERROR(ParseAct(attrs, &a->act));
-  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &a->sp));
-  TE_RETURN_IF_ERROR(OutCols(a->act, a->mb.cols, &a->out_cols));
-  TE_RETURN_IF_ERROR(CheckCastOutputs(a->sp, MatrixBatch{a->mb.batch, a->mb.rows, a->out_cols}, out));
-  TE_RETURN_IF_ERROR(CheckCount(scale, a->mb.batch, "scale"));
-  return CheckCount(key, 2 * a->mb.batch, "key");
+// The checks act_fwd and act_bwd share; the cast is of the activation's output [B, M, F]
+// (`cast_of_output`) or of dx [B, M, N].
+template <typename Attrs>
+ffi::Error CheckAct(const Attrs& attrs, const F32Arg& scale, const U32Arg& key, bool cast_of_output,
+                    ActCall* c) {
+  auto mb = InputBatch(c->x);
+  if (mb.has_error()) return mb.error();
+  c->mb = mb.value();
+  TE_RETURN_IF_ERROR(ParseAct(attrs.act, &c->act));
+  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &c->sp));
+  TE_RETURN_IF_ERROR(OutCols(c->act, c->mb.cols, &c->out_cols));
+  const MatrixBatch cast{c->mb.batch, c->mb.rows, cast_of_output ? c->out_cols : c->mb.cols};
+  TE_RETURN_IF_ERROR(CheckCastOutputs(c->sp, cast, c->out));
+  return CheckCastOperands(scale, key, c->mb.batch);
 }
 
-// te_jax_act_bwd: dx (the cast results) [B, M, N], dbias [B, N] when asked (dy and dtypes: the handler's).
-inline ffi::Error CheckActBwd(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& scale,
-                              const ffi::Buffer<ffi::U32>& key, const CastOutputRefs& out,
-                              const ffi::Buffer<ffi::F32>& dbias, const ffi::Dictionary& attrs, ActArgs* a) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  a->mb = mb_or.value();
-  TE_RETURN_IF_ERROR(ParseAct(attrs, &a->act));
-  TE_RETURN_IF_ERROR(ParseCastSpec(attrs, &a->sp));
-  auto want_dbias = attrs.get<bool>("dbias");
-  if (want_dbias.has_error()) return want_dbias.error();
-  a->dbias = want_dbias.value();
-  TE_RETURN_IF_ERROR(OutCols(a->act, a->mb.cols, &a->out_cols));
-  TE_RETURN_IF_ERROR(CheckCastOutputs(a->sp, a->mb, out));
-  const int64_t B = a->mb.batch;
-  TE_RETURN_IF_ERROR(CheckCount(dbias, a->dbias ? B * a->mb.cols : 0, "dbias"));
-  TE_RETURN_IF_ERROR(CheckCount(scale, B, "scale"));
-  return CheckCount(key, 2 * B, "key");
-}
+template <auto kRun, typename... Ctx>
+struct ActFwdEntry {
+  static ffi::Error Call(Ctx... ctx, ffi::AnyBuffer x, F32Arg scale, U32Arg key, AnyRet q, AnyRet s, AnyRet q_t,
+                         AnyRet s_t, AnyRet amax, AnyRet amax_t, AnyRet scale_out, ActFwdAttrs attrs) {
+    ActCall c{x, x, scale.typed_data(), key.typed_data(),
+              FusedCastOut{*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out}, nullptr, nullptr, 0, {}, {}, {}, 0};
+    TE_RETURN_IF_ERROR(CheckAct(attrs, scale, key, /*cast_of_output=*/true, &c));
+    return kRun(ctx..., c);
+  }
+};
+
+template <auto kRun, typename... Ctx>
+struct ActBwdEntry {
+  static ffi::Error Call(Ctx... ctx, ffi::AnyBuffer dy, ffi::AnyBuffer x, F32Arg scale, U32Arg key, AnyRet q,
+                         AnyRet s, AnyRet q_t, AnyRet s_t, AnyRet amax, AnyRet amax_t, AnyRet scale_out, F32Ret dbias,
+                         F32Ret workspace, ActBwdAttrs attrs) {
+    ActCall c{dy, x, scale.typed_data(), key.typed_data(),
+              FusedCastOut{*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out}, nullptr, workspace->typed_data(),
+              static_cast<int64_t>(workspace->element_count()), {}, {}, {}, 0};
+    TE_RETURN_IF_ERROR(CheckAct(attrs, scale, key, /*cast_of_output=*/false, &c));
+    const int64_t B = c.mb.batch;
+    TE_RETURN_IF_ERROR(CheckCount(dy, B * c.mb.rows * c.out_cols, "dy"));
+    TE_RETURN_IF_ERROR(CheckCount(*dbias, attrs.dbias ? B * c.mb.cols : 0, "dbias"));
+    if (attrs.dbias) c.dbias = dbias->typed_data();
+    return kRun(ctx..., c);
+  }
+};
 
 }  // namespace te_jax

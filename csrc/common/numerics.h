@@ -243,18 +243,19 @@ constexpr uint32_t kColwiseStream = 1u;
 
 // 16-point random Hadamard transform, in place: flip signs by kRhtSignMask
 // (bit i set: element i negated), then the iterative Walsh-Hadamard butterfly
-// with strides 1, 2, 4, 8, then scale by 1/4. The order of the float32
-// additions is part of the spec.
+// with strides 1, 2, 4, 8 ((a + b, a - b) pairs), then scale by 1/4. The
+// order of the float32 additions is part of the spec; the pairs within a stage
+// are disjoint, so their order is free. This is the only implementation (CPU
+// and CUDA kernels): every loop has a constant trip count and every index is
+// a constant once unrolled, so on the device v stays in registers.
 constexpr uint32_t kRhtSignMask = 0x5a93u;
 
-// One butterfly stage with stride H (a template so every index is a constant
-// and the 16 values stay in registers).
+// One butterfly stage with stride H.
 template <int H>
-TE_HD void RhtStage(float v[16]) {
+TE_HD void RhtStage(float (&v)[16]) {
 TE_UNROLL
-  for (int s = 0; s < 16; s += 2 * H) {
-TE_UNROLL
-    for (int j = s; j < s + H; ++j) {
+  for (int j = 0; j < 16; ++j) {
+    if ((j & H) == 0) {
       const float a = v[j];
       const float b = v[j + H];
       v[j] = a + b;
@@ -263,7 +264,9 @@ TE_UNROLL
   }
 }
 
-TE_HD void Rht16(float v[16]) {
+// The sign flips and the butterfly, without the final 1/4 (an exact scaling,
+// which an amax pass can apply once to its maximum).
+TE_HD void Rht16Butterfly(float (&v)[16]) {
 TE_UNROLL
   for (int i = 0; i < 16; ++i) {
     if ((kRhtSignMask >> i) & 1u) v[i] = -v[i];
@@ -272,8 +275,17 @@ TE_UNROLL
   RhtStage<2>(v);
   RhtStage<4>(v);
   RhtStage<8>(v);
+}
+
+TE_HD void Rht16(float (&v)[16]) {
+  Rht16Butterfly(v);
 TE_UNROLL
   for (int i = 0; i < 16; ++i) v[i] *= 0.25f;
+}
+
+// Rht16 of each group of 16 consecutive values of v[0, n) (n a multiple of 16).
+inline void Rht16Groups(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) Rht16(*reinterpret_cast<float(*)[16]>(v + i));
 }
 
 }  // namespace te_jax

@@ -3,33 +3,21 @@
 #include <vector>
 
 #include "../common/bindings.h"
-#include "../common/ffi_common.h"
+#include "../common/quantize_checks.h"
 #include "cpu_common.h"
 
 namespace te_jax {
 namespace {
 
-template <typename BufferT>
-ffi::Error CheckDequantOutput(const BufferT& data, int64_t cols_per_byte, const ffi::AnyBuffer& out,
-                              MatrixBatch* mb) {
-  auto mb_or = MatrixBatchOf(data, "data");
-  if (mb_or.has_error()) return mb_or.error();
-  *mb = mb_or.value();
-  mb->cols *= cols_per_byte;
-  TE_RETURN_IF_ERROR(CheckHighPrecision(out, "the output"));
-  return CheckOutput(out, "out", true, mb->batch, mb->rows, mb->cols);
-}
-
 ffi::Error DequantizeFp8Tensor(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale_inv, ffi::Result<ffi::AnyBuffer> out) {
-  MatrixBatch mb{};
-  TE_RETURN_IF_ERROR(CheckDequantOutput(q, 1, *out, &mb));
-  auto fmt = Fp8FormatOf(q.element_type());
-  if (!fmt) return InvalidArgument("data must be float8_e4m3fn or float8_e5m2");
-  if (static_cast<int64_t>(scale_inv.element_count()) != mb.batch) return InvalidArgument("scale_inv must be [..., 1]");
+  auto c = CheckDequantizeFp8Tensor(q, scale_inv, *out);
+  if (c.has_error()) return c.error();
+  const MatrixBatch mb = c.value().mb;
+  const Fp8Format fmt = c.value().fmt;
   const int64_t size = mb.rows * mb.cols;
   const auto* qd = static_cast<const uint8_t*>(q.untyped_data());
   std::vector<float> v(static_cast<size_t>(mb.batch * size));
-  for (int64_t i = 0; i < mb.batch * size; ++i) v[i] = Fp8ToFloat(qd[i], *fmt) * scale_inv.typed_data()[i / size];
+  for (int64_t i = 0; i < mb.batch * size; ++i) v[i] = Fp8ToFloat(qd[i], fmt) * scale_inv.typed_data()[i / size];
   StoreFloat(v, *out);
   return ffi::Error::Success();
 }
@@ -39,14 +27,11 @@ template <typename ScaleAt>
 ffi::Error DequantizeFp8Blocks(ffi::AnyBuffer q, int64_t scale_elements,
                                ffi::Result<ffi::AnyBuffer> out, int64_t block_rows, int64_t block_cols,
                                ScaleAt scale_at) {
-  MatrixBatch mb{};
-  TE_RETURN_IF_ERROR(CheckDequantOutput(q, 1, *out, &mb));
-  auto fmt = Fp8FormatOf(q.element_type());
-  if (!fmt) return InvalidArgument("data must be float8_e4m3fn or float8_e5m2");
-  TE_RETURN_IF_ERROR(CheckDivisible(mb.cols, block_cols, "the last axis (N)"));
-  TE_RETURN_IF_ERROR(CheckDivisible(mb.rows, block_rows, "the row axis (M)"));
+  auto c = CheckDequantizeFp8Blocks(q, scale_elements, *out, block_rows, block_cols);
+  if (c.has_error()) return c.error();
+  const MatrixBatch mb = c.value().mb;
+  const Fp8Format fmt = c.value().fmt;
   const int64_t per = (mb.rows / block_rows) * (mb.cols / block_cols);
-  if (scale_elements != mb.batch * per) return InvalidArgument("scales do not match the data's block layout");
   const auto* qd = static_cast<const uint8_t*>(q.untyped_data());
   const int64_t size = mb.rows * mb.cols;
   std::vector<float> v(static_cast<size_t>(mb.batch * size));
@@ -55,7 +40,7 @@ ffi::Error DequantizeFp8Blocks(ffi::AnyBuffer q, int64_t scale_elements,
       for (int64_t j = 0; j < mb.cols; ++j) {
         const int64_t idx = b * size + i * mb.cols + j;
         const int64_t sidx = b * per + (i / block_rows) * (mb.cols / block_cols) + j / block_cols;
-        v[idx] = Fp8ToFloat(qd[idx], *fmt) * scale_at(sidx);
+        v[idx] = Fp8ToFloat(qd[idx], fmt) * scale_at(sidx);
       }
   StoreFloat(v, *out);
   return ffi::Error::Success();
@@ -76,12 +61,9 @@ ffi::Error DequantizeFp8Block(ffi::AnyBuffer q, ffi::Buffer<ffi::F32> s, ffi::Re
 
 ffi::Error DequantizeNvfp4(ffi::Buffer<ffi::U8> q, ffi::AnyBuffer s, ffi::Buffer<ffi::F32> amax,
                            ffi::Result<ffi::AnyBuffer> out) {
-  MatrixBatch mb{};
-  TE_RETURN_IF_ERROR(CheckDequantOutput(q, 2, *out, &mb));
-  if (s.element_type() != ffi::DataType::F8E4M3FN) return InvalidArgument("NVFP4 block scales must be float8_e4m3fn");
-  TE_RETURN_IF_ERROR(CheckDivisible(mb.cols, kNvfp4Block, "the last axis (N)"));
-  TE_RETURN_IF_ERROR(CheckOutput(s, "s", true, mb.batch, mb.rows, mb.cols / kNvfp4Block));
-  if (static_cast<int64_t>(amax.element_count()) != mb.batch) return InvalidArgument("amax must be [..., 1]");
+  auto mb_or = CheckDequantizeNvfp4(q, s, amax, *out);
+  if (mb_or.has_error()) return mb_or.error();
+  const MatrixBatch mb = mb_or.value();
   const int64_t size = mb.rows * mb.cols;
   const auto* qd = q.typed_data();
   const auto* sd = static_cast<const uint8_t*>(s.untyped_data());
@@ -101,14 +83,9 @@ ffi::Error DequantizeNvfp4(ffi::Buffer<ffi::U8> q, ffi::AnyBuffer s, ffi::Buffer
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeFp8TensorCpu, DequantizeFp8Tensor,
-                              BindDequantizeFp8Tensor(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMxfp8Cpu, DequantizeMxfp8, BindDequantizeMxfp8(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeFp8BlockCpu, DequantizeFp8Block,
-                              BindDequantizeFp8Block(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeNvfp4Cpu, DequantizeNvfp4, BindDequantizeNvfp4(ffi::Ffi::Bind()));
+TE_JAX_CPU_HANDLER(DequantizeFp8Tensor, DequantizeFp8Tensor);
+TE_JAX_CPU_HANDLER(DequantizeMxfp8, DequantizeMxfp8);
+TE_JAX_CPU_HANDLER(DequantizeFp8Block, DequantizeFp8Block);
+TE_JAX_CPU_HANDLER(DequantizeNvfp4, DequantizeNvfp4);
 
 }  // namespace te_jax

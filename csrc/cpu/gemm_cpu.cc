@@ -4,8 +4,8 @@
 // Each handler validates its buffers, dequantizes A and B to float32 with the
 // mode's numerics (numerics.h, the twin of te_jax/quantize/reference.py),
 // multiplies with float32 products and accumulation, adds the bias in float32
-// and casts to the output dtype. `fast_accum` is accepted and ignored, and the
-// workspace result is left untouched.
+// and casts to the output dtype. `fast_accum` and `autotune` (cuBLASLt
+// options) are accepted and ignored, and the workspace result is left untouched.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -139,6 +139,20 @@ ffi::Error Fp8Pair(std::string_view target, const ffi::AnyBuffer& a, const ffi::
   return ffi::Error::Success();
 }
 
+// The shape and operand formats of an FP8 GEMM (per-tensor, block, MXFP8).
+struct Fp8Gemm {
+  GemmShape shape;
+  Fp8Format a, b;
+};
+
+ffi::ErrorOr<Fp8Gemm> Fp8GemmOf(std::string_view target, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  auto s = ShapeOf(target, a, b, 1);
+  if (s.has_error()) return ffi::Unexpected(s.error());
+  Fp8Gemm g{s.value(), kE4M3, kE4M3};
+  TE_RETURN_IF_ERROR_OR(Fp8Pair(target, a, b, &g.a, &g.b));
+  return g;
+}
+
 // The row-major [rows, k] float32 values of an operand: value_at(r, c).
 template <typename ValueAt>
 std::vector<float> Dequantize(int64_t rows, int64_t k, ValueAt value_at) {
@@ -204,13 +218,12 @@ std::vector<float> DequantizeFp8Blocks(const ffi::AnyBuffer& q, Fp8Format fmt, i
 
 ffi::Error GemmFp8(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                   bool fast_accum) {
+                   bool autotune, bool fast_accum) {
   constexpr std::string_view kTarget = "te_jax_gemm_fp8";
-  auto s_or = ShapeOf(kTarget, a, b, 1);
-  if (s_or.has_error()) return s_or.error();
-  const GemmShape s = s_or.value();
-  Fp8Format fa, fb;
-  TE_RETURN_IF_ERROR(Fp8Pair(kTarget, a, b, &fa, &fb));
+  auto g = Fp8GemmOf(kTarget, a, b);
+  if (g.has_error()) return g.error();
+  const GemmShape s = g.value().shape;
+  const Fp8Format fa = g.value().a, fb = g.value().b;
   TE_RETURN_IF_ERROR(CheckTensorScale(kTarget, a_scale_inv, "a_scale_inv", s.mats));
   TE_RETURN_IF_ERROR(CheckTensorScale(kTarget, b_scale_inv, "b_scale_inv", BMats(s)));
   TE_RETURN_IF_ERROR(CheckOutAndBias(kTarget, s, *out, bias));
@@ -228,13 +241,12 @@ ffi::Error GemmFp8(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_in
 
 ffi::Error GemmFp8Block(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer b, ffi::AnyBuffer b_s,
                         ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                        bool a_block_2d, bool b_block_2d, bool fast_accum) {
+                        bool autotune, bool a_block_2d, bool b_block_2d) {
   constexpr std::string_view kTarget = "te_jax_gemm_fp8_block";
-  auto s_or = ShapeOf(kTarget, a, b, 1);
-  if (s_or.has_error()) return s_or.error();
-  const GemmShape s = s_or.value();
-  Fp8Format fa, fb;
-  TE_RETURN_IF_ERROR(Fp8Pair(kTarget, a, b, &fa, &fb));
+  auto g = Fp8GemmOf(kTarget, a, b);
+  if (g.has_error()) return g.error();
+  const GemmShape s = g.value().shape;
+  const Fp8Format fa = g.value().a, fb = g.value().b;
   if (a_block_2d && b_block_2d) {
     return Fail(kTarget, "128x128 x 128x128 block scaling is not supported; quantize one operand with 1x128 blocks");
   }
@@ -254,13 +266,12 @@ ffi::Error GemmFp8Block(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer b, 
 
 ffi::Error GemmMxfp8(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer b, ffi::AnyBuffer b_s,
                      ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                     bool fast_accum) {
+                     bool autotune) {
   constexpr std::string_view kTarget = "te_jax_gemm_mxfp8";
-  auto s_or = ShapeOf(kTarget, a, b, 1);
-  if (s_or.has_error()) return s_or.error();
-  const GemmShape s = s_or.value();
-  Fp8Format fa, fb;
-  TE_RETURN_IF_ERROR(Fp8Pair(kTarget, a, b, &fa, &fb));
+  auto g = Fp8GemmOf(kTarget, a, b);
+  if (g.has_error()) return g.error();
+  const GemmShape s = g.value().shape;
+  const Fp8Format fa = g.value().a, fb = g.value().b;
   TE_RETURN_IF_ERROR(CheckDtype(kTarget, a_s, ffi::DataType::U8, "a_s", "uint8 (E8M0 codes)"));
   TE_RETURN_IF_ERROR(CheckDtype(kTarget, b_s, ffi::DataType::U8, "b_s", "uint8 (E8M0 codes)"));
   TE_RETURN_IF_ERROR(CheckBlockScales(kTarget, a_s, "a_s", a, s.k, 1, kMxfp8Block));
@@ -293,7 +304,7 @@ std::vector<float> DequantizeNvfp4(const ffi::AnyBuffer& q, const ffi::AnyBuffer
 
 ffi::Error GemmNvfp4(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer a_amax, ffi::AnyBuffer b,
                      ffi::AnyBuffer b_s, ffi::AnyBuffer b_amax, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                     ffi::Result<ffi::AnyBuffer> workspace, bool fast_accum) {
+                     ffi::Result<ffi::AnyBuffer> workspace, bool autotune) {
   constexpr std::string_view kTarget = "te_jax_gemm_nvfp4";
   TE_RETURN_IF_ERROR(CheckDtype(kTarget, a, ffi::DataType::U8, "A", "uint8 (packed E2M1 pairs)"));
   TE_RETURN_IF_ERROR(CheckDtype(kTarget, b, ffi::DataType::U8, "B", "uint8 (packed E2M1 pairs)"));
@@ -315,12 +326,9 @@ ffi::Error GemmNvfp4(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer a_amax
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8Cpu, GemmFp8, BindGemmFp8(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmFp8BlockCpu, GemmFp8Block, BindGemmFp8Block(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmMxfp8Cpu, GemmMxfp8, BindGemmMxfp8(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmNvfp4Cpu, GemmNvfp4, BindGemmNvfp4(ffi::Ffi::Bind()));
+TE_JAX_CPU_HANDLER(GemmFp8, GemmFp8);
+TE_JAX_CPU_HANDLER(GemmFp8Block, GemmFp8Block);
+TE_JAX_CPU_HANDLER(GemmMxfp8, GemmMxfp8);
+TE_JAX_CPU_HANDLER(GemmNvfp4, GemmNvfp4);
 
 }  // namespace te_jax

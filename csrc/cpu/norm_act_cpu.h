@@ -7,15 +7,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "../common/norm_act.h"
+#include "../common/norm_act_checks.h"
 #include "cpu_common.h"
 
 namespace te_jax {
 namespace cpu_fused {
-
-struct CastResults {
-  ffi::AnyBuffer q, s, q_t, s_t, amax, amax_t, scale;
-};
 
 inline float Amax(const float* x, int64_t n) {
   uint32_t m = 0;
@@ -35,7 +31,7 @@ inline float PairwiseSum(const float* v, int64_t n) {
 }
 
 // Writes n float32 values at element offset `off` of a float32/bfloat16/float16 buffer.
-inline void StoreAt(ffi::AnyBuffer& out, int64_t off, const float* v, int64_t n) {
+inline void StoreAt(const ffi::AnyBuffer& out, int64_t off, const float* v, int64_t n) {
   void* p = out.untyped_data();
   switch (out.element_type()) {
     case ffi::DataType::F32:
@@ -103,7 +99,7 @@ inline void Nvfp4Rowwise(const float* x, int64_t rows, int64_t cols, float globa
 // Casts batch element b's float32 output y [rows, cols] into the results.
 // `given_scale`: the fp8_tensor scale; key0/key1: the PRNG key words.
 inline void CastMatrix(const float* y, int64_t rows, int64_t cols, int64_t b, const CastSpec& sp,
-                       float given_scale, uint32_t key0, uint32_t key1, CastResults& r) {
+                       float given_scale, uint32_t key0, uint32_t key1, const FusedCastOut& r) {
   const int64_t size = rows * cols;
   const bool row = sp.rowwise, col = sp.colwise;
   if (sp.mode == CastMode::kNone) {
@@ -120,9 +116,7 @@ inline void CastMatrix(const float* y, int64_t rows, int64_t cols, int64_t b, co
     auto* q = static_cast<uint8_t*>(r.q.untyped_data());
     auto* s = static_cast<uint8_t*>(r.s.untyped_data());
     if (row) Nvfp4Rowwise(y, rows, cols, a, sp.sr ? &row_seed : nullptr, q + b * size / 2, s + b * size / kNvfp4Block);
-    if (sp.rht) {
-      for (int64_t i = 0; i < size; i += 16) Rht16(yt.data() + i);
-    }
+    if (sp.rht) Rht16Groups(yt.data(), size);
     const float a_t = sp.rht ? Amax(yt.data(), size) : a;
     static_cast<float*>(r.amax_t.untyped_data())[b] = a_t;
     if (col) {

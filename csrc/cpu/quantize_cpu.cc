@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "../common/bindings.h"
-#include "../common/ffi_common.h"
+#include "../common/quantize_checks.h"
 #include "cpu_common.h"
 
 namespace te_jax {
@@ -22,17 +22,6 @@ float AmaxOf(const float* x, int64_t n) {
   return BitsFloat(m);
 }
 
-ffi::Error CheckFp8TensorOutputs(const MatrixBatch& mb, ffi::AnyBuffer q, ffi::AnyBuffer q_t,
-                                 bool rowwise, bool colwise, Fp8Format* fmt) {
-  auto f = Fp8FormatOf(q.element_type());
-  if (!f || q_t.element_type() != q.element_type()) {
-    return InvalidArgument("quantized outputs must both be float8_e4m3fn or float8_e5m2");
-  }
-  *fmt = *f;
-  TE_RETURN_IF_ERROR(CheckOutput(q, "q", rowwise, mb.batch, mb.rows, mb.cols));
-  return CheckOutput(q_t, "q_t", colwise, mb.batch, mb.cols, mb.rows);
-}
-
 void CastFp8(const float* x, float scale, const MatrixBatch& mb, Fp8Format fmt, uint8_t* q,
              uint8_t* q_t) {
   for (int64_t i = 0; i < mb.rows; ++i) {
@@ -44,57 +33,59 @@ void CastFp8(const float* x, float scale, const MatrixBatch& mb, Fp8Format fmt, 
   }
 }
 
+// Per-tensor FP8 of every matrix of x: scale_of(b, amax of matrix b) gives its scale.
+template <typename ScaleOf>
+ffi::Error QuantizePerTensor(const ffi::AnyBuffer& x, const ffi::ErrorOr<Fp8Cast>& cast, ffi::AnyBuffer& q,
+                             ffi::AnyBuffer& q_t, bool rowwise, bool colwise, float* amax, float* scale_inv,
+                             ScaleOf scale_of) {
+  if (cast.has_error()) return cast.error();
+  const MatrixBatch& mb = cast.value().mb;
+  const std::vector<float> xf = ToFloat(x);
+  const int64_t size = mb.rows * mb.cols;
+  auto* qd = static_cast<uint8_t*>(q.untyped_data());
+  auto* qtd = static_cast<uint8_t*>(q_t.untyped_data());
+  for (int64_t b = 0; b < mb.batch; ++b) {
+    const float* xb = xf.data() + b * size;
+    const float a = AmaxOf(xb, size);
+    const float s = scale_of(b, a);
+    CastFp8(xb, s, mb, cast.value().fmt, rowwise ? qd + b * size : nullptr, colwise ? qtd + b * size : nullptr);
+    amax[b] = a;
+    scale_inv[b] = 1.0f / s;
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error QuantizeFp8Tensor(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> q,
                              ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::Buffer<ffi::F32>> amax,
                              ffi::Result<ffi::Buffer<ffi::F32>> scale_inv, bool rowwise, bool colwise) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  Fp8Format fmt;
-  TE_RETURN_IF_ERROR(CheckFp8TensorOutputs(mb, *q, *q_t, rowwise, colwise, &fmt));
-  if (static_cast<int64_t>(scale.element_count()) != mb.batch) return InvalidArgument("scale must hold one value per matrix");
-  const std::vector<float> xf = ToFloat(x);
-  const int64_t size = mb.rows * mb.cols;
-  auto* qd = static_cast<uint8_t*>(q->untyped_data());
-  auto* qtd = static_cast<uint8_t*>(q_t->untyped_data());
-  for (int64_t b = 0; b < mb.batch; ++b) {
-    const float* xb = xf.data() + b * size;
-    const float s = scale.typed_data()[b];
-    CastFp8(xb, s, mb, fmt, rowwise ? qd + b * size : nullptr, colwise ? qtd + b * size : nullptr);
-    amax->typed_data()[b] = AmaxOf(xb, size);
-    scale_inv->typed_data()[b] = 1.0f / s;
-  }
-  return ffi::Error::Success();
+  return QuantizePerTensor(x, CheckQuantizeFp8Tensor(x, scale, *q, *q_t, rowwise, colwise), *q, *q_t, rowwise,
+                           colwise, amax->typed_data(), scale_inv->typed_data(),
+                           [&](int64_t b, float) { return scale.typed_data()[b]; });
 }
 
 ffi::Error QuantizeFp8Current(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> q_t,
                               ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::F32>> scale,
                               ffi::Result<ffi::Buffer<ffi::F32>> scale_inv, bool rowwise, bool colwise,
                               bool power_2, float epsilon) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  Fp8Format fmt;
-  TE_RETURN_IF_ERROR(CheckFp8TensorOutputs(mb, *q, *q_t, rowwise, colwise, &fmt));
-  const std::vector<float> xf = ToFloat(x);
-  const int64_t size = mb.rows * mb.cols;
-  auto* qd = static_cast<uint8_t*>(q->untyped_data());
-  auto* qtd = static_cast<uint8_t*>(q_t->untyped_data());
-  for (int64_t b = 0; b < mb.batch; ++b) {
-    const float* xb = xf.data() + b * size;
-    const float a = AmaxOf(xb, size);
-    const float s = ScaleFromAmax(a, fmt.max_value, epsilon, power_2);
-    CastFp8(xb, s, mb, fmt, rowwise ? qd + b * size : nullptr, colwise ? qtd + b * size : nullptr);
-    amax->typed_data()[b] = a;
-    scale->typed_data()[b] = s;
-    scale_inv->typed_data()[b] = 1.0f / s;
-  }
-  return ffi::Error::Success();
+  auto cast = CheckFp8Cast(x, *q, *q_t, rowwise, colwise);
+  const float fp8_max = cast.has_value() ? cast.value().fmt.max_value : 0.0f;
+  return QuantizePerTensor(x, cast, *q, *q_t, rowwise, colwise, amax->typed_data(), scale_inv->typed_data(),
+                           [&](int64_t b, float a) {
+                             const float s = ScaleFromAmax(a, fp8_max, epsilon, power_2);
+                             scale->typed_data()[b] = s;
+                             return s;
+                           });
 }
 
 // ---- block modes: one rowwise routine per mode ---------------------------------------
+
+// The amax of the block of `rows` x `cols_in_block` values at (i0, j0) of a row-major matrix with `cols` columns.
+float BlockAmax(const float* x, int64_t cols, int64_t i0, int64_t rows, int64_t j0, int64_t cols_in_block) {
+  uint32_t m = 0;
+  for (int64_t i = i0; i < i0 + rows; ++i)
+    for (int64_t j = j0; j < j0 + cols_in_block; ++j) m = std::max(m, AbsBits(x[i * cols + j]));
+  return BitsFloat(m);
+}
 
 // MXFP8 over a rows x cols float matrix: 1x32 blocks, E8M0 codes.
 void Mxfp8Rowwise(const float* x, int64_t rows, int64_t cols, Fp8Format fmt, uint8_t* q, uint8_t* s) {
@@ -116,10 +107,8 @@ void Fp8BlockRowwise(const float* x, int64_t rows, int64_t cols, Fp8Format fmt, 
   const int64_t ncb = cols / kFp8Block;
   for (int64_t ib = 0; ib < rows / brows; ++ib) {
     for (int64_t jb = 0; jb < ncb; ++jb) {
-      uint32_t m = 0;
-      for (int64_t i = ib * brows; i < (ib + 1) * brows; ++i)
-        for (int64_t j = jb * kFp8Block; j < (jb + 1) * kFp8Block; ++j) m = std::max(m, AbsBits(x[i * cols + j]));
-      const float scale = ScaleFromAmax(BitsFloat(m), fmt.max_value, 0.0f, power_2);
+      const float amax = BlockAmax(x, cols, ib * brows, brows, jb * kFp8Block, kFp8Block);
+      const float scale = ScaleFromAmax(amax, fmt.max_value, 0.0f, power_2);
       for (int64_t i = ib * brows; i < (ib + 1) * brows; ++i)
         for (int64_t j = jb * kFp8Block; j < (jb + 1) * kFp8Block; ++j)
           q[i * cols + j] = FloatToFp8(x[i * cols + j] * scale, fmt);
@@ -140,10 +129,8 @@ void Nvfp4Rowwise(const float* x, int64_t rows, int64_t cols, float global_amax,
   const int64_t ncb = cols / kNvfp4Block;
   for (int64_t ib = 0; ib < rows / brows; ++ib) {
     for (int64_t jb = 0; jb < ncb; ++jb) {
-      uint32_t m = 0;
-      for (int64_t i = ib * brows; i < (ib + 1) * brows; ++i)
-        for (int64_t j = jb * kNvfp4Block; j < (jb + 1) * kNvfp4Block; ++j) m = std::max(m, AbsBits(x[i * cols + j]));
-      const uint8_t sb = Nvfp4BlockScale(BitsFloat(m), factor);
+      const float amax = BlockAmax(x, cols, ib * brows, brows, jb * kNvfp4Block, kNvfp4Block);
+      const uint8_t sb = Nvfp4BlockScale(amax, factor);
       const float enc = Nvfp4BlockEncode(sb, s_dec);
       for (int64_t i = ib * brows; i < (ib + 1) * brows; ++i) {
         s[i * ncb + jb] = sb;
@@ -161,24 +148,13 @@ void Nvfp4Rowwise(const float* x, int64_t rows, int64_t cols, float global_amax,
   }
 }
 
-ffi::Error CheckBlockOutputs(const MatrixBatch& mb, int64_t block, bool rowwise, bool colwise, bool block_2d) {
-  if (rowwise || block_2d) TE_RETURN_IF_ERROR(CheckDivisible(mb.cols, block, "the last axis (N)"));
-  if (colwise || block_2d) TE_RETURN_IF_ERROR(CheckDivisible(mb.rows, block, "the row axis (M)"));
-  return ffi::Error::Success();
-}
-
 ffi::Error QuantizeMxfp8(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::Buffer<ffi::U8>> s,
                          ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::Buffer<ffi::U8>> s_t, bool rowwise,
                          bool colwise) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  Fp8Format fmt;
-  TE_RETURN_IF_ERROR(CheckFp8TensorOutputs(mb, *q, *q_t, rowwise, colwise, &fmt));
-  TE_RETURN_IF_ERROR(CheckBlockOutputs(mb, kMxfp8Block, rowwise, colwise, false));
-  TE_RETURN_IF_ERROR(CheckOutput(*s, "s", rowwise, mb.batch, mb.rows, mb.cols / kMxfp8Block));
-  TE_RETURN_IF_ERROR(CheckOutput(*s_t, "s_t", colwise, mb.batch, mb.cols, mb.rows / kMxfp8Block));
+  auto cast = CheckQuantizeFp8Blocks(x, *q, *s, *q_t, *s_t, rowwise, colwise, kMxfp8Block, 1);
+  if (cast.has_error()) return cast.error();
+  const MatrixBatch mb = cast.value().mb;
+  const Fp8Format fmt = cast.value().fmt;
   const std::vector<float> xf = ToFloat(x);
   const int64_t size = mb.rows * mb.cols;
   for (int64_t b = 0; b < mb.batch; ++b) {
@@ -199,16 +175,11 @@ ffi::Error QuantizeMxfp8(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q, ffi::R
 ffi::Error QuantizeFp8Block(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::Buffer<ffi::F32>> s,
                             ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::Buffer<ffi::F32>> s_t, bool rowwise,
                             bool colwise, bool block_2d, bool power_2) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  Fp8Format fmt;
-  TE_RETURN_IF_ERROR(CheckFp8TensorOutputs(mb, *q, *q_t, rowwise, colwise, &fmt));
-  TE_RETURN_IF_ERROR(CheckBlockOutputs(mb, kFp8Block, rowwise, colwise, block_2d));
   const int64_t brows = block_2d ? kFp8Block : 1;
-  TE_RETURN_IF_ERROR(CheckOutput(*s, "s", rowwise, mb.batch, mb.rows / brows, mb.cols / kFp8Block));
-  TE_RETURN_IF_ERROR(CheckOutput(*s_t, "s_t", colwise, mb.batch, mb.cols / brows, mb.rows / kFp8Block));
+  auto cast = CheckQuantizeFp8Blocks(x, *q, *s, *q_t, *s_t, rowwise, colwise, kFp8Block, brows);
+  if (cast.has_error()) return cast.error();
+  const MatrixBatch mb = cast.value().mb;
+  const Fp8Format fmt = cast.value().fmt;
   const std::vector<float> xf = ToFloat(x);
   const int64_t size = mb.rows * mb.cols;
   const int64_t nscale = size / (brows * kFp8Block);
@@ -232,20 +203,9 @@ ffi::Error QuantizeNvfp4(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> key, ffi::Resul
                          ffi::Result<ffi::AnyBuffer> s_t, ffi::Result<ffi::Buffer<ffi::F32>> amax,
                          ffi::Result<ffi::Buffer<ffi::F32>> amax_t, bool rowwise, bool colwise, bool block_2d,
                          bool rht, bool stochastic_rounding) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
+  auto mb_or = CheckQuantizeNvfp4(x, key, *q, *s, *q_t, *s_t, rowwise, colwise, block_2d, rht);
   if (mb_or.has_error()) return mb_or.error();
   const MatrixBatch mb = mb_or.value();
-  if (rht && block_2d) return InvalidArgument("the random Hadamard transform applies to 1D (1x16) blocks only");
-  if (s->element_type() != ffi::DataType::F8E4M3FN || s_t->element_type() != ffi::DataType::F8E4M3FN) {
-    return InvalidArgument("NVFP4 block scales must be float8_e4m3fn");
-  }
-  TE_RETURN_IF_ERROR(CheckBlockOutputs(mb, kNvfp4Block, rowwise, colwise || rht, block_2d));
-  TE_RETURN_IF_ERROR(CheckOutput(*q, "q", rowwise, mb.batch, mb.rows, mb.cols / 2));
-  TE_RETURN_IF_ERROR(CheckOutput(*s, "s", rowwise, mb.batch, mb.rows, mb.cols / kNvfp4Block));
-  TE_RETURN_IF_ERROR(CheckOutput(*q_t, "q_t", colwise, mb.batch, mb.cols, mb.rows / 2));
-  TE_RETURN_IF_ERROR(CheckOutput(*s_t, "s_t", colwise, mb.batch, mb.cols, mb.rows / kNvfp4Block));
-  if (static_cast<int64_t>(key.element_count()) != 2 * mb.batch) return InvalidArgument("key must be uint32[..., 2]");
   const std::vector<float> xf = ToFloat(x);
   const int64_t size = mb.rows * mb.cols;
   for (int64_t b = 0; b < mb.batch; ++b) {
@@ -265,9 +225,7 @@ ffi::Error QuantizeNvfp4(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> key, ffi::Resul
       continue;
     }
     std::vector<float> xt = Transpose(xb, mb.rows, mb.cols);
-    if (rht) {
-      for (int64_t i = 0; i < size; i += 16) Rht16(xt.data() + i);
-    }
+    if (rht) Rht16Groups(xt.data(), size);
     const float a_t = rht ? AmaxOf(xt.data(), size) : a;
     amax_t->typed_data()[b] = a_t;
     if (colwise) {
@@ -281,16 +239,10 @@ ffi::Error QuantizeNvfp4(ffi::AnyBuffer x, ffi::Buffer<ffi::U32> key, ffi::Resul
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8TensorCpu, QuantizeFp8Tensor,
-                              BindQuantizeFp8Tensor(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8CurrentCpu, QuantizeFp8Current,
-                              BindQuantizeFp8Current(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeMxfp8Cpu, QuantizeMxfp8, BindQuantizeMxfp8(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8BlockCpu, QuantizeFp8Block, BindQuantizeFp8Block(ffi::Ffi::Bind()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeNvfp4Cpu, QuantizeNvfp4, BindQuantizeNvfp4(ffi::Ffi::Bind()));
+TE_JAX_CPU_HANDLER(QuantizeFp8Tensor, QuantizeFp8Tensor);
+TE_JAX_CPU_HANDLER(QuantizeFp8Current, QuantizeFp8Current);
+TE_JAX_CPU_HANDLER(QuantizeMxfp8, QuantizeMxfp8);
+TE_JAX_CPU_HANDLER(QuantizeFp8Block, QuantizeFp8Block);
+TE_JAX_CPU_HANDLER(QuantizeNvfp4, QuantizeNvfp4);
 
 }  // namespace te_jax

@@ -76,48 +76,37 @@ struct ActBwdProducer {
   }
 };
 
-ffi::Error ActBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
-                  ffi::Buffer<ffi::U32> key, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> s,
-                  ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::AnyBuffer> s_t, ffi::Result<ffi::AnyBuffer> amax,
-                  ffi::Result<ffi::AnyBuffer> amax_t, ffi::Result<ffi::AnyBuffer> scale_out,
-                  ffi::Result<ffi::Buffer<ffi::F32>> dbias, ffi::Result<ffi::Buffer<ffi::F32>> workspace,
-                  ffi::Dictionary attrs) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  if (dy.element_type() != x.element_type()) return InvalidArgument("dy and x must have the same dtype");
-  ActArgs args;
-  TE_RETURN_IF_ERROR(CheckActBwd(x, scale, key, {*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out}, *dbias, attrs,
-                                 &args));
-  const MatrixBatch mb = args.mb;
-  const ActKind act = args.act;
-  const CastSpec& sp = args.sp;
-  const int64_t F = args.out_cols;
-  const int64_t B = mb.batch, M = mb.rows, N = mb.cols;
-  TE_RETURN_IF_ERROR(CheckCount(dy, B * M * F, "dy"));
-  const int64_t ws_need = args.dbias ? B * CeilDiv(M, kDbiasRows) * N : 0;
-  if (static_cast<int64_t>(workspace->element_count()) < ws_need) {
+ffi::Error ActBwd(cudaStream_t stream, const ActCall& c) {
+  TE_RETURN_IF_ERROR(CheckHighPrecision(c.x, "x"));
+  if (c.dy.element_type() != c.x.element_type()) return InvalidArgument("dy and x must have the same dtype");
+  const ActKind act = c.act;
+  const int64_t F = c.out_cols;
+  const int64_t B = c.mb.batch, M = c.mb.rows, N = c.mb.cols;
+  const int64_t ws_need = c.dbias ? B * CeilDiv(M, kDbiasRows) * N : 0;
+  if (c.workspace_elems < ws_need) {
     return InvalidArgument("workspace: need " + std::to_string(ws_need) + " float32 elements for the dbias partials");
   }
   if (B == 0) return ffi::Error::Success();
-  const CastBuffers bufs = fused::BuffersOf(*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out);
-  float* ws = args.dbias ? workspace->typed_data() : nullptr;
-  TE_RETURN_IF_ERROR(DispatchInput(x.element_type(), [&](auto tag) {
+  const FusedCastOut& o = c.out;
+  const CastBuffers bufs = fused::BuffersOf(o.q, o.s, o.q_t, o.s_t, o.amax, o.amax_t, o.scale);
+  float* ws = c.dbias ? c.workspace : nullptr;
+  TE_RETURN_IF_ERROR(DispatchInput(c.x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     return DispatchBool(IsGated(act), [&](auto gated) {
-      ActBwdProducer<T, decltype(gated)::value> p{static_cast<const T*>(dy.untyped_data()),
-                                                  static_cast<const T*>(x.untyped_data()), M, N, F, act, false};
-      p.vec_ok = N % 8 == 0 && F % 8 == 0 && Aligned16(x.untyped_data()) && Aligned16(dy.untyped_data()) &&
+      ActBwdProducer<T, decltype(gated)::value> p{static_cast<const T*>(c.dy.untyped_data()),
+                                                  static_cast<const T*>(c.x.untyped_data()), M, N, F, act, false};
+      p.vec_ok = N % 8 == 0 && F % 8 == 0 && Aligned16(c.x.untyped_data()) && Aligned16(c.dy.untyped_data()) &&
                  fused::AllAligned16({bufs.q, bufs.q_t});
-      return fused::RunCast(stream, p, sp, bufs, B, M, N, scale.typed_data(), key.typed_data(), ws);
+      return fused::RunCast(stream, p, c.sp, bufs, B, M, N, c.scale, c.key, ws);
     });
   }));
-  if (ws) TE_RETURN_IF_ERROR(fused::LaunchDbiasReduce(stream, ws, M, N, B, dbias->typed_data()));
+  if (ws) TE_RETURN_IF_ERROR(fused::LaunchDbiasReduce(stream, ws, M, N, B, c.dbias));
   return ffi::Error::Success();
 }
 
 }  // namespace
 }  // namespace cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActBwdCuda, cuda::ActBwd,
-                              BindActBwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+TE_JAX_CUDA_ENTRY(ActBwd, cuda::ActBwd);
 
 }  // namespace te_jax

@@ -64,26 +64,21 @@ struct ActFwdProducer {
   }
 };
 
-ffi::Error ActFwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U32> key,
-                  ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> s, ffi::Result<ffi::AnyBuffer> q_t,
-                  ffi::Result<ffi::AnyBuffer> s_t, ffi::Result<ffi::AnyBuffer> amax,
-                  ffi::Result<ffi::AnyBuffer> amax_t, ffi::Result<ffi::AnyBuffer> scale_out, ffi::Dictionary attrs) {
-  ActArgs args;
-  TE_RETURN_IF_ERROR(CheckActFwd(x, scale, key, {*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out}, attrs, &args));
-  const MatrixBatch in = args.mb;
-  const ActKind act = args.act;
-  const CastSpec& sp = args.sp;
-  const int64_t F = args.out_cols;
+ffi::Error ActFwd(cudaStream_t stream, const ActCall& c) {
+  const MatrixBatch in = c.mb;
+  const ActKind act = c.act;
+  const int64_t F = c.out_cols;
   if (in.batch == 0) return ffi::Error::Success();
-  const CastBuffers bufs = fused::BuffersOf(*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out);
-  return DispatchInput(x.element_type(), [&](auto tag) {
+  const FusedCastOut& o = c.out;
+  const CastBuffers bufs = fused::BuffersOf(o.q, o.s, o.q_t, o.s_t, o.amax, o.amax_t, o.scale);
+  return DispatchInput(c.x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     return DispatchBool(IsGated(act), [&](auto gated) {
-      ActFwdProducer<T, decltype(gated)::value> p{static_cast<const T*>(x.untyped_data()), in.rows, F, in.cols, act,
+      ActFwdProducer<T, decltype(gated)::value> p{static_cast<const T*>(c.x.untyped_data()), in.rows, F, in.cols, act,
                                                   false};
-      p.vec_ok = in.cols % 8 == 0 && F % 8 == 0 && Aligned16(x.untyped_data()) &&
+      p.vec_ok = in.cols % 8 == 0 && F % 8 == 0 && Aligned16(c.x.untyped_data()) &&
                  fused::AllAligned16({bufs.q, bufs.q_t});
-      return fused::RunCast(stream, p, sp, bufs, in.batch, in.rows, F, scale.typed_data(), key.typed_data(), nullptr);
+      return fused::RunCast(stream, p, c.sp, bufs, in.batch, in.rows, F, c.scale, c.key, nullptr);
     });
   });
 }
@@ -91,7 +86,6 @@ ffi::Error ActFwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> s
 }  // namespace
 }  // namespace cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ActFwdCuda, cuda::ActFwd,
-                              BindActFwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+TE_JAX_CUDA_ENTRY(ActFwd, cuda::ActFwd);
 
 }  // namespace te_jax

@@ -22,11 +22,7 @@ __global__ void __launch_bounds__(kAmaxThreads)
   uint32_t m = 0;
   if constexpr (kVec == 8) {
     Raw8<T> raw[kAmaxUnroll];
-#pragma unroll
-    for (int u = 0; u < kAmaxUnroll; ++u) {
-      const int64_t idx = base + (int64_t{u} * kAmaxThreads + threadIdx.x) * 8;
-      raw[u] = idx < size ? LoadRaw8(xb + idx) : ZeroRaw8<T>();
-    }
+    LoadChunk8<kAmaxThreads>(xb, base, size, raw);
 #pragma unroll
     for (int u = 0; u < kAmaxUnroll; ++u) {
       float f[8];

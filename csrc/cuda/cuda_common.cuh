@@ -1,6 +1,6 @@
 // Device helpers shared by the CUDA FFI handlers: input element types,
-// 8-element vector loads, FP8 packing, reductions, launch/error checks and
-// the validation helpers the CPU handlers also use.
+// 8-element vector loads, FP8 packing, reductions and launch/error checks
+// (the operand checks shared with the CPU handlers: ../common/quantize_checks.h).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -17,7 +17,7 @@
 #pragma nv_diag_suppress 2473
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wreturn-type"
-#include "../common/ffi_common.h"
+#include "../common/quantize_checks.h"
 #pragma GCC diagnostic pop
 #pragma nv_diag_default 940
 #pragma nv_diag_default 2473
@@ -102,6 +102,18 @@ __device__ __forceinline__ Raw8<T> ZeroRaw8() {
 #pragma unroll
   for (int k = 0; k < static_cast<int>(sizeof(T) / 2); ++k) r.w[k] = make_uint4(0u, 0u, 0u, 0u);
   return r;
+}
+
+// The kUnroll vectors a thread of a kThreads-thread block loads in a grid-stride
+// chunk starting at `base`: vector u at base + (u * kThreads + thread) * 8,
+// zeros past `size`.
+template <int kThreads, int kUnroll, typename T>
+__device__ __forceinline__ void LoadChunk8(const T* x, int64_t base, int64_t size, Raw8<T> (&raw)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t idx = base + (int64_t{u} * kThreads + threadIdx.x) * 8;
+    raw[u] = idx < size ? LoadRaw8(x + idx) : ZeroRaw8<T>();
+  }
 }
 
 // Element i (0..1) of a 32-bit word holding two 2-byte elements, as float.
@@ -246,25 +258,7 @@ __device__ __forceinline__ void Transpose4x4(const uint32_t (&in)[4], uint32_t (
   out[3] = __byte_perm(t2, t3, 0x7632);
 }
 
-// ---- validation shared with the CPU handlers -------------------------------------------
-
-inline ffi::Error CheckFp8TensorOutputs(const MatrixBatch& mb, const ffi::AnyBuffer& q, const ffi::AnyBuffer& q_t,
-                                        bool rowwise, bool colwise, Fp8Format* fmt) {
-  auto f = Fp8FormatOf(q.element_type());
-  if (!f || q_t.element_type() != q.element_type()) {
-    return InvalidArgument("quantized outputs must both be float8_e4m3fn or float8_e5m2");
-  }
-  *fmt = *f;
-  TE_RETURN_IF_ERROR(CheckOutput(q, "q", rowwise, mb.batch, mb.rows, mb.cols));
-  return CheckOutput(q_t, "q_t", colwise, mb.batch, mb.cols, mb.rows);
-}
-
-inline ffi::Error CheckBlockOutputs(const MatrixBatch& mb, int64_t block, bool rowwise, bool colwise,
-                                    bool block_2d) {
-  if (rowwise || block_2d) TE_RETURN_IF_ERROR(CheckDivisible(mb.cols, block, "the last axis (N)"));
-  if (colwise || block_2d) TE_RETURN_IF_ERROR(CheckDivisible(mb.rows, block, "the row axis (M)"));
-  return ffi::Error::Success();
-}
+// ---- shapes and buffers ------------------------------------------------------------------
 
 // The tiled kernels need both matrix extents to be multiples of 16 (16-byte
 // vectors along N, 16-row segments along M); other shapes take the simple

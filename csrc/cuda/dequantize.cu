@@ -128,79 +128,42 @@ ffi::Error LaunchDequant(cudaStream_t stream, const MatrixBatch& mb, ffi::DataTy
   });
 }
 
-// MatrixBatchOf (same checks and message) for any buffer type.
-template <typename Buf>
-ffi::Error DataBatchOf(const Buf& data, MatrixBatch* mb) {
-  auto dims = data.dimensions();
-  if (dims.size() < 2) return InvalidArgument("data must have rank >= 2, got shape " + DimsToString(dims));
-  *mb = MatrixBatch{1, dims[dims.size() - 2], dims[dims.size() - 1]};
-  for (size_t i = 0; i + 2 < dims.size(); ++i) mb->batch *= dims[i];
-  return ffi::Error::Success();
-}
-
-template <typename Buf>
-ffi::Error CheckDequantOutput(const Buf& data, int64_t cols_per_byte, const ffi::AnyBuffer& out, MatrixBatch* mb) {
-  TE_RETURN_IF_ERROR(DataBatchOf(data, mb));
-  mb->cols *= cols_per_byte;
-  TE_RETURN_IF_ERROR(CheckHighPrecision(out, "the output"));
-  return CheckOutput(out, "out", true, mb->batch, mb->rows, mb->cols);
-}
-
 ffi::Error DequantizeFp8Tensor(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale_inv,
                                ffi::Result<ffi::AnyBuffer> out) {
-  MatrixBatch mb{};
-  TE_RETURN_IF_ERROR(CheckDequantOutput(q, 1, *out, &mb));
-  auto fmt = Fp8FormatOf(q.element_type());
-  if (!fmt) return InvalidArgument("data must be float8_e4m3fn or float8_e5m2");
-  if (static_cast<int64_t>(scale_inv.element_count()) != mb.batch) return InvalidArgument("scale_inv must be [..., 1]");
+  auto c = CheckDequantizeFp8Tensor(q, scale_inv, *out);
+  if (c.has_error()) return c.error();
+  const MatrixBatch mb = c.value().mb;
   DqArgs a{static_cast<const uint8_t*>(q.untyped_data()), scale_inv.typed_data(), nullptr, mb.rows, mb.cols, 0, 1, 1,
            out->untyped_data()};
-  return LaunchDequant<Dq::kTensor>(stream, mb, out->element_type(), fmt->mant_bits == 2, a);
-}
-
-// Shared checks of MXFP8 and Float8 block scaling (block_rows x block_cols).
-ffi::Error CheckFp8Blocks(const ffi::AnyBuffer& q, int64_t scale_elements, const ffi::AnyBuffer& out,
-                          int64_t block_rows, int64_t block_cols, MatrixBatch* mb, Fp8Format* fmt) {
-  TE_RETURN_IF_ERROR(CheckDequantOutput(q, 1, out, mb));
-  auto f = Fp8FormatOf(q.element_type());
-  if (!f) return InvalidArgument("data must be float8_e4m3fn or float8_e5m2");
-  *fmt = *f;
-  TE_RETURN_IF_ERROR(CheckDivisible(mb->cols, block_cols, "the last axis (N)"));
-  TE_RETURN_IF_ERROR(CheckDivisible(mb->rows, block_rows, "the row axis (M)"));
-  const int64_t per = (mb->rows / block_rows) * (mb->cols / block_cols);
-  if (scale_elements != mb->batch * per) return InvalidArgument("scales do not match the data's block layout");
-  return ffi::Error::Success();
+  return LaunchDequant<Dq::kTensor>(stream, mb, out->element_type(), c.value().fmt.mant_bits == 2, a);
 }
 
 ffi::Error DequantizeMxfp8(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8> s,
                            ffi::Result<ffi::AnyBuffer> out) {
-  MatrixBatch mb{};
-  Fp8Format fmt;
-  TE_RETURN_IF_ERROR(CheckFp8Blocks(q, s.element_count(), *out, 1, kMxfp8Block, &mb, &fmt));
+  auto c = CheckDequantizeFp8Blocks(q, s.element_count(), *out, 1, kMxfp8Block);
+  if (c.has_error()) return c.error();
+  const MatrixBatch mb = c.value().mb;
   DqArgs a{static_cast<const uint8_t*>(q.untyped_data()), s.typed_data(), nullptr, mb.rows, mb.cols, 0, 1, kMxfp8Block,
            out->untyped_data()};
-  return LaunchDequant<Dq::kMx>(stream, mb, out->element_type(), fmt.mant_bits == 2, a);
+  return LaunchDequant<Dq::kMx>(stream, mb, out->element_type(), c.value().fmt.mant_bits == 2, a);
 }
 
 ffi::Error DequantizeFp8Block(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> s,
                               ffi::Result<ffi::AnyBuffer> out, bool block_2d) {
-  MatrixBatch mb{};
-  Fp8Format fmt;
   const int64_t brows = block_2d ? kFp8Block : 1;
-  TE_RETURN_IF_ERROR(CheckFp8Blocks(q, s.element_count(), *out, brows, kFp8Block, &mb, &fmt));
+  auto c = CheckDequantizeFp8Blocks(q, s.element_count(), *out, brows, kFp8Block);
+  if (c.has_error()) return c.error();
+  const MatrixBatch mb = c.value().mb;
   DqArgs a{static_cast<const uint8_t*>(q.untyped_data()), s.typed_data(), nullptr, mb.rows, mb.cols, 0, brows,
            kFp8Block, out->untyped_data()};
-  return LaunchDequant<Dq::kBlock>(stream, mb, out->element_type(), fmt.mant_bits == 2, a);
+  return LaunchDequant<Dq::kBlock>(stream, mb, out->element_type(), c.value().fmt.mant_bits == 2, a);
 }
 
 ffi::Error DequantizeNvfp4(cudaStream_t stream, ffi::Buffer<ffi::U8> q, ffi::AnyBuffer s, ffi::Buffer<ffi::F32> amax,
                            ffi::Result<ffi::AnyBuffer> out) {
-  MatrixBatch mb{};
-  TE_RETURN_IF_ERROR(CheckDequantOutput(q, 2, *out, &mb));
-  if (s.element_type() != ffi::DataType::F8E4M3FN) return InvalidArgument("NVFP4 block scales must be float8_e4m3fn");
-  TE_RETURN_IF_ERROR(CheckDivisible(mb.cols, kNvfp4Block, "the last axis (N)"));
-  TE_RETURN_IF_ERROR(CheckOutput(s, "s", true, mb.batch, mb.rows, mb.cols / kNvfp4Block));
-  if (static_cast<int64_t>(amax.element_count()) != mb.batch) return InvalidArgument("amax must be [..., 1]");
+  auto mb_or = CheckDequantizeNvfp4(q, s, amax, *out);
+  if (mb_or.has_error()) return mb_or.error();
+  const MatrixBatch mb = mb_or.value();
   DqArgs a{q.typed_data(), s.untyped_data(), amax.typed_data(), mb.rows, mb.cols, 0, 1, kNvfp4Block,
            out->untyped_data()};
   return LaunchDequant<Dq::kNvfp4>(stream, mb, out->element_type(), false, a);
@@ -209,16 +172,9 @@ ffi::Error DequantizeNvfp4(cudaStream_t stream, ffi::Buffer<ffi::U8> q, ffi::Any
 }  // namespace
 }  // namespace cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeFp8TensorCuda, cuda::DequantizeFp8Tensor,
-                              BindDequantizeFp8Tensor(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeMxfp8Cuda, cuda::DequantizeMxfp8,
-                              BindDequantizeMxfp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeFp8BlockCuda, cuda::DequantizeFp8Block,
-                              BindDequantizeFp8Block(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DequantizeNvfp4Cuda, cuda::DequantizeNvfp4,
-                              BindDequantizeNvfp4(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+TE_JAX_CUDA_HANDLER(DequantizeFp8Tensor, cuda::DequantizeFp8Tensor);
+TE_JAX_CUDA_HANDLER(DequantizeMxfp8, cuda::DequantizeMxfp8);
+TE_JAX_CUDA_HANDLER(DequantizeFp8Block, cuda::DequantizeFp8Block);
+TE_JAX_CUDA_HANDLER(DequantizeNvfp4, cuda::DequantizeNvfp4);
 
 }  // namespace te_jax

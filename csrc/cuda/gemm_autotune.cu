@@ -4,10 +4,11 @@
 // Autotuning
 // ----------
 // When a plan is built, cublasLtMatmulAlgoGetHeuristic is asked for up to
-// kMaxCandidates algorithms that fit the workspace. Unless autotuning is off
-// (environment variable TE_JAX_GEMM_AUTOTUNE=0, read once per process), only
-// one candidate is usable, or the call's stream is being captured into a CUDA
-// graph (cudaStreamIsCapturing), the candidates are timed on the call's own
+// kMaxCandidates algorithms that fit the workspace. When the GEMM asks for
+// autotuning (the `autotune` attribute, MatmulSpec::autotune; off by default,
+// so a configuration always gets the heuristic's first algorithm), more than
+// one candidate is usable and the call's stream is not being captured into a
+// CUDA graph (cudaStreamIsCapturing), the candidates are timed on the call's own
 // stream (TimeCandidates: each candidate's second call sizes its samples;
 // a warm-up of kWarmMs brings the GPU to its power cap, unless this device
 // finished a long enough autotuning less than kStillWarmSeconds ago; then
@@ -23,7 +24,7 @@
 // heuristic's order wins ties within kMargin, so timing noise on small
 // problems does not flip the choice between runs. Candidates that
 // cuBLASLt refuses are skipped (if all are refused, the first one's error is
-// returned). TE_JAX_GEMM_AUTOTUNE=verbose prints each decision to stderr.
+// returned).
 //
 // CUDA graphs: while the stream is being captured, nothing is timed (recording
 // events and running candidates would become graph nodes, and synchronising
@@ -36,42 +37,17 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "gemm_autotune.cuh"
-#include "lt_algo_config.h"
 
 namespace te_jax {
 namespace gemm {
 namespace {
 
 constexpr float kMargin = 0.02f;  // a later candidate must be this much faster to win
-
-// TE_JAX_GEMM_AUTOTUNE: "0" off, "verbose" on and logged, anything else (or unset) on.
-enum class Autotune : int { kOff = 0, kOn = 1, kVerbose = 2 };
-Autotune AutotuneMode() {
-  static const Autotune mode = [] {
-    const char* v = std::getenv("TE_JAX_GEMM_AUTOTUNE");
-    if (v == nullptr) return Autotune::kOn;
-    if (std::strcmp(v, "0") == 0) return Autotune::kOff;
-    if (std::strcmp(v, "verbose") == 0) return Autotune::kVerbose;
-    return Autotune::kOn;
-  }();
-  return mode;
-}
-
-// "M=.. N=.. K=.. batch=.. calls=.. A/B/D types .. fast_accum=.." for the autotuning log.
-std::string Describe(const MatmulSpec& s, int64_t calls) {
-  return ShapeString(s) + " calls=" + std::to_string(calls) + " types(A,B,D)=(" +
-         std::to_string(static_cast<int>(s.a_type)) + "," + std::to_string(static_cast<int>(s.b_type)) + "," +
-         std::to_string(static_cast<int>(s.d_type)) + ") fast_accum=" + std::to_string(s.fast_accum) +
-         " bias=" + std::to_string(s.bias);
-}
 
 // Events for one candidate's timed runs, destroyed with the tuner.
 class Events {
@@ -151,8 +127,7 @@ float ElapsedMs(cudaEvent_t start, cudaEvent_t stop) {
 // sample kSampleMs of back-to-back calls (fewer for GEMMs under
 // kSampleMs / kMaxRunsPerSample), and a candidate's time is its median sample.
 ffi::ErrorOr<size_t> TimeCandidates(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
-                                    const std::vector<cublasLtMatmulAlgo_t>& candidates, int64_t calls,
-                                    cudaStream_t stream) {
+                                    const std::vector<cublasLtMatmulAlgo_t>& candidates, cudaStream_t stream) {
   const size_t n = candidates.size();
   Events ev;
   cudaError_t cuda_status = ev.Create(static_cast<int>(2 * n));
@@ -245,37 +220,21 @@ ffi::ErrorOr<size_t> TimeCandidates(const Plan& plan, const MatmulSpec& s, const
     if (best == n || ms[c] < ms[best] * (1.0f - kMargin)) best = c;
   }
   if (best == n) return size_t{0};  // ran, but no timing came back
-  if (AutotuneMode() == Autotune::kVerbose) {
-    std::fprintf(stderr, "te_jax GEMM autotune %s: %zu candidates, heuristic #0 %.4f ms, chose #%zu %.4f ms\n",
-                 Describe(s, calls).c_str(), n, static_cast<double>(ms[0]), best,
-                 static_cast<double>(ms[best]));  // "inf" for #0: cuBLASLt refused it
-    for (size_t c = 0; c < n; ++c) {
-      std::fprintf(stderr, "  #%zu %.4f ms (%d calls per sample) %s\n", c, static_cast<double>(ms[c]), runs[c],
-                   AlgoConfig(candidates[c]).c_str());
-    }
-  }
   return best;
 }
 
 }  // namespace
 
 ffi::ErrorOr<size_t> ChooseCandidate(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
-                                     const std::vector<cublasLtMatmulAlgo_t>& candidates, int64_t calls,
-                                     cudaStream_t stream) {
-  if (candidates.size() == 1 || AutotuneMode() == Autotune::kOff) return size_t{0};
+                                     const std::vector<cublasLtMatmulAlgo_t>& candidates, cudaStream_t stream) {
+  if (candidates.size() == 1 || !s.autotune) return size_t{0};
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
     cudaGetLastError();
     capture = cudaStreamCaptureStatusInvalidated;  // unknown: do not time
   }
-  if (capture != cudaStreamCaptureStatusNone) {
-    if (AutotuneMode() == Autotune::kVerbose) {
-      std::fprintf(stderr, "te_jax GEMM autotune %s: stream capture in progress, using heuristic #0 untimed\n",
-                   Describe(s, calls).c_str());
-    }
-    return size_t{0};
-  }
-  return TimeCandidates(plan, s, p, candidates, calls, stream);
+  if (capture != cudaStreamCaptureStatusNone) return size_t{0};
+  return TimeCandidates(plan, s, p, candidates, stream);
 }
 
 }  // namespace gemm

@@ -31,13 +31,11 @@ cublasStatus_t Enqueue(const Plan& plan, const MatmulSpec& s, const MatmulPointe
 // Defined in gemm_autotune.cu.
 
 // The index in `candidates` (the heuristic's algorithms, in its order, at
-// least one) of the algorithm `plan` keeps: 0 when autotuning is off, there
+// least one) of the algorithm `plan` keeps: 0 when s.autotune is off, there
 // is only one, or `stream` is being captured; else the fastest on `stream`
-// with the call's real pointers (set in the descriptor), `calls` being the
-// number of matmuls RunMatmuls enqueues (for the log).
+// with the call's real pointers (set in the descriptor).
 ffi::ErrorOr<size_t> ChooseCandidate(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
-                                     const std::vector<cublasLtMatmulAlgo_t>& candidates, int64_t calls,
-                                     cudaStream_t stream);
+                                     const std::vector<cublasLtMatmulAlgo_t>& candidates, cudaStream_t stream);
 
 }  // namespace gemm
 }  // namespace te_jax

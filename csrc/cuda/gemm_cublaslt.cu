@@ -31,7 +31,7 @@ namespace {
 constexpr int kMaxCandidates = 16;  // heuristic results considered by the autotuner
 
 // Everything that selects a descriptor, layouts or algorithm.
-using PlanKey = std::array<int64_t, 21>;
+using PlanKey = std::array<int64_t, 22>;
 
 // The alignment (bytes, a power of two up to 256) every matrix of a
 // RunMatmuls call is guaranteed to have, per pointer.
@@ -135,6 +135,7 @@ PlanKey KeyOf(const MatmulSpec& s, const Alignments& al) {
                  static_cast<int64_t>(s.a_scale),
                  static_cast<int64_t>(s.b_scale),
                  s.fast_accum,
+                 s.autotune,
                  s.bias,
                  s.device_alpha,
                  static_cast<int64_t>(s.workspace_bytes),
@@ -194,7 +195,7 @@ ffi::ErrorOr<cublasLtHandle_t> HandleFor(const MatmulSpec& spec) {
   return handle;
 }
 
-ffi::Error BuildPlan(Plan& plan, const MatmulSpec& s, const Alignments& al, const MatmulPointers& p, int64_t calls,
+ffi::Error BuildPlan(Plan& plan, const MatmulSpec& s, const Alignments& al, const MatmulPointers& p,
                      cudaStream_t stream) {
   auto handle = HandleFor(s);
   if (handle.has_error()) return handle.error();
@@ -269,7 +270,7 @@ ffi::Error BuildPlan(Plan& plan, const MatmulSpec& s, const Alignments& al, cons
     return ffi::Error::Internal("te_jax GEMM: cuBLASLt found no algorithm for " + ShapeString(s) +
                                 " (check the dtype pairing, scale modes and the device's support for them)");
   }
-  auto best = ChooseCandidate(plan, s, p, candidates, calls, stream);
+  auto best = ChooseCandidate(plan, s, p, candidates, stream);
   if (best.has_error()) return best.error();
   plan.algo = candidates[best.value()];
   return ffi::Error::Success();
@@ -328,7 +329,7 @@ ffi::Error RunMatmuls(const MatmulSpec& spec, const MatmulPointers& first, const
   std::lock_guard<std::mutex> lock(plan.mu);
   if (!plan.ready) {
     RelaxedCapture relaxed;  // one-time host work may allocate (cublasLtCreate, events)
-    ffi::Error err = BuildPlan(plan, spec, al, first, steps.calls, stream);
+    ffi::Error err = BuildPlan(plan, spec, al, first, stream);
     if (err.failure()) {
       DestroyPartialPlan(plan);
       return err;

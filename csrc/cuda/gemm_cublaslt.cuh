@@ -12,7 +12,7 @@
 //
 // Plans (CUDA-graph safe): a plan is keyed by everything that selects a
 // descriptor, layouts or algorithm (device, shapes, dtypes, scale modes,
-// fast_accum, bias, pointer mode, workspace size) and by the *guaranteed*
+// fast_accum, autotune, bias, pointer mode, workspace size) and by the *guaranteed*
 // alignment of every pointer over all the matrices it will be used for (the
 // first pointer combined with the batch stride and the per-call step), so one
 // plan serves every matrix of a RunMatmuls call and its assumptions hold for
@@ -20,9 +20,10 @@
 // (not the cache's, so other devices' threads never wait on it), with the
 // thread's stream-capture mode relaxed: the device's cuBLASLt handle, the
 // matmul descriptor, the layouts, up to kMaxCandidates heuristic algorithms,
-// and (unless the stream is being captured, or TE_JAX_GEMM_AUTOTUNE=0) times
-// each candidate on the call's own stream with the call's real buffers and
-// keeps the fastest (see gemm_autotune.cu, "Autotuning"). Every later call
+// and, when the spec asks for autotuning (and the stream is not being
+// captured), times each candidate on the call's own stream with the call's
+// real buffers and keeps the fastest (see gemm_autotune.cu, "Autotuning");
+// otherwise it keeps the heuristic's first algorithm. Every later call
 // only takes the plan's mutex, sets the pointer attributes (host-only, no
 // allocation) and enqueues cublasLtMatmul: nothing in the steady state
 // allocates, synchronises or creates a descriptor.
@@ -59,6 +60,7 @@ struct MatmulSpec {
   cudaDataType_t a_type = CUDA_R_8F_E4M3, b_type = CUDA_R_8F_E4M3, d_type = CUDA_R_16BF;
   ScaleMode a_scale = ScaleMode::kNone, b_scale = ScaleMode::kNone;
   bool fast_accum = false;    // CUBLASLT_MATMUL_DESC_FAST_ACCUM (only with kScalar scales)
+  bool autotune = false;      // time the heuristic's candidates when the plan is built (else its first)
   bool bias = false;          // CUBLASLT_EPILOGUE_BIAS with a bias of dtype d_type, length n
   bool device_alpha = false;  // CUBLASLT_POINTER_MODE_DEVICE: alpha/beta are device floats
   size_t workspace_bytes = 0;
@@ -86,8 +88,8 @@ struct MatmulSteps {
 };
 
 // Enqueues the (strided-batched) matmul(s) on `stream`, back to back, all with
-// one plan. The current device must be spec.device (see DeviceGuard). The
-// first call for a plan may time candidate algorithms on `stream`, writing
+// one plan. The current device must be spec.device (see DeviceGuard). With
+// spec.autotune, the first call for a plan times candidate algorithms on `stream`, writing
 // the d of the first call and the workspace (both are outputs/scratch of
 // this GEMM, and the real matmuls run after); it never does so while
 // `stream` is being captured into a CUDA graph.

@@ -82,6 +82,21 @@ __device__ __forceinline__ float2 Fp8PairToFloat2(uint8_t lo, uint8_t hi, const 
 #endif
 }
 
+// Chunk c of 16 bfloat16 values (8 packed pairs) into out: two 16-byte stores,
+// or element by element when the buffers are not 16-byte aligned.
+__device__ __forceinline__ void StoreBf16x16(const uint32_t (&packed)[8], uint16_t* out, int64_t c, bool vector_io) {
+  if (vector_io) {
+    reinterpret_cast<uint4*>(out)[2 * c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    reinterpret_cast<uint4*>(out)[2 * c + 1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  } else {
+    const int64_t e = c * 16;
+    for (int j = 0; j < 8; ++j) {
+      out[e + 2 * j] = static_cast<uint16_t>(packed[j] & 0xffffu);
+      out[e + 2 * j + 1] = static_cast<uint16_t>(packed[j] >> 16);
+    }
+  }
+}
+
 // 16 elements per thread: 16 FP8 codes (one 16-byte load when aligned) -> 16
 // bfloat16 (two 16-byte stores). k % 32 == 0, so a chunk has one E8M0 scale.
 __global__ void DequantMxfp8Kernel(const uint8_t* q, const uint8_t* s, bool e5m2, uint16_t* out, int64_t rows,
@@ -103,15 +118,7 @@ __global__ void DequantMxfp8Kernel(const uint8_t* q, const uint8_t* s, bool e5m2
       const float2 f = Fp8PairToFloat2(codes[2 * j], codes[2 * j + 1], fmt);
       packed[j] = PackBf16(f.x * scale, f.y * scale);
     }
-    if (vector_io) {
-      reinterpret_cast<uint4*>(out)[2 * c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      reinterpret_cast<uint4*>(out)[2 * c + 1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    } else {
-      for (int j = 0; j < 8; ++j) {
-        out[e + 2 * j] = static_cast<uint16_t>(packed[j] & 0xffffu);
-        out[e + 2 * j + 1] = static_cast<uint16_t>(packed[j] >> 16);
-      }
-    }
+    StoreBf16x16(packed, out, c, vector_io);
   }
 }
 
@@ -134,15 +141,7 @@ __global__ void DequantNvfp4Kernel(const uint8_t* q, const uint8_t* s, uint16_t*
       packed[j] = PackBf16(E2M1ToFloat(static_cast<uint8_t>(bytes[j] & 0xfu)) * scale,
                            E2M1ToFloat(static_cast<uint8_t>(bytes[j] >> 4)) * scale);
     }
-    if (vector_io) {
-      reinterpret_cast<uint4*>(out)[2 * c] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-      reinterpret_cast<uint4*>(out)[2 * c + 1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-    } else {
-      for (int j = 0; j < 8; ++j) {
-        out[e + 2 * j] = static_cast<uint16_t>(packed[j] & 0xffffu);
-        out[e + 2 * j + 1] = static_cast<uint16_t>(packed[j] >> 16);
-      }
-    }
+    StoreBf16x16(packed, out, c, vector_io);
   }
 }
 

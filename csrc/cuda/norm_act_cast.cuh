@@ -243,9 +243,10 @@ inline ffi::Error LaunchDbiasReduce(cudaStream_t stream, const float* ws, int64_
   return LaunchError("DbiasReduceKernel");
 }
 
-inline CastBuffers BuffersOf(ffi::AnyBuffer& q, ffi::AnyBuffer& s, ffi::AnyBuffer& q_t, ffi::AnyBuffer& s_t,
-                             ffi::AnyBuffer& amax, ffi::AnyBuffer& amax_t, ffi::AnyBuffer& scale) {
-  auto ptr = [](ffi::AnyBuffer& b) -> void* { return b.element_count() ? b.untyped_data() : nullptr; };
+inline CastBuffers BuffersOf(const ffi::AnyBuffer& q, const ffi::AnyBuffer& s, const ffi::AnyBuffer& q_t,
+                             const ffi::AnyBuffer& s_t, const ffi::AnyBuffer& amax, const ffi::AnyBuffer& amax_t,
+                             const ffi::AnyBuffer& scale) {
+  auto ptr = [](const ffi::AnyBuffer& b) -> void* { return b.element_count() ? b.untyped_data() : nullptr; };
   return CastBuffers{ptr(q), ptr(s), ptr(q_t), ptr(s_t), static_cast<float*>(ptr(amax)),
                      static_cast<float*>(ptr(amax_t)), static_cast<float*>(ptr(scale)), q.element_type()};
 }
@@ -255,6 +256,22 @@ inline bool AllAligned16(std::initializer_list<const void*> ps) {
     if (p != nullptr && !Aligned16(p)) return false;
   }
   return true;
+}
+
+// The row kernels' shape for a norm row of H elements (H % 8 == 0): the
+// number of 8-element vectors per thread, and whether a warp (else the whole
+// block) takes a row; 0 when the row is too wide for them.
+inline int RowVectors(int64_t h, bool* warp_per_row) {
+  const int64_t v = h / 8;
+  *warp_per_row = v <= 128;
+  if (v <= 32) return 1;
+  if (v <= 64) return 2;
+  if (v <= 128) return 4;
+  if (v <= 256) return 1;
+  if (v <= 512) return 2;
+  if (v <= 1024) return 4;
+  if (v <= 2048) return 8;
+  return 0;
 }
 
 }  // namespace fused

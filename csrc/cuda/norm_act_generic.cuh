@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads) GenericColKernel(P prod, CastArgs a,
       float v[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) v[i] = prod.Load1(b, r0 + i, c);
-      if (a.rht) Rht16Regs(v);
+      if (a.rht) Rht16(v);
       uint32_t m = 0;
 #pragma unroll
       for (int i = 0; i < 16; ++i) m = max(m, AbsBits(v[i]));

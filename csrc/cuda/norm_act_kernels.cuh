@@ -46,7 +46,8 @@ struct TileGeom {
   static constexpr int kSegRows = kTM * kTN / kThreads;  // rows per thread in the column phase
   static constexpr int kSegs = kTM / kSegRows;
   static constexpr int kVpt = kTM * kTN / 8 / kThreads;  // row-phase vectors per thread
-  static constexpr int kBlk = kMode == kModeMx ? 32 : (kMode == kModeBlock ? 128 : 16);
+  static constexpr int kBlk =
+      static_cast<int>(kMode == kModeMx ? kMxfp8Block : (kMode == kModeBlock ? kFp8Block : kNvfp4Block));
 };
 
 struct CastArgs {
@@ -234,35 +235,6 @@ __device__ __forceinline__ void StoreCodes16(uint8_t* p, const uint32_t (&w)[4],
   }
 }
 
-// numerics.h's Rht16 (same float32 operations: sign flips, the butterfly
-// stages h = 1, 2, 4, 8 with (a + b, a - b), then * 0.25), written so that
-// nvcc unrolls it completely and keeps v in registers (Rht16's nested loops
-// leave a 64-byte stack frame).
-template <int kH>
-__device__ __forceinline__ void RhtStage(float (&v)[16]) {
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    if ((j & kH) == 0) {
-      const float a = v[j], b = v[j + kH];
-      v[j] = a + b;
-      v[j + kH] = a - b;
-    }
-  }
-}
-
-__device__ __forceinline__ void Rht16Regs(float (&v)[16]) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    if ((kRhtSignMask >> i) & 1u) v[i] = -v[i];
-  }
-  RhtStage<1>(v);
-  RhtStage<2>(v);
-  RhtStage<4>(v);
-  RhtStage<8>(v);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) v[i] *= 0.25f;
-}
-
 // ---- the tile kernel --------------------------------------------------------------------
 
 // Whether the column phase runs (and the tile goes to shared memory).
@@ -361,7 +333,7 @@ __global__ void __launch_bounds__(kThreads) CastTileKernel(P prod, CastArgs a) {
         float v[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) v[i] = col[(i0 + i) * kTN];
-        Rht16Regs(v);
+        Rht16(v);
 #pragma unroll
         for (int i = 0; i < 16; ++i) m = max(m, AbsBits(v[i]));
       }
@@ -417,7 +389,7 @@ __global__ void __launch_bounds__(kThreads) CastTileKernel(P prod, CastArgs a) {
       float v[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) v[i] = col[i * kTN];
-      if (a.rht) Rht16Regs(v);
+      if (a.rht) Rht16(v);
       uint32_t m = 0;
 #pragma unroll
       for (int i = 0; i < 16; ++i) m = max(m, AbsBits(v[i]));

@@ -336,19 +336,6 @@ __global__ void __launch_bounds__(kThreads) NormBwdReduceKernel(const float* ws,
   }
 }
 
-int RowConfig(int64_t h, bool* warp_per_row) {
-  const int64_t v = h / 8;
-  *warp_per_row = v <= 128;
-  if (v <= 32) return 1;
-  if (v <= 64) return 2;
-  if (v <= 128) return 4;
-  if (v <= 256) return 1;
-  if (v <= 512) return 2;
-  if (v <= 1024) return 4;
-  if (v <= 2048) return 8;
-  return 0;
-}
-
 // NormBwdRowKernel's static shared memory; the dynamic part may use the rest of the default 48 KiB.
 constexpr int kRowStaticSmem = static_cast<int>(sizeof(float)) * 2 * 2 * (kThreads / 32);
 
@@ -370,7 +357,7 @@ ffi::Error RunNormBwd(cudaStream_t stream, BwdArgs a, float* dgamma, float* dbet
   const int64_t H = a.cols;
   bool warp_per_row = false;
   const bool vec_ok = H % 8 == 0 && fused::AllAligned16({a.dy, a.x, a.dx, a.gamma});
-  const int vec = vec_ok ? RowConfig(H, &warp_per_row) : 0;
+  const int vec = vec_ok ? fused::RowVectors(H, &warp_per_row) : 0;
   a.warp_per_row = warp_per_row;
   if (a.groups > 65535 || a.batch > 65535) return ffi::Error::Internal("te_jax CUDA: norm backward grid too large");
   if (vec > 0) {
@@ -395,42 +382,33 @@ ffi::Error RunNormBwd(cudaStream_t stream, BwdArgs a, float* dgamma, float* dbet
   return LaunchError("NormBwdReduceKernel");
 }
 
-ffi::Error NormBwd(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> mean,
-                   ffi::Buffer<ffi::F32> rsigma, ffi::Buffer<ffi::F32> gamma, ffi::Result<ffi::AnyBuffer> dx,
-                   ffi::Result<ffi::Buffer<ffi::F32>> dgamma, ffi::Result<ffi::Buffer<ffi::F32>> dbeta,
-                   ffi::Result<ffi::Buffer<ffi::F32>> workspace, ffi::Dictionary attrs) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  if (dy.element_type() != x.element_type() || dx->element_type() != x.element_type()) {
+ffi::Error NormBwd(cudaStream_t stream, const NormBwdCall& c) {
+  TE_RETURN_IF_ERROR(CheckHighPrecision(c.x, "x"));
+  if (c.dy.element_type() != c.x.element_type() || c.dx.element_type() != c.x.element_type()) {
     return InvalidArgument("dy, x and dx must have the same dtype");
   }
-  MatrixBatch mb;
-  NormAttrs na;
-  TE_RETURN_IF_ERROR(CheckNormBwd(dy, x, mean, rsigma, gamma, *dx, *dgamma, *dbeta, attrs, &mb, &na));
-  const int64_t B = mb.batch, M = mb.rows, H = mb.cols;
+  const int64_t B = c.mb.batch, M = c.mb.rows, H = c.mb.cols;
   if (B * H == 0) return ffi::Error::Success();
-  const int64_t ws = workspace->element_count();
-  const int64_t groups = ws / (2 * B * H);
+  const int64_t groups = c.workspace_elems / (2 * B * H);
   if (groups < 1) {
     return InvalidArgument("workspace: need 2 * G * H float32 elements per matrix (G >= 1), got " +
-                           std::to_string(ws));
+                           std::to_string(c.workspace_elems));
   }
   if (M == 0) {
-    TE_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(dgamma->typed_data(), 0, sizeof(float) * B * H, stream), "memset"));
-    if (!na.rms) TE_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(dbeta->typed_data(), 0, sizeof(float) * B * H, stream), "memset"));
+    TE_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(c.dgamma, 0, sizeof(float) * B * H, stream), "memset"));
+    if (c.dbeta) TE_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(c.dbeta, 0, sizeof(float) * B * H, stream), "memset"));
     return ffi::Error::Success();
   }
   // G = min(what the workspace holds, M); the kernels lay the partials out as [2, B, G, H].
-  BwdArgs a{dy.untyped_data(), x.untyped_data(), na.rms ? nullptr : mean.typed_data(), rsigma.typed_data(),
-            gamma.typed_data(), dx->untyped_data(), workspace->typed_data(), M, H, groups < M ? groups : M, B,
-            na.rms, na.zero_centered_gamma, false};
-  float* db = na.rms ? nullptr : dbeta->typed_data();
-  return DispatchInput(x.element_type(), [&](auto tag) { return RunNormBwd<decltype(tag)>(stream, a, dgamma->typed_data(), db); });
+  BwdArgs a{c.dy.untyped_data(), c.x.untyped_data(), c.mean, c.rsigma, c.gamma, c.dx.untyped_data(), c.workspace,
+            M, H, groups < M ? groups : M, B, c.na.rms, c.na.zero_centered_gamma, false};
+  return DispatchInput(c.x.element_type(),
+                       [&](auto tag) { return RunNormBwd<decltype(tag)>(stream, a, c.dgamma, c.dbeta); });
 }
 
 }  // namespace
 }  // namespace cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NormBwdCuda, cuda::NormBwd,
-                              BindNormBwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+TE_JAX_CUDA_ENTRY(NormBwd, cuda::NormBwd);
 
 }  // namespace te_jax

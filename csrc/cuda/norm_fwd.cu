@@ -218,20 +218,6 @@ __global__ void __launch_bounds__(kThreads) NormStatsGenericKernel(RowArgs ra) {
   BlockAmaxAtomic<kThreads>(m, scratch, ra.amax + b);
 }
 
-// (warp_per_row, vectors per thread) for a row of H elements (H % 8 == 0); 0: too wide.
-int RowConfig(int64_t h, bool* warp_per_row) {
-  const int64_t v = h / 8;
-  *warp_per_row = v <= 128;
-  if (v <= 32) return 1;
-  if (v <= 64) return 2;
-  if (v <= 128) return 4;
-  if (v <= 256) return 1;
-  if (v <= 512) return 2;
-  if (v <= 1024) return 4;
-  if (v <= 2048) return 8;
-  return 0;
-}
-
 template <typename T, int kMode>
 ffi::Error LaunchRow(cudaStream_t stream, int vec, const RowArgs& ra, const CastArgs& a) {
   const int64_t rows = ra.batch * ra.p.rows;
@@ -265,7 +251,7 @@ ffi::Error RunNormFwd(cudaStream_t stream, const ffi::AnyBuffer& x, const NormPa
   const T* xp = static_cast<const T*>(x.untyped_data());
   bool warp_per_row = false;
   const bool vec_ok = p.cols % 8 == 0 && Aligned16(xp) && fused::AllAligned16({p.gamma, p.beta, o.q, o.q_t});
-  const int vec = vec_ok ? RowConfig(p.cols, &warp_per_row) : 0;
+  const int vec = vec_ok ? fused::RowVectors(p.cols, &warp_per_row) : 0;
   RowArgs ra{xp, p, mean, rsigma, batch, warp_per_row, nullptr};
   CastArgs a = fused::CastArgsFor(sp, o, p.rows, p.cols, scale_in, key);
   if (o.amax) TE_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(o.amax, 0, nb, stream), "memset amax"));
@@ -298,34 +284,20 @@ ffi::Error RunNormFwd(cudaStream_t stream, const ffi::AnyBuffer& x, const NormPa
   return fused::LaunchPass(stream, prod, a, batch, mode);
 }
 
-ffi::Error NormFwd(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> gamma, ffi::Buffer<ffi::F32> beta,
-                   ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::U32> key, ffi::Result<ffi::AnyBuffer> q,
-                   ffi::Result<ffi::AnyBuffer> s, ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::AnyBuffer> s_t,
-                   ffi::Result<ffi::AnyBuffer> amax, ffi::Result<ffi::AnyBuffer> amax_t,
-                   ffi::Result<ffi::AnyBuffer> scale_out, ffi::Result<ffi::Buffer<ffi::F32>> mean,
-                   ffi::Result<ffi::Buffer<ffi::F32>> rsigma, ffi::Dictionary attrs) {
-  NormFwdArgs args;
-  TE_RETURN_IF_ERROR(CheckNormFwd(x, gamma, beta, scale, key, {*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out},
-                                  *mean, *rsigma, attrs, &args));
-  const NormAttrs& na = args.na;
-  const CastSpec& sp = args.sp;
-  const bool has_beta = args.has_beta;
-  const int64_t B = args.mb.batch, M = args.mb.rows, H = args.mb.cols;
+ffi::Error NormFwd(cudaStream_t stream, const NormFwdCall& c) {
+  const int64_t B = c.mb.batch, M = c.mb.rows, H = c.mb.cols;
   if (B * M == 0 || H == 0) return ffi::Error::Success();
-  NormParams p{gamma.typed_data(), has_beta ? beta.typed_data() : nullptr, M, H, na.rms, na.zero_centered_gamma,
-               na.epsilon};
-  const CastBuffers bufs = fused::BuffersOf(*q, *s, *q_t, *s_t, *amax, *amax_t, *scale_out);
-  float* mean_p = na.rms ? nullptr : mean->typed_data();
-  return DispatchInput(x.element_type(), [&](auto tag) {
-    return RunNormFwd<decltype(tag)>(stream, x, p, mean_p, rsigma->typed_data(), B, sp, bufs, scale.typed_data(),
-                                     key.typed_data());
+  NormParams p{c.gamma, c.beta, M, H, c.na.rms, c.na.zero_centered_gamma, c.na.epsilon};
+  const FusedCastOut& o = c.out;
+  const CastBuffers bufs = fused::BuffersOf(o.q, o.s, o.q_t, o.s_t, o.amax, o.amax_t, o.scale);
+  return DispatchInput(c.x.element_type(), [&](auto tag) {
+    return RunNormFwd<decltype(tag)>(stream, c.x, p, c.mean, c.rsigma, B, c.sp, bufs, c.scale, c.key);
   });
 }
 
 }  // namespace
 }  // namespace cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(NormFwdCuda, cuda::NormFwd,
-                              BindNormFwd(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+TE_JAX_CUDA_ENTRY(NormFwd, cuda::NormFwd);
 
 }  // namespace te_jax

@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(32 * kRhtAmaxWarps) RhtAmaxTileKernel(const T*
 #pragma unroll
       for (int i = 0; i < 16; ++i) v[i] = ElemOf<T>(raw[i], j);
       if constexpr (!std::is_same_v<T, Bf16>) m = max(m, AbsMax16(v));
-      nvfp4::Rht16Butterfly(v);
+      Rht16Butterfly(v);
       mt = max(mt, AbsMax16(v));
     }
     mt = AbsBits(BitsFloat(mt) * 0.25f);
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(256) RhtAmaxKernel(const T* x, int64_t rows, i
       v[i] = ToF(p[i * cols]);
       m = max(m, AbsBits(v[i]));
     }
-    nvfp4::Rht16Fast(v);
+    Rht16(v);
 #pragma unroll
     for (int i = 0; i < 16; ++i) mt = max(mt, AbsBits(v[i]));
   }

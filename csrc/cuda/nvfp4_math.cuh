@@ -1,6 +1,6 @@
 // Per-element NVFP4 math for the CUDA kernels, restructured for fewer
 // instructions but bit-identical to the spec in ../common/numerics.h
-// (FloatToE2M1, FloatToE2M1Stochastic, RandomBits, Rht16). Everything is
+// (FloatToE2M1, FloatToE2M1Stochastic, RandomBits). Everything is
 // __host__ __device__ so that tests/host test programs can check it against
 // numerics.h; the device build uses the directed-rounding intrinsics.
 //
@@ -229,39 +229,6 @@ TE_UNROLL
   }
   constexpr uint32_t kOnes = kN == 8 ? 0x11111111u : (kN == 4 ? 0x1111u : 0x11u);
   return acc - (kSR ? kSrBias : kRneBias) * kOnes;
-}
-
-// ---- random Hadamard transform -------------------------------------------------------
-
-// numerics.h Rht16 without the 1/4 (the same float additions, in the same
-// pairs; the pairs within a stage are disjoint, so their order is free). The
-// loops have constant trip counts and unroll completely, so v stays in
-// registers (numerics.h's h <<= 1 loop does not, and spills v to the stack).
-TE_HD void Rht16Butterfly(float (&v)[16]) {
-TE_UNROLL
-  for (int i = 0; i < 16; ++i) {
-    if ((kRhtSignMask >> i) & 1u) v[i] = -v[i];
-  }
-TE_UNROLL
-  for (int st = 0; st < 4; ++st) {
-    const int h = 1 << st;
-TE_UNROLL
-    for (int j = 0; j < 16; ++j) {
-      if ((j & h) == 0) {
-        const float a = v[j];
-        const float b = v[j + h];
-        v[j] = a + b;
-        v[j + h] = a - b;
-      }
-    }
-  }
-}
-
-// numerics.h Rht16, bit for bit.
-TE_HD void Rht16Fast(float (&v)[16]) {
-  Rht16Butterfly(v);
-TE_UNROLL
-  for (int i = 0; i < 16; ++i) v[i] *= 0.25f;
 }
 
 // ---- nibble transpose ----------------------------------------------------------------

@@ -22,7 +22,7 @@ template <bool kMx>
 struct TileCfg {
   static constexpr int kTM = kMx ? 64 : 128;
   static constexpr int kTN = kMx ? 64 : 128;
-  static constexpr int kBlk = kMx ? 32 : 128;
+  static constexpr int kBlk = static_cast<int>(kMx ? kMxfp8Block : kFp8Block);
   static constexpr int kThreads = kMx ? 128 : 512;
 };
 
@@ -215,15 +215,10 @@ ffi::Error LaunchBlock1d(cudaStream_t stream, const MatrixBatch& mb, BlockArgs a
 ffi::Error QuantizeMxfp8(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
                          ffi::Result<ffi::Buffer<ffi::U8>> s, ffi::Result<ffi::AnyBuffer> q_t,
                          ffi::Result<ffi::Buffer<ffi::U8>> s_t, bool rowwise, bool colwise) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  Fp8Format fmt;
-  TE_RETURN_IF_ERROR(CheckFp8TensorOutputs(mb, *q, *q_t, rowwise, colwise, &fmt));
-  TE_RETURN_IF_ERROR(CheckBlockOutputs(mb, kMxfp8Block, rowwise, colwise, false));
-  TE_RETURN_IF_ERROR(CheckOutput(*s, "s", rowwise, mb.batch, mb.rows, mb.cols / kMxfp8Block));
-  TE_RETURN_IF_ERROR(CheckOutput(*s_t, "s_t", colwise, mb.batch, mb.cols, mb.rows / kMxfp8Block));
+  auto cast = CheckQuantizeFp8Blocks(x, *q, *s, *q_t, *s_t, rowwise, colwise, kMxfp8Block, 1);
+  if (cast.has_error()) return cast.error();
+  const MatrixBatch mb = cast.value().mb;
+  const Fp8Format fmt = cast.value().fmt;
   if (!rowwise && !colwise) return ffi::Error::Success();
   BlockArgs a{};
   a.x = x.untyped_data();
@@ -244,16 +239,10 @@ ffi::Error QuantizeFp8Block(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
                             ffi::Result<ffi::Buffer<ffi::F32>> s, ffi::Result<ffi::AnyBuffer> q_t,
                             ffi::Result<ffi::Buffer<ffi::F32>> s_t, bool rowwise, bool colwise, bool block_2d,
                             bool power_2) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  Fp8Format fmt;
-  TE_RETURN_IF_ERROR(CheckFp8TensorOutputs(mb, *q, *q_t, rowwise, colwise, &fmt));
-  TE_RETURN_IF_ERROR(CheckBlockOutputs(mb, kFp8Block, rowwise, colwise, block_2d));
-  const int64_t brows = block_2d ? kFp8Block : 1;
-  TE_RETURN_IF_ERROR(CheckOutput(*s, "s", rowwise, mb.batch, mb.rows / brows, mb.cols / kFp8Block));
-  TE_RETURN_IF_ERROR(CheckOutput(*s_t, "s_t", colwise, mb.batch, mb.cols / brows, mb.rows / kFp8Block));
+  auto cast = CheckQuantizeFp8Blocks(x, *q, *s, *q_t, *s_t, rowwise, colwise, kFp8Block, block_2d ? kFp8Block : 1);
+  if (cast.has_error()) return cast.error();
+  const MatrixBatch mb = cast.value().mb;
+  const Fp8Format fmt = cast.value().fmt;
   if (!rowwise && !colwise) return ffi::Error::Success();
   const bool e5 = fmt.mant_bits == 2;
   // The cast-transpose kernel: 128x128 blocks, and 1x128 blocks when both sides are multiples of 128.
@@ -295,10 +284,7 @@ ffi::Error QuantizeFp8Block(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<f
 }  // namespace
 }  // namespace cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeMxfp8Cuda, cuda::QuantizeMxfp8,
-                              BindQuantizeMxfp8(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8BlockCuda, cuda::QuantizeFp8Block,
-                              BindQuantizeFp8Block(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+TE_JAX_CUDA_HANDLER(QuantizeMxfp8, cuda::QuantizeMxfp8);
+TE_JAX_CUDA_HANDLER(QuantizeFp8Block, cuda::QuantizeFp8Block);
 
 }  // namespace te_jax

@@ -46,11 +46,7 @@ __global__ void __launch_bounds__(kCastThreads) Fp8CastKernel(CastArgs a) {
   uint32_t m = 0;
   if constexpr (kVec == 8) {
     Raw8<T> raw[kCastUnroll];
-#pragma unroll
-    for (int u = 0; u < kCastUnroll; ++u) {
-      const int64_t idx = base + (int64_t{u} * kCastThreads + threadIdx.x) * 8;
-      raw[u] = idx < size ? LoadRaw8(x + idx) : ZeroRaw8<T>();
-    }
+    LoadChunk8<kCastThreads>(x, base, size, raw);
 #pragma unroll
     for (int u = 0; u < kCastUnroll; ++u) {
       const int64_t idx = base + (int64_t{u} * kCastThreads + threadIdx.x) * 8;
@@ -123,13 +119,10 @@ ffi::Error QuantizeFp8Tensor(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<
                              ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> q_t,
                              ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                              bool rowwise, bool colwise) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  Fp8Format fmt;
-  TE_RETURN_IF_ERROR(CheckFp8TensorOutputs(mb, *q, *q_t, rowwise, colwise, &fmt));
-  if (static_cast<int64_t>(scale.element_count()) != mb.batch) return InvalidArgument("scale must hold one value per matrix");
+  auto cast = CheckQuantizeFp8Tensor(x, scale, *q, *q_t, rowwise, colwise);
+  if (cast.has_error()) return cast.error();
+  const MatrixBatch mb = cast.value().mb;
+  const Fp8Format fmt = cast.value().fmt;
   if (mb.batch == 0) return ffi::Error::Success();
   TE_RETURN_IF_ERROR(CudaError(cudaMemsetAsync(amax->typed_data(), 0, sizeof(float) * mb.batch, stream), "memset amax"));
   CastArgs a{};
@@ -148,12 +141,10 @@ ffi::Error QuantizeFp8Current(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result
                               ffi::Result<ffi::AnyBuffer> q_t, ffi::Result<ffi::Buffer<ffi::F32>> amax,
                               ffi::Result<ffi::Buffer<ffi::F32>> scale, ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                               bool rowwise, bool colwise, bool power_2, float epsilon) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
-  if (mb_or.has_error()) return mb_or.error();
-  const MatrixBatch mb = mb_or.value();
-  Fp8Format fmt;
-  TE_RETURN_IF_ERROR(CheckFp8TensorOutputs(mb, *q, *q_t, rowwise, colwise, &fmt));
+  auto cast = CheckFp8Cast(x, *q, *q_t, rowwise, colwise);
+  if (cast.has_error()) return cast.error();
+  const MatrixBatch mb = cast.value().mb;
+  const Fp8Format fmt = cast.value().fmt;
   if (mb.batch == 0) return ffi::Error::Success();
   TE_RETURN_IF_ERROR(DispatchInput(x.element_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -176,10 +167,7 @@ ffi::Error QuantizeFp8Current(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result
 }  // namespace
 }  // namespace cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8TensorCuda, cuda::QuantizeFp8Tensor,
-                              BindQuantizeFp8Tensor(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeFp8CurrentCuda, cuda::QuantizeFp8Current,
-                              BindQuantizeFp8Current(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+TE_JAX_CUDA_HANDLER(QuantizeFp8Tensor, cuda::QuantizeFp8Tensor);
+TE_JAX_CUDA_HANDLER(QuantizeFp8Current, cuda::QuantizeFp8Current);
 
 }  // namespace te_jax

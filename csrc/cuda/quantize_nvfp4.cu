@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kQThreads, 4) Nvfp4TileKernel(Nvfp4Args a) {
         float v[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) v[i] = ElemOf<T>(raw[i], j);
-        if constexpr (kRht) nvfp4::Rht16Fast(v);
+        if constexpr (kRht) Rht16(v);
         uint32_t m;
         if constexpr (k2D) {
           m = m2d;
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(256)
   float v[16];
 #pragma unroll
   for (int k = 0; k < 16; ++k) v[k] = ToF(x[b * size + i * rs + (j0 + k) * cs]);
-  if constexpr (kRht) nvfp4::Rht16Fast(v);
+  if constexpr (kRht) Rht16(v);
   uint32_t m = 0;
 #pragma unroll
   for (int k = 0; k < 16; ++k) m = max(m, AbsBits(v[k]));
@@ -412,20 +412,9 @@ ffi::Error QuantizeNvfp4(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
                          ffi::Result<ffi::Buffer<ffi::U8>> q_t, ffi::Result<ffi::AnyBuffer> s_t,
                          ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::F32>> amax_t,
                          bool rowwise, bool colwise, bool block_2d, bool rht, bool stochastic_rounding) {
-  TE_RETURN_IF_ERROR(CheckHighPrecision(x, "x"));
-  auto mb_or = MatrixBatchOf(x, "x");
+  auto mb_or = CheckQuantizeNvfp4(x, key, *q, *s, *q_t, *s_t, rowwise, colwise, block_2d, rht);
   if (mb_or.has_error()) return mb_or.error();
   const MatrixBatch mb = mb_or.value();
-  if (rht && block_2d) return InvalidArgument("the random Hadamard transform applies to 1D (1x16) blocks only");
-  if (s->element_type() != ffi::DataType::F8E4M3FN || s_t->element_type() != ffi::DataType::F8E4M3FN) {
-    return InvalidArgument("NVFP4 block scales must be float8_e4m3fn");
-  }
-  TE_RETURN_IF_ERROR(CheckBlockOutputs(mb, kNvfp4Block, rowwise, colwise || rht, block_2d));
-  TE_RETURN_IF_ERROR(CheckOutput(*q, "q", rowwise, mb.batch, mb.rows, mb.cols / 2));
-  TE_RETURN_IF_ERROR(CheckOutput(*s, "s", rowwise, mb.batch, mb.rows, mb.cols / kNvfp4Block));
-  TE_RETURN_IF_ERROR(CheckOutput(*q_t, "q_t", colwise, mb.batch, mb.cols, mb.rows / 2));
-  TE_RETURN_IF_ERROR(CheckOutput(*s_t, "s_t", colwise, mb.batch, mb.cols, mb.rows / kNvfp4Block));
-  if (static_cast<int64_t>(key.element_count()) != 2 * mb.batch) return InvalidArgument("key must be uint32[..., 2]");
   if (mb.batch == 0) return ffi::Error::Success();
   Nvfp4Args a{};
   a.x = x.untyped_data();
@@ -457,7 +446,6 @@ ffi::Error QuantizeNvfp4(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
 }  // namespace
 }  // namespace cuda
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeNvfp4Cuda, cuda::QuantizeNvfp4,
-                              BindQuantizeNvfp4(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()));
+TE_JAX_CUDA_HANDLER(QuantizeNvfp4, cuda::QuantizeNvfp4);
 
 }  // namespace te_jax

@@ -109,7 +109,7 @@ class GemmQuant:
         t = self.quantize(field, y, flatten_axis=flatten_axis)
         return t.dequantize(y.dtype) if isinstance(t, ScaledTensor) else t
 
-    def gemm(self, a, b, dims, *, out_dtype, bias=None, fast_accum: bool):
+    def gemm(self, a, b, dims, *, out_dtype, bias=None, fast_accum: bool | None):
         """``te_jax.ops.gemm.gemm`` for this GEMM: every GEMM of the functional ops runs through here.
 
         The primitive takes its sharding plan's mesh axes from
@@ -117,7 +117,7 @@ class GemmQuant:
         given none), the same in the forward and the backward.
         """
         return gemm_ops.gemm(a, b, dims, out_dtype=out_dtype, bias=bias, fast_accum=fast_accum,
-                             mesh_resource=self.mesh_resource)
+                             autotune=self.q.autotune, mesh_resource=self.mesh_resource)
 
     def new_state(self) -> dict[str, Any]:
         """The forward-updated state of every stateful role."""

@@ -29,9 +29,13 @@ class DenseQuantizers:
         roles "linear_input", "linear_weight", "linear_output",
         "linear_grad_output", "linear_grad_input".
       fast_accum: the forward GEMM's FP8 fast accumulation (the recipe's
-        ``fast_accumulation``).
+        ``fast_accumulation``); None: the GEMM mode's default (True for
+        per-tensor FP8; the block modes have none).
       backward_fast_accum: the same for the two backward GEMMs (the recipe's
         ``backward_fast_accumulation``; default: split accumulation).
+      autotune: the GEMMs time cuBLASLt's candidates on first use and keep
+        the fastest (the recipe's ``gemm_autotune``; default off, so results
+        are the same bits in every run).
     """
 
     input: Any = None
@@ -39,8 +43,9 @@ class DenseQuantizers:
     output: Any = None
     grad_output: Any = None
     grad_input: Any = None
-    fast_accum: bool = True
+    fast_accum: bool | None = None
     backward_fast_accum: bool = False
+    autotune: bool = False
 
     @classmethod
     def from_recipe(cls, recipe: Recipe | None, path: tuple[str, ...] | str = ()) -> DenseQuantizers:
@@ -49,7 +54,7 @@ class DenseQuantizers:
             return cls()
         return cls(**{f: recipe.quantizer(Role(r, path)) for f, r in ROLE_OF.items()},
                    fast_accum=recipe.fast_accumulation,
-                   backward_fast_accum=recipe.backward_fast_accumulation)
+                   backward_fast_accum=recipe.backward_fast_accumulation, autotune=recipe.gemm_autotune)
 
     @classmethod
     def from_mapping(cls, quantizers: Mapping[str, Any]) -> DenseQuantizers:

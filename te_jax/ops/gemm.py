@@ -92,9 +92,15 @@ def _out_dtype(out_dtype) -> jnp.dtype:
     return jnp.dtype(out_dtype)
 
 
-def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, fast_accum: bool, backend, mesh_resource):
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"te_jax: GEMM {name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, autotune: bool, backend, mesh_resource):
     """Checks out_dtype and bias, then runs the custom call or its reference twin."""
-    out_dtype = _out_dtype(out_dtype)
+    out_dtype, autotune = _out_dtype(out_dtype), _flag("autotune", autotune)
     a, b = args[lay.roles.index("a")], args[lay.roles.index("b")]
     if bias is not None:
         bias = jnp.asarray(bias)
@@ -107,13 +113,13 @@ def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, fast_accum: bool
         out = jnp.matmul(da, jnp.swapaxes(db, -1, -2), precision=lax.Precision.HIGHEST,
                          preferred_element_type=jnp.float32)
         return (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
-    lay = dataclasses.replace(lay, attrs=(*lay.attrs, ("fast_accum", bool(fast_accum))), out_dtype=out_dtype,
+    lay = dataclasses.replace(lay, attrs=(*lay.attrs, ("autotune", autotune)), out_dtype=out_dtype,
                               has_bias=bias is not None, n_lead=a.ndim - 2, b_batched=b.ndim > 2)
     return call(lay, *args, *(() if bias is None else (bias,)), mesh_resource=mesh_resource)
 
 
-def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, backend=None,
-             mesh_resource: MeshResource | None = None):
+def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, autotune=False,
+             backend=None, mesh_resource: MeshResource | None = None):
     """Per-tensor FP8: ``out = cast((a * a_scale_inv) @ (b * b_scale_inv)^T + bias)``.
 
     Args:
@@ -121,6 +127,9 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat1
       a_scale_inv, b_scale_inv: float32 decode scales, ``[1]`` or one per matrix ``[..., 1]``.
       bias: ``[N]`` (out_dtype or float32) or None. out_dtype: float32, bfloat16 or float16.
       fast_accum: Hopper FP8 fast accumulation (ignored on CPU).
+      autotune: time cuBLASLt's candidate algorithms when this GEMM configuration is first run and keep the
+        fastest (ignored on CPU). Off: cuBLASLt's heuristic choice, the same algorithm (and result bits) in
+        every run.
       backend: "ffi" or "reference" (default: ``te_jax.backend``'s context).
       mesh_resource: under sharding, the tensor / sequence parallel axes: a
         weight split over them stays split along N, and sequence-parallel
@@ -130,16 +139,19 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat1
     (a_scale_inv, ra), (b_scale_inv, rb) = _tensor_scale(a_scale_inv, a, "a_scale_inv"), _tensor_scale(
         b_scale_inv, b, "b_scale_inv")
     deq = lambda: (ref.dequantize_fp8_tensor(a, a_scale_inv), ref.dequantize_fp8_tensor(b, b_scale_inv))  # noqa: E731
-    lay = Layout(modes.FP8_TENSOR.gemm_target, ("a", "b", ra, rb))
-    return _run(lay, (a, b, a_scale_inv, b_scale_inv), deq, bias, out_dtype, fast_accum, backend, mesh_resource)
+    lay = Layout(modes.FP8_TENSOR.gemm_target, ("a", "b", ra, rb),
+                 attrs=(("fast_accum", _flag("fast_accum", fast_accum)),))
+    return _run(lay, (a, b, a_scale_inv, b_scale_inv), deq, bias, out_dtype, autotune, backend, mesh_resource)
 
 
 def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=False, out_dtype=jnp.bfloat16,
-                   fast_accum=True, backend=None, mesh_resource: MeshResource | None = None):
+                   autotune=False, backend=None, mesh_resource: MeshResource | None = None):
     """Float8 block scaling: float32 1/scale per 1x128 block, or per 128x128 block when ``*_block_2d``.
 
     ``a_s`` is ``[..., M, K/128]`` (2D: ``[..., M/128, K/128]``), ``b_s``
-    likewise for B; 128x128 x 128x128 is refused. Other args as ``gemm_fp8``.
+    likewise for B; 128x128 x 128x128 is refused. Other args as ``gemm_fp8``;
+    there is no ``fast_accum``: the block-scaled kernels promote every
+    128-long K block into float32 sums.
     """
     block = modes.FP8_BLOCK.block_cols
     k = _check_operands(a, b, block=block, mode=modes.FP8_BLOCK.label)
@@ -153,27 +165,32 @@ def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=Fa
                    ref.dequantize_fp8_block(b, b_s, block_2d=b_block_2d))
     lay = Layout(modes.FP8_BLOCK.gemm_target, ("a", "a_s", "b", "b_s"), k_block=block, a_rows=ra, b_rows=rb,
                  attrs=(("a_block_2d", bool(a_block_2d)), ("b_block_2d", bool(b_block_2d))))
-    return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend, mesh_resource)
+    return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, autotune, backend, mesh_resource)
 
 
-def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, backend=None,
+def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, autotune=False, backend=None,
                mesh_resource: MeshResource | None = None):
-    """MXFP8: uint8 E8M0 scales ``a_s [..., M, K/32]``, ``b_s [..., N, K/32]``. Other args as ``gemm_fp8``."""
+    """MXFP8: uint8 E8M0 scales ``a_s [..., M, K/32]``, ``b_s [..., N, K/32]``.
+
+    Other args as ``gemm_fp8``; there is no ``fast_accum``: the sums are
+    float32 (block-scaled MMA on sm_100, a bfloat16 GEMM on sm_90).
+    """
     mode = modes.MXFP8
     k = _check_operands(a, b, block=mode.block_cols, mode=mode.label)
     a_s = _block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
     b_s = _block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
     deq = lambda: (ref.dequantize_mxfp8(a, a_s), ref.dequantize_mxfp8(b, b_s))  # noqa: E731
     lay = Layout(mode.gemm_target, ("a", "a_s", "b", "b_s"), k_block=mode.block_cols)
-    return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, fast_accum, backend, mesh_resource)
+    return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, autotune, backend, mesh_resource)
 
 
-def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True,
+def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloat16, autotune=False,
                backend=None, mesh_resource: MeshResource | None = None):
     """NVFP4: packed E2M1 ``a [..., M, K/2]`` (uint8), E4M3 scales ``a_s [..., M, K/16]``, amax ``[1]`` or ``[..., 1]``.
 
     Each operand decodes as ``e2m1 * s_b * S_dec`` with ``S_dec = 1 /
-    nvfp4_global_encode_scale(amax)``. Other args as ``gemm_fp8``.
+    nvfp4_global_encode_scale(amax)``. Other args as ``gemm_fp8``; there is no
+    ``fast_accum`` (float32 sums, as ``gemm_mxfp8``).
     """
     mode = modes.NVFP4
     k = _check_operands(a, b, block=mode.block_cols, mode=mode.label)
@@ -182,7 +199,7 @@ def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloa
     (a_amax, ra), (b_amax, rb) = _tensor_scale(a_amax, a, "a_amax"), _tensor_scale(b_amax, b, "b_amax")
     deq = lambda: (ref.dequantize_nvfp4(a, a_s, a_amax), ref.dequantize_nvfp4(b, b_s, b_amax))  # noqa: E731
     lay = Layout(mode.gemm_target, ("a", "a_s", ra, "b", "b_s", rb), pack=mode.pack, k_block=mode.block_cols)
-    return _run(lay, (a, a_s, a_amax, b, b_s, b_amax), deq, bias, out_dtype, fast_accum, backend, mesh_resource)
+    return _run(lay, (a, a_s, a_amax, b, b_s, b_amax), deq, bias, out_dtype, autotune, backend, mesh_resource)
 
 
 # ---- dot_general on ScaledTensors ------------------------------------------------------
@@ -240,7 +257,7 @@ def _pick(t: ScaledTensor, contract: tuple[int, ...], batch: tuple[int, ...], si
     return _Operand(data, scale, amax, tuple(t.shape[i] for i in free), colwise)
 
 
-def _gemm_scaled(lhs: ScaledTensor, rhs: ScaledTensor, lc, rc, lb, rb, bias, **kw) -> jax.Array:
+def _gemm_scaled(lhs: ScaledTensor, rhs: ScaledTensor, lc, rc, lb, rb, bias, fast_accum, **kw) -> jax.Array:
     if lhs.mode is not rhs.mode:
         raise ValueError(f"te_jax: both GEMM operands must use one scaling mode, got {lhs.mode.name} x "
                          f"{rhs.mode.name}; quantize them with the same recipe")
@@ -249,8 +266,14 @@ def _gemm_scaled(lhs: ScaledTensor, rhs: ScaledTensor, lc, rc, lb, rb, bias, **k
                          f"both sides and batch dims {lb}, {rb} in ascending order; reorder them")
     a, b = _pick(lhs, lc, lb, "lhs"), _pick(rhs, rc, rb, "rhs")
     mode = lhs.mode
+    if fast_accum is None:
+        fast_accum = mode is ScalingMode.FP8_TENSOR
     if mode is ScalingMode.FP8_TENSOR:
-        out = gemm_fp8(a.data, b.data, a.scale, b.scale, bias, **kw)
+        out = gemm_fp8(a.data, b.data, a.scale, b.scale, bias, fast_accum=_flag("fast_accum", fast_accum), **kw)
+    elif _flag("fast_accum", fast_accum):
+        raise ValueError(f"te_jax: fast_accum=True does not apply to {mode.name} GEMMs: they always accumulate in "
+                         "float32 (block-scaled kernels promote every block; MXFP8 and NVFP4 run as block-scaled MMA "
+                         "on sm_100 and as a bfloat16 GEMM on sm_90); pass fast_accum=None or False")
     elif mode is ScalingMode.FP8_BLOCK:
         out = gemm_fp8_block(a.data, a.scale, b.data, b.scale, bias, a_block_2d=lhs.block_2d,
                              b_block_2d=rhs.block_2d, **kw)
@@ -267,7 +290,8 @@ def _gemm_scaled(lhs: ScaledTensor, rhs: ScaledTensor, lc, rc, lb, rb, bias, **k
 
 
 def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_dtype=jnp.bfloat16, bias=None,
-         fast_accum=True, backend=None, mesh_resource: MeshResource | None = None) -> jax.Array:
+         fast_accum: bool | None = None, autotune: bool = False, backend=None,
+         mesh_resource: MeshResource | None = None) -> jax.Array:
     """``lax.dot_general`` of quantized operands through the GEMM custom calls.
 
     Each ScaledTensor contributes the copy whose rows run along the
@@ -288,7 +312,11 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_d
       batch_dims: ``((lhs axes), (rhs axes))``.
       out_dtype: float32, bfloat16 or float16.
       bias: ``[N]`` or the shape of rhs's free axes, added in float32, or None.
-      fast_accum: Hopper FP8 fast accumulation (ignored on CPU).
+      fast_accum: Hopper FP8 fast accumulation of a per-tensor FP8 GEMM (ignored on CPU). None: the mode's
+        default, True for per-tensor FP8 and False for the block modes, which always accumulate in float32 and
+        raise ValueError on True.
+      autotune: time cuBLASLt's candidate algorithms when a GEMM configuration first runs and keep the fastest
+        (ignored on CPU). Off by default: cuBLASLt's heuristic choice, the same result bits in every run.
       backend: "ffi" or "reference" (default: ``te_jax.backend``'s context).
       mesh_resource: the tensor / sequence parallel axes for a sharded GEMM
         (see ``gemm_fp8``); the functional layers pass their autocast's.
@@ -309,9 +337,12 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_d
         if bias.shape not in ((math.prod(rhs_free),), rhs_free):
             raise ValueError(f"te_jax: bias must be [N] = [{math.prod(rhs_free)}] or {rhs_free}, got {bias.shape}")
         bias = bias.reshape(-1)
-    kw = dict(out_dtype=out_dtype, fast_accum=fast_accum, backend=backend, mesh_resource=mesh_resource)
+    if fast_accum is not None:
+        _flag("fast_accum", fast_accum)
+    _flag("autotune", autotune)
     if lq and rq:
-        return _gemm_scaled(lhs, rhs, lc, rc, lb, rb, bias, **kw)
+        return _gemm_scaled(lhs, rhs, lc, rc, lb, rb, bias, fast_accum, out_dtype=out_dtype, autotune=autotune,
+                            backend=backend, mesh_resource=mesh_resource)
     out_dtype = _out_dtype(out_dtype)
     lhs = lhs.dequantize(jnp.float32, backend=backend) if lq else lhs
     rhs = rhs.dequantize(jnp.float32, backend=backend) if rq else rhs
