@@ -332,8 +332,7 @@ def test_inspection_off_traces_nothing_and_leaves_the_program_unchanged(monkeypa
     def boom(*args, **kwargs):
         raise AssertionError("statistics traced with inspection off")
 
-    for module in ("te_jax.dense", "te_jax.layernorm_dense"):
-        monkeypatch.setattr(sys.modules[module], "tensor_stats", boom)
+    monkeypatch.setattr(sys.modules["te_jax._core.gemm_quant"], "tensor_stats", boom)  # every op's statistics
     assert _jaxpr(recipe, x, variables, inspect=False) == default
     with pytest.raises(AssertionError, match="traced with inspection off"):
         with te_jax.autocast(recipe=recipe, inspect=True):
@@ -445,7 +444,7 @@ def test_layers_recompute_only_the_sampled_rows_with_the_same_statistics(recipe,
     """In the layers (fused norm, activation and its gradient), recomputing only the sampled rows gives
     the statistics of recomputing the whole tensor and then sampling it (to float32 rounding: XLA may
     sum a norm's row in another order for another shape)."""
-    LD = importlib.import_module("te_jax.layernorm_dense")  # the package's layernorm_dense is the function
+    LD = importlib.import_module("te_jax._core.gemm_quant")  # where every functional op computes statistics
     x = jax.random.normal(jax.random.key(0), (96, 64))
     _, rows_only = _train_grads(Block(), recipe, x, inspect=I.Sample(every=3))
     whole_stats = LD.tensor_stats
