@@ -103,7 +103,9 @@ def run_case(mesh_name: str, case: str, k: int, capacity: int | None) -> dict:
         out["dropped_expected"] = int((~keep).sum())
         y_want = jax.jit(lambda *a: moe.apply_experts(*a, num_experts=E), static_argnums=3)(
             x, r.expert_ids, r.gates * keep, grouped_ffn(w_in, w_out))
-        out["y_equal"] = bool(np.array_equal(y, y_want))
+        # A different program (the gates masked before the FFN): equal up to float32 rounding, which XLA:CPU's
+        # fusion choices (they differ between processors) may place differently.
+        out["y_rel_diff"] = float(jnp.max(jnp.abs(y - y_want)) / jnp.maximum(jnp.max(jnp.abs(y_want)), 1e-30))
     out["y_max_diff"] = float(jnp.max(jnp.abs(y - y_one)))
     out["aux_loss_diff"] = float(abs(aux_loss - aux_one))
     out["counts_equal"] = bool(np.array_equal(counts, counts_one))

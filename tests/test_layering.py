@@ -13,6 +13,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -97,8 +98,12 @@ def test_ffi_loader_imports_no_package_module():
 
 
 def _fresh(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                         env={"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, check=False)
+    """Runs ``code`` in a new interpreter that imports the same te_jax as this one (a source tree or an install)."""
+    import te_jax  # noqa: PLC0415
+
+    site = pathlib.Path(te_jax.__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tempfile.gettempdir(),
+                         env={"PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}, check=False)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
