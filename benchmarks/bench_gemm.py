@@ -27,31 +27,26 @@ shapes (batched operands, bias, every output dtype) against a float64 product
 of the dequantized operands and reports the worst error relative to the
 float32-accumulation tolerance.
 
-Autotuning: te_jax's CUDA handlers time up to 16 cuBLASLt heuristic
-algorithms when a configuration is first used (the warm-up calls pay for it)
-and keep the fastest; ``--autotune off`` sets ``TE_JAX_GEMM_AUTOTUNE=0`` (the
-heuristic's first algorithm), ``verbose`` logs each decision to stderr.
-``--compare-heuristic`` re-times the per-tensor te_jax rows in a subprocess
-with autotuning off and adds them as "... [heuristic #0]" rows, so both
-appear in one table from one machine (timed after the others, not in turns
-with them). ``--xla-heuristic`` adds XLA's FP8
+Autotuning: with ``--autotune on`` (the default here) te_jax's GEMMs are
+called with ``autotune=True``: the CUDA handlers time up to 16 cuBLASLt
+heuristic algorithms when a configuration is first used (the warm-up calls pay
+for it) and keep the fastest; ``--autotune off`` calls them as the recipes do
+by default (``autotune=False``: the heuristic's first algorithm).
+``--compare-heuristic`` adds the per-tensor te_jax rows with the other setting
+as "... [heuristic #0]" rows, timed in turns with the rest. ``--xla-heuristic`` adds XLA's FP8
 GEMM compiled with XLA's autotuning off; the algorithm index XLA's autotuner
 chose is printed from the compiled HLO.
 
 Usage: python benchmarks/bench_gemm.py [--out r.json] [--md r.md] [--no-check]
-       [--autotune on|off|verbose] [--compare-heuristic] [--only REGEX]
+       [--autotune on|off] [--compare-heuristic] [--only REGEX]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import traceback
 
 import jax
@@ -258,11 +253,17 @@ def bench_shape(m, n, k, key, args) -> list[dict]:
             except Exception as err:  # noqa: BLE001
                 error("fp8 XLA (direct, autotune off)", err, "compile: ")
 
-    for mode, label, extra in [("fp8", "te fp8 fast_accum", dict(fast_accum=True)),
-                               ("fp8", "te fp8 split_accum", dict(fast_accum=False)),
-                               ("fp8_block", "te fp8_block 1x128 x 128x128", {}),
-                               ("mxfp8", "te mxfp8", {}),
-                               ("nvfp4", "te nvfp4", {})]:
+    autotune = args.autotune == "on"
+    variants = [("fp8", "te fp8 fast_accum", dict(fast_accum=True)),
+                ("fp8", "te fp8 split_accum", dict(fast_accum=False)),
+                ("fp8_block", "te fp8_block 1x128 x 128x128", {}),
+                ("mxfp8", "te mxfp8", {}),
+                ("nvfp4", "te nvfp4", {})]
+    variants = [(mode, label, {**extra, "autotune": autotune}) for mode, label, extra in variants]
+    if args.compare_heuristic and autotune:
+        variants += [(mode, f"{label} [heuristic #0]", {**extra, "autotune": False})
+                     for mode, label, extra in variants[:2]]
+    for mode, label, extra in variants:
         if not wanted(label):
             continue
         try:
@@ -322,27 +323,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _with_heuristic_rows(rows: list[dict], shapes, args) -> list[dict]:
-    """Re-times the te fp8 rows with TE_JAX_GEMM_AUTOTUNE=0 in a subprocess; inserts them after their shape's rows."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "heuristic.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--no-check", "--autotune", "off", "--only", "^te fp8 ",
-               "--out", out, "--warmup", str(args.warmup), "--iters", str(args.iters), "--trials", str(args.trials),
-               "--shapes", ";".join(",".join(map(str, s)) for s in shapes)]
-        print("heuristic #0 rows (autotuning off):", flush=True)
-        done = subprocess.run(cmd, check=False)
-        if done.returncode != 0 or not os.path.exists(out):
-            print(f"note: the heuristic-only subprocess failed (exit {done.returncode})")
-            return rows
-        with open(out) as f:
-            extra = json.load(f)["rows"]
-    merged = []
-    for shape in dict.fromkeys(tuple(r["shape"]) for r in rows):
-        merged += [r for r in rows if tuple(r["shape"]) == shape]
-        merged += [dict(r, name=f"{r['name']} [heuristic #0]") for r in extra if tuple(r["shape"]) == shape]
-    return merged
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the results as JSON here")
@@ -352,16 +332,15 @@ def main() -> int:
     p.add_argument("--trials", type=int, default=9)
     p.add_argument("--shapes", default="", help="M,N,K;M,N,K;... (default: the four standard shapes)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
-    p.add_argument("--autotune", choices=("on", "off", "verbose"), default="on",
-                   help="te_jax's cuBLASLt autotuning (TE_JAX_GEMM_AUTOTUNE), read when the first GEMM runs")
+    p.add_argument("--autotune", choices=("on", "off"), default="on",
+                   help="te_jax's GEMMs with autotune=True (time cuBLASLt's candidates on first use) or False")
     p.add_argument("--compare-heuristic", action="store_true",
-                   help="also time the te fp8 rows with autotuning off (in a subprocess)")
+                   help="with --autotune on, also time the te fp8 rows with autotuning off, in turns with the rest")
     p.add_argument("--xla-heuristic", action="store_true",
                    help="also time XLA's FP8 GEMM compiled with its autotuning off (xla_gpu_autotune_level=0)")
     p.add_argument("--only", default="", help="time only the GEMMs whose label matches this regex")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args()
-    os.environ["TE_JAX_GEMM_AUTOTUNE"] = {"on": "1", "off": "0", "verbose": "verbose"}[args.autotune]
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s] or SHAPES
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} (compute capability {getattr(dev, 'compute_capability', '?')}), "
@@ -372,8 +351,6 @@ def main() -> int:
     for i, (m, n, k) in enumerate(shapes):
         print(f"shape M={m} N={n} K={k}")
         rows += bench_shape(m, n, k, jax.random.fold_in(key, 100 + i), args)
-    if args.compare_heuristic:
-        rows = _with_heuristic_rows(rows, shapes, args)
     md = table(rows)
     n_fail = sum(not c["ok"] for c in checks)
     if checks:

@@ -107,7 +107,7 @@ def test_mxfp8_block_scales_by_hand():
 
 
 def _nvfp4_by_numpy(x: np.ndarray):
-    """NVFP4 1x16 round-to-nearest in numpy (ARCHITECTURE.md): (values, saturated count, log2 decode scales)."""
+    """NVFP4 1x16 round-to-nearest in numpy (docs/numerics.md): (values, saturated count, log2 decode scales)."""
     e4m3 = ml_dtypes.float8_e4m3fn
     grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], F32)
     s_enc = F32(448 * 6) / F32(np.max(np.abs(x)))

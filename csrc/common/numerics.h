@@ -2,7 +2,7 @@
 //
 // Every function here is the C++ twin of a function in
 // te_jax/quantize/numerics.py; together they are the bit-level spec of the
-// quantization formats (see ARCHITECTURE.md "Numerics"). Everything works on
+// quantization formats (see docs/numerics.md). Everything works on
 // float32 values and integer codes, so host and device give the same bits.
 #pragma once
 

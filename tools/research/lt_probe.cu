@@ -54,7 +54,7 @@
 #include <string>
 #include <vector>
 
-#include "../../csrc/cuda/lt_algo_config.h"
+#include "lt_algo_config.h"
 
 using te_jax::AlgoConfig;
 

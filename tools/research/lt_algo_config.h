@@ -1,5 +1,5 @@
 // "id=.. tile=.. stages=.. ..." of a cuBLASLt algorithm: its configuration
-// attributes, for the verbose autotuning log and tools/lt_probe.cu.
+// attributes, as lt_probe.cu prints it.
 #pragma once
 
 #include <cublasLt.h>
