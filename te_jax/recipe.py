@@ -270,13 +270,14 @@ class DelayedScaling(Recipe):
       amax_reduction: "max" (lax.pmax) or "mean" (lax.pmean).
     """
 
-    margin: int = 0
+    # The defaults are DelayedScalingQuantizer's, so the recipe and a quantizer built directly agree.
+    margin: int = DelayedScalingQuantizer.margin
     fp8_format: Format = Format.HYBRID
-    amax_history_len: int = 1024
-    amax_compute_algo: str | Callable = "max"
+    amax_history_len: int = DelayedScalingQuantizer.amax_history_len
+    amax_compute_algo: str | Callable = DelayedScalingQuantizer.amax_compute_algo
     scaling_factor_compute_algo: Callable | None = None
-    reduce_amax: bool = True
-    amax_reduction: str = "max"
+    reduce_amax: bool = DelayedScalingQuantizer.reduce_amax
+    amax_reduction: str = DelayedScalingQuantizer.amax_reduction
 
     def __post_init__(self):
         super().__post_init__()
