@@ -26,14 +26,14 @@ Usage: python benchmarks/bench_norm_act.py [--m 16384 --n 8192] [--out r.json] [
 from __future__ import annotations
 
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import te_jax  # noqa: F401
-from timing import bandwidth_main, selected, time_call, time_fn
+from timing import (bandwidth_main, result_markdown, result_row, selected, time_against_baseline, time_call,
+                    time_fn)
 from te_jax.ops import activation as aops
 from te_jax.ops import norm as nops
 from te_jax.ops.fused_cast import CastSpec
@@ -171,44 +171,21 @@ def run_bench(args) -> dict:
     print(f"device copy: {copy_ms:.4f} ms -> {copy_gbs:.0f} GB/s")
     rows = []
     for label, ours, base, nbytes in selected(cases(m, n), args.only):
-        entry = {"case": label, "bytes": nbytes}
-        for who, fn in (("ours", ours), ("base", base)):
-            try:
-                ms = 1e3 * time_call(jax.jit(fn), list(zip(xs, dys)), 3, args.iters, args.trials)
-                entry[who] = {"ms": ms, "gbs": nbytes / ms * 1e-6, "pct_copy": 100 * nbytes / ms * 1e-6 / copy_gbs}
-            except Exception as err:  # noqa: BLE001  (benchmark: report and continue)
-                entry[who] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-                traceback.print_exc(limit=2)
-        if "ms" in entry["ours"] and "ms" in entry["base"]:
-            entry["speedup"] = entry["base"]["ms"] / entry["ours"]["ms"]
+        entry = time_against_baseline(
+            label, nbytes, ours, base,
+            lambda fn: 1e3 * time_call(fn, list(zip(xs, dys)), 3, args.iters, args.trials), copy_gbs)
         rows.append(entry)
-        print(_row(entry), flush=True)
+        print(result_row(entry), flush=True)
     return {"shape": [m, n], "dtype": "bfloat16", "copy_ms": copy_ms, "copy_gbs": copy_gbs,
             "device": str(jax.devices()[0]), "rows": rows}
 
 
-def _fmt(d: dict) -> str:
-    if "error" in d:
-        return "error | - | -"
-    return f"{d['ms']:.4f} | {d['gbs']:.0f} | {d['pct_copy']:.0f}%"
-
-
-def _row(e: dict) -> str:
-    sp = f"{e['speedup']:.2f}x" if "speedup" in e else "-"
-    return f"| {e['case']} | {e['bytes'] / 1e6:.1f} | {_fmt(e['ours'])} | {_fmt(e['base'])} | {sp} |"
-
-
 def markdown(res: dict) -> str:
     m, n = res["shape"]
-    lines = [
-        f"Fused norm/activation, bf16 x [{m}, {n}], {res['device']}. Copy bandwidth (measured, read+write): "
-        f"{res['copy_gbs']:.0f} GB/s. Baseline: the same math in jnp, fused by XLA.",
-        "",
-        "| case | MB moved | te_jax ms | GB/s | % copy | XLA ms | GB/s | % copy | speed-up |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    lines += [_row(e) for e in res["rows"]]
-    return "\n".join(lines) + "\n"
+    title = (f"Fused norm/activation, bf16 x [{m}, {n}], {res['device']}. Copy bandwidth (measured, read+write): "
+             f"{res['copy_gbs']:.0f} GB/s. Baseline: the same math in jnp, fused by XLA.")
+    columns = ["case", "MB moved", "te_jax ms", "GB/s", "% copy", "XLA ms", "GB/s", "% copy", "speed-up"]
+    return result_markdown(title, columns, res["rows"])
 
 
 # ---- sanity check against XLA ---------------------------------------------------------------

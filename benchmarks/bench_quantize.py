@@ -27,14 +27,13 @@ Usage: python benchmarks/bench_quantize.py [--m 16384 --n 8192] [--out r.json] [
 from __future__ import annotations
 
 import sys
-import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import te_jax  # noqa: F401
-from timing import bandwidth_main, selected, time_fn
+from timing import bandwidth_main, result_markdown, result_row, selected, time_against_baseline, time_fn
 from te_jax.ops import quantize as qops
 from te_jax.quantize import reference as ref
 
@@ -125,46 +124,21 @@ def run_bench(args) -> dict:
 
     rows = []
     for group, ours, base, base_label, nbytes in selected(cases(m, n), args.only):
-        entry = {"case": group, "bytes": nbytes}
-        for who, fn in (("ours", ours), ("base", base)):
-            try:
-                ms = time_fn(jax.jit(fn), xs, args.iters, args.trials)
-                entry[who] = {"ms": ms, "gbs": nbytes / ms * 1e-6, "pct_copy": 100 * nbytes / ms * 1e-6 / copy_gbs}
-            except Exception as err:  # noqa: BLE001  (benchmark: report and continue)
-                entry[who] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-                traceback.print_exc(limit=2)
+        entry = time_against_baseline(group, nbytes, ours, base,
+                                      lambda fn: time_fn(fn, xs, args.iters, args.trials), copy_gbs)
         entry["base_label"] = base_label
-        if "ms" in entry["ours"] and "ms" in entry["base"]:
-            entry["speedup"] = entry["base"]["ms"] / entry["ours"]["ms"]
         rows.append(entry)
-        print(_row(entry), flush=True)
+        print(result_row(entry), flush=True)
     return {"shape": [m, n], "dtype": "bfloat16", "copy_ms": copy_ms, "scale_ms": scale_ms,
             "copy_gbs": copy_gbs, "device": str(jax.devices()[0]), "rows": rows}
 
 
-def _fmt(d: dict) -> str:
-    if "error" in d:
-        return "error | - | -"
-    return f"{d['ms']:.4f} | {d['gbs']:.0f} | {d['pct_copy']:.0f}%"
-
-
-def _row(e: dict) -> str:
-    sp = f"{e['speedup']:.2f}x" if "speedup" in e else "-"
-    return (f"| {e['case']} | {e['bytes'] / 1e6:.1f} | {_fmt(e['ours'])} | {e['base_label']} | {_fmt(e['base'])} "
-            f"| {sp} |")
-
-
 def markdown(res: dict) -> str:
     m, n = res["shape"]
-    lines = [
-        f"Quantize, bf16 x [{m}, {n}], {res['device']}. Copy bandwidth (measured, read+write): "
-        f"{res['copy_gbs']:.0f} GB/s.",
-        "",
-        "| case | MB moved | te_jax ms | GB/s | % copy | baseline | ms | GB/s | % copy | speed-up |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    lines += [_row(e) for e in res["rows"]]
-    return "\n".join(lines) + "\n"
+    title = (f"Quantize, bf16 x [{m}, {n}], {res['device']}. Copy bandwidth (measured, read+write): "
+             f"{res['copy_gbs']:.0f} GB/s.")
+    columns = ["case", "MB moved", "te_jax ms", "GB/s", "% copy", "baseline", "ms", "GB/s", "% copy", "speed-up"]
+    return result_markdown(title, columns, res["rows"])
 
 
 # ---- bitwise check against the reference -------------------------------------------------

@@ -7,6 +7,7 @@ import random
 import re
 import statistics
 import time
+import traceback
 from collections.abc import Callable, Sequence
 
 import jax
@@ -66,6 +67,46 @@ def time_interleaved(calls: dict[str, tuple[Callable, Sequence]], warmup: int, i
 def time_fn(fn, inputs, iters: int, trials: int, warmup: int = 3) -> float:
     """Median milliseconds per call of ``fn(x)`` over ``inputs`` (cycled)."""
     return 1e3 * time_call(fn, [(x,) for x in inputs], warmup, iters, trials)
+
+
+def time_against_baseline(label: str, nbytes: int, ours: Callable, base: Callable, time_ms: Callable,
+                          copy_gbs: float) -> dict:
+    """A result row: ``ours`` and the baseline ``base``, each jitted and timed by ``time_ms(fn)`` (milliseconds).
+
+    Each side gets ``ms``, ``gbs`` (``nbytes`` moved per call) and ``pct_copy`` (of ``copy_gbs``), or ``error``
+    when it failed (printed, and the benchmark goes on); ``speedup`` is base over ours where both ran.
+    """
+    entry = {"case": label, "bytes": nbytes}
+    for who, fn in (("ours", ours), ("base", base)):
+        try:
+            ms = time_ms(jax.jit(fn))
+            entry[who] = {"ms": ms, "gbs": nbytes / ms * 1e-6, "pct_copy": 100 * nbytes / ms * 1e-6 / copy_gbs}
+        except Exception as err:  # noqa: BLE001  (benchmark: report and continue)
+            entry[who] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            traceback.print_exc(limit=2)
+    if "ms" in entry["ours"] and "ms" in entry["base"]:
+        entry["speedup"] = entry["base"]["ms"] / entry["ours"]["ms"]
+    return entry
+
+
+def _timing_cells(timing: dict) -> str:
+    if "error" in timing:
+        return "error | - | -"
+    return f"{timing['ms']:.4f} | {timing['gbs']:.0f} | {timing['pct_copy']:.0f}%"
+
+
+def result_row(entry: dict) -> str:
+    """A ``time_against_baseline`` row as a markdown table row (with its ``base_label`` cell where it has one)."""
+    base = f"{entry['base_label']} | " if "base_label" in entry else ""
+    speedup = f"{entry['speedup']:.2f}x" if "speedup" in entry else "-"
+    return (f"| {entry['case']} | {entry['bytes'] / 1e6:.1f} | {_timing_cells(entry['ours'])} | {base}"
+            f"{_timing_cells(entry['base'])} | {speedup} |")
+
+
+def result_markdown(title: str, columns: Sequence[str], rows: Sequence[dict]) -> str:
+    """A benchmark's markdown: ``title``, a blank line, then a table of ``columns`` over the ``result_row`` s."""
+    header = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join([title, "", *header, *map(result_row, rows)]) + "\n"
 
 
 def bandwidth_parser(description: str, out_default: str) -> argparse.ArgumentParser:

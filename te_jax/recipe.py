@@ -40,6 +40,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from te_jax.quantize.delayed import DelayedScalingQuantizer
+from te_jax.quantize.delayed import check_config as check_delayed_config
 from te_jax.quantize.quantizers import (
     CurrentScalingQuantizer,
     Float8BlockQuantizer,
@@ -132,6 +133,14 @@ def _format(cls: str, value, allowed=_GEMM_FORMATS) -> Format:
         names = ", ".join(f"Format.{f.name}" for f in allowed)
         raise ValueError(f"te_jax: {cls}.fp8_format must be one of {names}, got {value!r}{hint}")
     return value
+
+
+def _operand_dtype(fp8_format: Format, role: str) -> Any:
+    """``fp8_format``'s dtype for a GEMM operand ``role``; None for the GEMM outputs, kept in high precision."""
+    role = as_role(role)
+    if role in (LINEAR_OUTPUT, LINEAR_GRAD_INPUT):
+        return None
+    return fp8_format.dtype(role)
 
 
 def _bool(cls: str, name: str, value) -> None:
@@ -261,35 +270,30 @@ class DelayedScaling(Recipe):
       amax_reduction: "max" (lax.pmax) or "mean" (lax.pmean).
     """
 
-    margin: int = 0
+    # The defaults are DelayedScalingQuantizer's, so the recipe and a quantizer built directly agree.
+    margin: int = DelayedScalingQuantizer.margin
     fp8_format: Format = Format.HYBRID
-    amax_history_len: int = 1024
-    amax_compute_algo: str | Callable = "max"
+    amax_history_len: int = DelayedScalingQuantizer.amax_history_len
+    amax_compute_algo: str | Callable = DelayedScalingQuantizer.amax_compute_algo
     scaling_factor_compute_algo: Callable | None = None
-    reduce_amax: bool = True
-    amax_reduction: str = "max"
+    reduce_amax: bool = DelayedScalingQuantizer.reduce_amax
+    amax_reduction: str = DelayedScalingQuantizer.amax_reduction
 
     def __post_init__(self):
         super().__post_init__()
         _set(self, "fp8_format", _format("DelayedScaling", self.fp8_format))
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"te_jax: DelayedScaling.margin must be an int >= 0, got {self.margin!r}")
-        h = self.amax_history_len
-        if isinstance(h, bool) or not isinstance(h, int) or h < 1:
-            raise ValueError(f"te_jax: DelayedScaling.amax_history_len must be an int >= 1, got {h!r}")
-        if not callable(self.amax_compute_algo):
-            _check_choice("DelayedScaling.amax_compute_algo", self.amax_compute_algo,
-                          ("max", "most_recent", "<callable>"))
+        # The recipe's scaling_factor_compute_algo takes the recipe, so its signature is checked here first.
         _check_scaling_factor_compute_algo(self.scaling_factor_compute_algo)
+        check_delayed_config("DelayedScaling", margin=self.margin, amax_history_len=self.amax_history_len,
+                             amax_compute_algo=self.amax_compute_algo,
+                             scaling_factor_compute_algo=self.scaling_factor_compute_algo,
+                             amax_reduction=self.amax_reduction)
         _bool("DelayedScaling", "reduce_amax", self.reduce_amax)
-        _check_choice("DelayedScaling.amax_reduction", self.amax_reduction, ("max", "mean"))
 
     def quantizer(self, role: str) -> DelayedScalingQuantizer | None:
-        role = as_role(role)
-        if role in (LINEAR_OUTPUT, LINEAR_GRAD_INPUT):
-            return None
-        return DelayedScalingQuantizer(
-            dtype=self.fp8_format.dtype(role),
+        dtype = _operand_dtype(self.fp8_format, role)
+        return None if dtype is None else DelayedScalingQuantizer(
+            dtype=dtype,
             margin=self.margin,
             amax_history_len=self.amax_history_len,
             amax_compute_algo=self.amax_compute_algo,
@@ -323,14 +327,9 @@ class Float8CurrentScaling(Recipe):
             raise ValueError(f"te_jax: Float8CurrentScaling.amax_epsilon must be a finite number >= 0, got {eps!r}")
 
     def quantizer(self, role: str) -> CurrentScalingQuantizer | None:
-        role = as_role(role)
-        if role in (LINEAR_OUTPUT, LINEAR_GRAD_INPUT):
-            return None
-        return CurrentScalingQuantizer(
-            dtype=self.fp8_format.dtype(role),
-            power_2_scales=self.use_power_2_scales,
-            amax_epsilon=float(self.amax_epsilon),
-        )
+        dtype = _operand_dtype(self.fp8_format, role)
+        return None if dtype is None else CurrentScalingQuantizer(
+            dtype=dtype, power_2_scales=self.use_power_2_scales, amax_epsilon=float(self.amax_epsilon))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,10 +347,8 @@ class MXFP8BlockScaling(BlockScaledRecipe):
         _set(self, "fp8_format", _format("MXFP8BlockScaling", self.fp8_format))
 
     def quantizer(self, role: str) -> MXFP8Quantizer | None:
-        role = as_role(role)
-        if role in (LINEAR_OUTPUT, LINEAR_GRAD_INPUT):
-            return None
-        return MXFP8Quantizer(dtype=self.fp8_format.dtype(role))
+        dtype = _operand_dtype(self.fp8_format, role)
+        return None if dtype is None else MXFP8Quantizer(dtype=dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -130,21 +130,12 @@ def test_the_issues_example():
     x = jax.random.normal(jax.random.key(0), (32, 32))
     variables = model.init(jax.random.key(1), x)
 
-    # The example, verbatim from here.
+    # The example's factory is the gallery recipe recipes/current_scaling_ref.py.
     import jax.numpy as jnp
     from te_jax import autocast, recipe
-    from te_jax.quantize import CurrentScalingQuantizer
 
-    def current_scaling_ref_quantizer_factory(role):
-        if role in ("linear_input", "linear_weight"):
-            dtype = jnp.float8_e4m3fn
-        elif role in ("linear_output", "linear_grad_output"):
-            dtype = jnp.float8_e5m2
-        else:
-            return None
-        return CurrentScalingQuantizer(dtype=dtype)
-
-    custom_recipe = recipe.CustomRecipe(qfactory=current_scaling_ref_quantizer_factory)
+    custom_recipe = recipe.load_recipe("current_scaling_ref")
+    assert isinstance(custom_recipe, recipe.CustomRecipe)
     with autocast(recipe=custom_recipe):
         output = model.apply(variables, x)
 

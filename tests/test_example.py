@@ -134,13 +134,6 @@ def _usage_error(argv: list[str], capsys) -> str:
     (["--mesh", "dp=two"], "--mesh: bad entry 'dp=two'"),
     (["--mesh", "dp=2", "--batch", "3"], "--batch 3 must be divisible by dp*fsdp = 2"),
     (["--mesh", "tp=3"], "--mesh tp=3 must divide the tiny preset's attention heads (4)"),
-    (["--steps", "0"], "--steps must be an integer >= 1, got 0"),
-    (["--batch", "-4"], "--batch must be an integer >= 1"),
-    (["--log-every", "0"], "--log-every must be an integer >= 1"),
-    (["--warmup", "-1"], "--warmup must be an integer >= 0"),
-    (["--lr", "nan"], "--lr must be a finite number > 0"),
-    (["--clip", "0"], "--clip must be a finite number > 0"),
-    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number >= 0"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--inspect-every", "2"], "--inspect-every needs --inspect"),
     (["--inspect", "x", "--inspect-every", "0"], "--inspect-every must be an integer >= 1"),
@@ -152,6 +145,19 @@ def _usage_error(argv: list[str], capsys) -> str:
 ])
 def test_cli_mistakes_exit_2_with_a_message(argv, says, capsys):
     assert says in _usage_error(argv, capsys)
+
+
+@pytest.mark.parametrize("flag, value, bound", [
+    ("--steps", "0", "an integer >= 1"),
+    ("--batch", "-4", "an integer >= 1"),
+    ("--log-every", "0", "an integer >= 1"),
+    ("--warmup", "-1", "an integer >= 0"),
+    ("--lr", "nan", "a finite number > 0"),
+    ("--clip", "0.0", "a finite number > 0"),
+    ("--weight-decay", "-0.1", "a finite number >= 0"),
+])
+def test_cli_numbers_out_of_range_exit_2_naming_the_bound(flag, value, bound, capsys):
+    assert _usage_error([flag, value], capsys).endswith(f" error: {flag} must be {bound}, got {value}")
 
 
 def test_cli_checks_the_checkpoint_and_the_data_before_training(twenty_steps, tmp_path, capsys):
