@@ -60,21 +60,18 @@ using te_jax::AlgoConfig;
 
 namespace {
 
-#define CHECK_CUDA(x)                                                                              \
-  do {                                                                                             \
-    cudaError_t e_ = (x);                                                                          \
-    if (e_ != cudaSuccess) {                                                                       \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
-      std::exit(1);                                                                                \
-    }                                                                                              \
+[[noreturn]] void Fail(const char* file, int line, const char* expr, const std::string& why) {
+  std::fprintf(stderr, "%s:%d %s: %s\n", file, line, expr, why.c_str());
+  std::exit(1);
+}
+#define CHECK_CUDA(x)                                                                                        \
+  do {                                                                                                       \
+    if (cudaError_t e_ = (x); e_ != cudaSuccess) Fail(__FILE__, __LINE__, #x, cudaGetErrorString(e_));       \
   } while (0)
-#define CHECK_LT(x)                                                                                \
-  do {                                                                                             \
-    cublasStatus_t s_ = (x);                                                                       \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                                             \
-      std::fprintf(stderr, "%s:%d %s: cuBLAS status %d\n", __FILE__, __LINE__, #x, int(s_));       \
-      std::exit(1);                                                                                \
-    }                                                                                              \
+#define CHECK_LT(x)                                                                                          \
+  do {                                                                                                       \
+    if (cublasStatus_t s_ = (x); s_ != CUBLAS_STATUS_SUCCESS)                                                \
+      Fail(__FILE__, __LINE__, #x, "cuBLAS status " + std::to_string(int(s_)));                              \
   } while (0)
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
