@@ -231,6 +231,72 @@ auto BindGemmNvfp4(Binder b) {
       .template Arg<ffi::AnyBuffer>());             // bias
 }
 
+// ---- grouped GEMM (te_jax/ops/grouped_gemm.py) -------------------------------
+// The operands of each target, then group_sizes (int32 [G]) and the bias (always
+// passed: an empty [0] array when has_bias is false), the results out and
+// workspace, the group layout's attributes (group_axis 0: rows of A grouped;
+// 1: the contraction grouped in spans aligned to `align`), then the target's own.
+
+template <typename Binder>
+auto GroupedGemmTail(Binder&& b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()               // group_sizes
+      .template Arg<ffi::AnyBuffer>()               // bias
+      .template Ret<ffi::AnyBuffer>()               // out
+      .template Ret<ffi::AnyBuffer>()               // workspace
+      .template Attr<int64_t>("group_axis")
+      .template Attr<int64_t>("align");
+}
+
+// te_jax_grouped_gemm_fp8
+template <typename Binder>
+auto BindGroupedGemmFp8(Binder b) {
+  return GroupedGemmTail(std::move(b)
+      .template Arg<ffi::AnyBuffer>()               // A
+      .template Arg<ffi::AnyBuffer>()               // B
+      .template Arg<ffi::AnyBuffer>()               // a_scale_inv
+      .template Arg<ffi::AnyBuffer>())              // b_scale_inv
+      .template Attr<bool>("fast_accum")
+      .template Attr<bool>("has_bias");
+}
+
+// te_jax_grouped_gemm_fp8_block
+template <typename Binder>
+auto BindGroupedGemmFp8Block(Binder b) {
+  return GroupedGemmTail(std::move(b)
+      .template Arg<ffi::AnyBuffer>()               // A
+      .template Arg<ffi::AnyBuffer>()               // a_s
+      .template Arg<ffi::AnyBuffer>()               // B
+      .template Arg<ffi::AnyBuffer>())              // b_s
+      .template Attr<bool>("a_block_2d")
+      .template Attr<bool>("b_block_2d")
+      .template Attr<bool>("has_bias");
+}
+
+// te_jax_grouped_gemm_mxfp8
+template <typename Binder>
+auto BindGroupedGemmMxfp8(Binder b) {
+  return GroupedGemmTail(std::move(b)
+      .template Arg<ffi::AnyBuffer>()               // A
+      .template Arg<ffi::AnyBuffer>()               // a_s
+      .template Arg<ffi::AnyBuffer>()               // B
+      .template Arg<ffi::AnyBuffer>())              // b_s
+      .template Attr<bool>("has_bias");
+}
+
+// te_jax_grouped_gemm_nvfp4
+template <typename Binder>
+auto BindGroupedGemmNvfp4(Binder b) {
+  return GroupedGemmTail(std::move(b)
+      .template Arg<ffi::AnyBuffer>()               // A (packed)
+      .template Arg<ffi::AnyBuffer>()               // a_s
+      .template Arg<ffi::AnyBuffer>()               // a_amax
+      .template Arg<ffi::AnyBuffer>()               // B (packed)
+      .template Arg<ffi::AnyBuffer>()               // b_s
+      .template Arg<ffi::AnyBuffer>())              // b_amax
+      .template Attr<bool>("has_bias");
+}
+
 // ---- fused norm / activation (typed attribute structs, see norm_act.h) ------
 
 // te_jax_norm_fwd

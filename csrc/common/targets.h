@@ -22,6 +22,14 @@
   X(te_jax_gemm_mxfp8, GemmMxfp8)         \
   X(te_jax_gemm_nvfp4, GemmNvfp4)
 
+// The grouped GEMM custom calls (te_jax/ops/grouped_gemm.py), registered by each
+// platform module like TE_JAX_FFI_TARGETS.
+#define TE_JAX_GROUPED_GEMM_TARGETS(X)                  \
+  X(te_jax_grouped_gemm_fp8, GroupedGemmFp8)            \
+  X(te_jax_grouped_gemm_fp8_block, GroupedGemmFp8Block) \
+  X(te_jax_grouped_gemm_mxfp8, GroupedGemmMxfp8)        \
+  X(te_jax_grouped_gemm_nvfp4, GroupedGemmNvfp4)
+
 // The fused norm and activation custom calls (te_jax/ops/norm.py,
 // te_jax/ops/activation.py), registered by each platform module likewise.
 #define TE_JAX_NORM_ACT_TARGETS(X)  \

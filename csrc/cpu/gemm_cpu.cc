@@ -14,17 +14,12 @@
 #include "../common/bindings.h"
 #include "../common/ffi_common.h"
 #include "cpu_common.h"
+#include "gemm_cpu.h"
 
 namespace te_jax {
 namespace {
 
-// Tiles of the i-k-j loop: a kTileK x kTileN panel of B^T (128 KiB) stays in cache.
-constexpr int64_t kTileK = 128;
-constexpr int64_t kTileN = 256;
-
-ffi::Error Fail(std::string_view target, const std::string& msg) {
-  return InvalidArgument("te_jax: " + std::string(target) + ": " + msg);
-}
+using namespace gemm_cpu;  // NOLINT: the helpers this file shares with grouped_gemm_cpu.cc
 
 struct GemmShape {
   ffi::Span<const int64_t> lead;  // A's leading axes
@@ -78,12 +73,6 @@ ffi::Error CheckOutAndBias(std::string_view target, const GemmShape& s, const ff
   return ffi::Error::Success();
 }
 
-ffi::Error CheckDtype(std::string_view target, const ffi::AnyBuffer& x, ffi::DataType t, std::string_view name,
-                      std::string_view want) {
-  if (x.element_type() != t) return Fail(target, std::string(name) + " must be " + std::string(want));
-  return ffi::Error::Success();
-}
-
 // A per-tensor value: one for the operand, or one per matrix of its leading axes.
 ffi::Error CheckTensorScale(std::string_view target, const ffi::AnyBuffer& s, std::string_view name,
                             int64_t matrices) {
@@ -102,43 +91,6 @@ float ScaleOfRow(const ffi::AnyBuffer& s, int64_t r, int64_t rows) {
   return s.element_count() == 1 ? v[0] : v[r / rows];
 }
 
-// Block scales of an operand `data` [..., R, K/pack]: [..., R/row_block, K/k_block].
-ffi::Error CheckBlockScales(std::string_view target, const ffi::AnyBuffer& s, std::string_view name,
-                            const ffi::AnyBuffer& data, int64_t k, int64_t row_block, int64_t k_block) {
-  auto dd = data.dimensions();
-  const int64_t rows = dd[dd.size() - 2];
-  if (k % k_block) {
-    return Fail(target, "K (" + std::to_string(k) + ") must be a multiple of the block size " +
-                            std::to_string(k_block) + "; pad the contraction axis");
-  }
-  if (rows % row_block) {
-    return Fail(target, std::string(name) + ": 2D blocks need the operand's rows (" + std::to_string(rows) +
-                            ") to be a multiple of " + std::to_string(row_block));
-  }
-  std::vector<int64_t> want(dd.begin(), dd.end() - 2);
-  want.push_back(rows / row_block);
-  want.push_back(k / k_block);
-  auto sd = s.dimensions();
-  if (!std::equal(want.begin(), want.end(), sd.begin(), sd.end())) {
-    return Fail(target, std::string(name) + " must be " + DimsToString(want) + ", got " + DimsToString(sd));
-  }
-  return ffi::Error::Success();
-}
-
-// FP8 operand formats; E5M2 x E5M2 has no tensor-core kernel and is refused.
-ffi::Error Fp8Pair(std::string_view target, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, Fp8Format* fa,
-                   Fp8Format* fb) {
-  auto ta = Fp8FormatOf(a.element_type());
-  auto tb = Fp8FormatOf(b.element_type());
-  if (!ta || !tb) return Fail(target, "A and B must be float8_e4m3fn or float8_e5m2");
-  if (a.element_type() == ffi::DataType::F8E5M2 && b.element_type() == ffi::DataType::F8E5M2) {
-    return Fail(target, "E5M2 x E5M2 is not supported; quantize one operand to E4M3 (e.g. Format.HYBRID)");
-  }
-  *fa = *ta;
-  *fb = *tb;
-  return ffi::Error::Success();
-}
-
 // The shape and operand formats of an FP8 GEMM (per-tensor, block, MXFP8).
 struct Fp8Gemm {
   GemmShape shape;
@@ -151,36 +103,6 @@ ffi::ErrorOr<Fp8Gemm> Fp8GemmOf(std::string_view target, const ffi::AnyBuffer& a
   Fp8Gemm g{s.value(), kE4M3, kE4M3};
   TE_RETURN_IF_ERROR_OR(Fp8Pair(target, a, b, &g.a, &g.b));
   return g;
-}
-
-// The row-major [rows, k] float32 values of an operand: value_at(r, c).
-template <typename ValueAt>
-std::vector<float> Dequantize(int64_t rows, int64_t k, ValueAt value_at) {
-  std::vector<float> v(static_cast<size_t>(rows * k));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < k; ++c) v[r * k + c] = value_at(r, c);
-  return v;
-}
-
-// c[m, n] = sum_k a[m, k] * b[n, k] in float32 (i-k-j order over B^T tiles, so the
-// inner loop runs over contiguous outputs and vectorizes).
-void MatMulNT(const float* a, const float* b, int64_t m, int64_t n, int64_t k, float* c) {
-  const std::vector<float> bt = Transpose(b, n, k);
-  std::fill(c, c + m * n, 0.0f);
-  for (int64_t j0 = 0; j0 < n; j0 += kTileN) {
-    const int64_t j1 = std::min(n, j0 + kTileN);
-    for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
-      const int64_t k1 = std::min(k, k0 + kTileK);
-      for (int64_t i = 0; i < m; ++i) {
-        float* __restrict ci = c + i * n;
-        for (int64_t kk = k0; kk < k1; ++kk) {
-          const float aik = a[i * k + kk];
-          const float* __restrict bk = bt.data() + kk * n;
-          for (int64_t j = j0; j < j1; ++j) ci[j] += aik * bk[j];
-        }
-      }
-    }
-  }
 }
 
 // Multiplies the dequantized operands (A: mats*m rows; B: n rows, or mats*n when
@@ -204,17 +126,6 @@ void Multiply(const GemmShape& s, const std::vector<float>& a, const std::vector
 
 int64_t BMats(const GemmShape& s) { return s.b_batched ? s.mats : 1; }
 int64_t BRows(const GemmShape& s) { return BMats(s) * s.n; }
-
-// value = fp8 * (per-block scale), shared by Float8 block scaling and MXFP8.
-template <typename ScaleAt>
-std::vector<float> DequantizeFp8Blocks(const ffi::AnyBuffer& q, Fp8Format fmt, int64_t rows, int64_t k,
-                                       int64_t row_block, int64_t k_block, ScaleAt scale_at) {
-  const auto* qd = static_cast<const uint8_t*>(q.untyped_data());
-  const int64_t kb = k / k_block;
-  return Dequantize(rows, k, [&](int64_t r, int64_t c) {
-    return Fp8ToFloat(qd[r * k + c], fmt) * scale_at((r / row_block) * kb + c / k_block);
-  });
-}
 
 ffi::Error GemmFp8(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
@@ -294,11 +205,8 @@ std::vector<float> DequantizeNvfp4(const ffi::AnyBuffer& q, const ffi::AnyBuffer
   const auto* sd = static_cast<const uint8_t*>(s.untyped_data());
   std::vector<float> s_dec(static_cast<size_t>(mats));
   for (int64_t t = 0; t < mats; ++t) s_dec[t] = 1.0f / Nvfp4GlobalEncodeScale(ScaleOfRow(amax, t, 1));
-  const int64_t kb = k / kNvfp4Block;
   return Dequantize(mats * rows, k, [&](int64_t r, int64_t c) {
-    const int64_t idx = r * k + c;
-    const uint8_t code = (idx & 1) ? (qd[idx / 2] >> 4) : (qd[idx / 2] & 0xf);
-    return (E2M1ToFloat(code) * Fp8ToFloat(sd[r * kb + c / kNvfp4Block], kE4M3)) * s_dec[r / rows];
+    return Nvfp4BlockValue(qd, sd, r, c, k) * s_dec[r / rows];
   });
 }
 
@@ -325,6 +233,74 @@ ffi::Error GemmNvfp4(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer a_amax
 }
 
 }  // namespace
+
+// ---- shared with the grouped GEMM (gemm_cpu.h) ----
+
+namespace gemm_cpu {
+
+// Tiles of the i-k-j loop: a kTileK x kTileN panel of B^T (128 KiB) stays in cache.
+constexpr int64_t kTileK = 128;
+constexpr int64_t kTileN = 256;
+
+// Block scales of an operand `data` [..., R, K/pack]: [..., R/row_block, K/k_block].
+ffi::Error CheckBlockScales(std::string_view target, const ffi::AnyBuffer& s, std::string_view name,
+                            const ffi::AnyBuffer& data, int64_t k, int64_t row_block, int64_t k_block) {
+  auto dd = data.dimensions();
+  const int64_t rows = dd[dd.size() - 2];
+  if (k % k_block) {
+    return Fail(target, "K (" + std::to_string(k) + ") must be a multiple of the block size " +
+                            std::to_string(k_block) + "; pad the contraction axis");
+  }
+  if (rows % row_block) {
+    return Fail(target, std::string(name) + ": 2D blocks need the operand's rows (" + std::to_string(rows) +
+                            ") to be a multiple of " + std::to_string(row_block));
+  }
+  std::vector<int64_t> want(dd.begin(), dd.end() - 2);
+  want.push_back(rows / row_block);
+  want.push_back(k / k_block);
+  auto sd = s.dimensions();
+  if (!std::equal(want.begin(), want.end(), sd.begin(), sd.end())) {
+    return Fail(target, std::string(name) + " must be " + DimsToString(want) + ", got " + DimsToString(sd));
+  }
+  return ffi::Error::Success();
+}
+
+// FP8 operand formats; E5M2 x E5M2 has no tensor-core kernel and is refused.
+ffi::Error Fp8Pair(std::string_view target, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, Fp8Format* fa,
+                   Fp8Format* fb) {
+  auto ta = Fp8FormatOf(a.element_type());
+  auto tb = Fp8FormatOf(b.element_type());
+  if (!ta || !tb) return Fail(target, "A and B must be float8_e4m3fn or float8_e5m2");
+  if (a.element_type() == ffi::DataType::F8E5M2 && b.element_type() == ffi::DataType::F8E5M2) {
+    return Fail(target, "E5M2 x E5M2 is not supported; quantize one operand to E4M3 (e.g. Format.HYBRID)");
+  }
+  *fa = *ta;
+  *fb = *tb;
+  return ffi::Error::Success();
+}
+
+// c[m, n] = sum_k a[m, k] * b[n, k] in float32 (i-k-j order over B^T tiles, so the
+// inner loop runs over contiguous outputs and vectorizes).
+void MatMulNT(const float* a, const float* b, int64_t m, int64_t n, int64_t k, float* c) {
+  const std::vector<float> bt = Transpose(b, n, k);
+  std::fill(c, c + m * n, 0.0f);
+  for (int64_t j0 = 0; j0 < n; j0 += kTileN) {
+    const int64_t j1 = std::min(n, j0 + kTileN);
+    for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
+      const int64_t k1 = std::min(k, k0 + kTileK);
+      for (int64_t i = 0; i < m; ++i) {
+        float* __restrict ci = c + i * n;
+        for (int64_t kk = k0; kk < k1; ++kk) {
+          const float aik = a[i * k + kk];
+          const float* __restrict bk = bt.data() + kk * n;
+          for (int64_t j = j0; j < j1; ++j) ci[j] += aik * bk[j];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace gemm_cpu
 
 TE_JAX_CPU_HANDLER(GemmFp8, GemmFp8);
 TE_JAX_CPU_HANDLER(GemmFp8Block, GemmFp8Block);

@@ -43,8 +43,8 @@ OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.flo
 # ---- validation and the four custom calls ----------------------------------------------
 
 
-def _check_operands(a, b, *, block: int, mode: str) -> int:
-    """A [..., M, K] and B [N, K] or [..., N, K] (NVFP4: packed, K/2 columns); returns K."""
+def check_operand_dtypes(a, b, mode: str) -> None:
+    """FP8 operands (not both E5M2), or packed uint8 for NVFP4 (``mode`` is the mode's label)."""
     nvfp4 = mode == modes.NVFP4.label
     if nvfp4 and not a.dtype == b.dtype == jnp.uint8:
         raise TypeError(f"te_jax: NVFP4 GEMM operands must be packed uint8, got {a.dtype} and {b.dtype}")
@@ -53,6 +53,12 @@ def _check_operands(a, b, *, block: int, mode: str) -> int:
     if a.dtype == b.dtype == jnp.float8_e5m2:
         raise TypeError("te_jax: E5M2 x E5M2 GEMMs are not supported; quantize one operand as E4M3 "
                         "(Format.HYBRID keeps E5M2 for gradients only)")
+
+
+def _check_operands(a, b, *, block: int, mode: str) -> int:
+    """A [..., M, K] and B [N, K] or [..., N, K] (NVFP4: packed, K/2 columns); returns K."""
+    check_operand_dtypes(a, b, mode)
+    nvfp4 = mode == modes.NVFP4.label
     if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-1]:
         raise ValueError(f"te_jax: GEMM operands must be A [..., M, K] and B [..., N, K] with one K; "
                          f"got {a.shape} and {b.shape}")
@@ -64,7 +70,7 @@ def _check_operands(a, b, *, block: int, mode: str) -> int:
     return k
 
 
-def _block_scales(s, data, k: int, rows: int, k_block: int, dtype, name: str):
+def check_block_scales(s, data, k: int, rows: int, k_block: int, dtype, name: str):
     """Checks block scales ``[..., R/rows, K/k_block]`` of ``data [..., R, K]``."""
     if data.shape[-2] % rows:
         raise ValueError(f"te_jax: {name}: 2D blocks need the operand's rows ({data.shape[-2]}) to be a multiple "
@@ -86,13 +92,13 @@ def _tensor_scale(s, data, name: str):
     return s.reshape(1), f"{side}_t"
 
 
-def _out_dtype(out_dtype) -> jnp.dtype:
+def check_out_dtype(out_dtype) -> jnp.dtype:
     if jnp.dtype(out_dtype) not in OUT_DTYPES:
         raise TypeError(f"te_jax: GEMM out_dtype must be float32, bfloat16 or float16, not {out_dtype}")
     return jnp.dtype(out_dtype)
 
 
-def _flag(name: str, value) -> bool:
+def check_flag(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"te_jax: GEMM {name} must be True or False, got {value!r}")
     return bool(value)
@@ -100,7 +106,7 @@ def _flag(name: str, value) -> bool:
 
 def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, autotune: bool, backend, mesh_resource):
     """Checks out_dtype and bias, then runs the custom call or its reference twin."""
-    out_dtype, autotune = _out_dtype(out_dtype), _flag("autotune", autotune)
+    out_dtype, autotune = check_out_dtype(out_dtype), check_flag("autotune", autotune)
     a, b = args[lay.roles.index("a")], args[lay.roles.index("b")]
     if bias is not None:
         bias = jnp.asarray(bias)
@@ -140,7 +146,7 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat1
         b_scale_inv, b, "b_scale_inv")
     deq = lambda: (ref.dequantize_fp8_tensor(a, a_scale_inv), ref.dequantize_fp8_tensor(b, b_scale_inv))  # noqa: E731
     lay = Layout(modes.FP8_TENSOR.gemm_target, ("a", "b", ra, rb),
-                 attrs=(("fast_accum", _flag("fast_accum", fast_accum)),))
+                 attrs=(("fast_accum", check_flag("fast_accum", fast_accum)),))
     return _run(lay, (a, b, a_scale_inv, b_scale_inv), deq, bias, out_dtype, autotune, backend, mesh_resource)
 
 
@@ -159,8 +165,8 @@ def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=Fa
         raise ValueError("te_jax: 128x128 x 128x128 block-scaled GEMMs are not supported; quantize one operand "
                          "with 1x128 blocks (Float8BlockQuantizer(block_2d=False))")
     ra, rb = (block if a_block_2d else 1), (block if b_block_2d else 1)
-    a_s = _block_scales(a_s, a, k, ra, block, modes.FP8_BLOCK.scale_dtype, "a_s")
-    b_s = _block_scales(b_s, b, k, rb, block, modes.FP8_BLOCK.scale_dtype, "b_s")
+    a_s = check_block_scales(a_s, a, k, ra, block, modes.FP8_BLOCK.scale_dtype, "a_s")
+    b_s = check_block_scales(b_s, b, k, rb, block, modes.FP8_BLOCK.scale_dtype, "b_s")
     deq = lambda: (ref.dequantize_fp8_block(a, a_s, block_2d=a_block_2d),  # noqa: E731
                    ref.dequantize_fp8_block(b, b_s, block_2d=b_block_2d))
     lay = Layout(modes.FP8_BLOCK.gemm_target, ("a", "a_s", "b", "b_s"), k_block=block, a_rows=ra, b_rows=rb,
@@ -177,8 +183,8 @@ def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, autotune=Fa
     """
     mode = modes.MXFP8
     k = _check_operands(a, b, block=mode.block_cols, mode=mode.label)
-    a_s = _block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
-    b_s = _block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
+    a_s = check_block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
+    b_s = check_block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
     deq = lambda: (ref.dequantize_mxfp8(a, a_s), ref.dequantize_mxfp8(b, b_s))  # noqa: E731
     lay = Layout(mode.gemm_target, ("a", "a_s", "b", "b_s"), k_block=mode.block_cols)
     return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, autotune, backend, mesh_resource)
@@ -194,8 +200,8 @@ def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloa
     """
     mode = modes.NVFP4
     k = _check_operands(a, b, block=mode.block_cols, mode=mode.label)
-    a_s = _block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
-    b_s = _block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
+    a_s = check_block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
+    b_s = check_block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
     (a_amax, ra), (b_amax, rb) = _tensor_scale(a_amax, a, "a_amax"), _tensor_scale(b_amax, b, "b_amax")
     deq = lambda: (ref.dequantize_nvfp4(a, a_s, a_amax), ref.dequantize_nvfp4(b, b_s, b_amax))  # noqa: E731
     lay = Layout(mode.gemm_target, ("a", "a_s", ra, "b", "b_s", rb), pack=mode.pack, k_block=mode.block_cols)
@@ -269,8 +275,8 @@ def _gemm_scaled(lhs: ScaledTensor, rhs: ScaledTensor, lc, rc, lb, rb, bias, fas
     if fast_accum is None:
         fast_accum = mode is ScalingMode.FP8_TENSOR
     if mode is ScalingMode.FP8_TENSOR:
-        out = gemm_fp8(a.data, b.data, a.scale, b.scale, bias, fast_accum=_flag("fast_accum", fast_accum), **kw)
-    elif _flag("fast_accum", fast_accum):
+        out = gemm_fp8(a.data, b.data, a.scale, b.scale, bias, fast_accum=check_flag("fast_accum", fast_accum), **kw)
+    elif check_flag("fast_accum", fast_accum):
         raise ValueError(f"te_jax: fast_accum=True does not apply to {mode.name} GEMMs: they always accumulate in "
                          "float32 (block-scaled kernels promote every block; MXFP8 and NVFP4 run as block-scaled MMA "
                          "on sm_100 and as a bfloat16 GEMM on sm_90); pass fast_accum=None or False")
@@ -338,12 +344,12 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_d
             raise ValueError(f"te_jax: bias must be [N] = [{math.prod(rhs_free)}] or {rhs_free}, got {bias.shape}")
         bias = bias.reshape(-1)
     if fast_accum is not None:
-        _flag("fast_accum", fast_accum)
-    _flag("autotune", autotune)
+        check_flag("fast_accum", fast_accum)
+    check_flag("autotune", autotune)
     if lq and rq:
         return _gemm_scaled(lhs, rhs, lc, rc, lb, rb, bias, fast_accum, out_dtype=out_dtype, autotune=autotune,
                             backend=backend, mesh_resource=mesh_resource)
-    out_dtype = _out_dtype(out_dtype)
+    out_dtype = check_out_dtype(out_dtype)
     lhs = lhs.dequantize(jnp.float32, backend=backend) if lq else lhs
     rhs = rhs.dequantize(jnp.float32, backend=backend) if rq else rhs
     out = lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)), precision=lax.Precision.HIGHEST if lq or rq else None,
