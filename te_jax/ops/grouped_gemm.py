@@ -558,8 +558,8 @@ def grouped_gemm(lhs: ScaledTensor, rhs: ScaledTensor, group_sizes: jax.Array, c
     b, b_s, b_amax, b_col = _copy(rhs, rc, "rhs", group_axis == 0)
     kw = dict(group_axis=group_axis, align=align, out_dtype=out_dtype, backend=backend)
     if mode is ScalingMode.FP8_TENSOR:
-        return grouped_gemm_fp8(a, b, a_s, b_s, group_sizes, bias, fast_accum=True if fast_accum is None else fast_accum,
-                                **kw)
+        fast_accum = True if fast_accum is None else fast_accum
+        return grouped_gemm_fp8(a, b, a_s, b_s, group_sizes, bias, fast_accum=fast_accum, **kw)
     if fast_accum:
         raise ValueError(f"te_jax: fast_accum=True does not apply to {mode.name} GEMMs: they always accumulate in "
                          "float32; pass fast_accum=None or False")

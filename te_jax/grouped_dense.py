@@ -1,0 +1,290 @@
+"""``grouped_dense``: one dense layer per expert, ``y[rows of g] = x[rows of g] @ W_g + b_g``, quantized.
+
+The functional core of the mixture-of-experts layer, with the state contract
+of ``te_jax.dense``::
+
+    q = DenseQuantizers.from_recipe(recipe)
+    state = init_state(q, num_groups)                  # {} unless a quantizer keeps state
+    y, state = grouped_dense(x, kernel, group_sizes, quantizers=q, state=state)
+
+``x [M, K]`` has its rows sorted by group (expert), ``kernel [G, K, N]``,
+``group_sizes`` int32 ``[G]`` on the device (zeros allowed, ``sum <= M``;
+the rows past the sum give zeros and get zero gradients), ``bias [G, N]``.
+
+GEMMs (``te_jax.ops.grouped_gemm``)::
+
+    forward  y  = x  (rowwise, linear_input)       @ W_g   (columnwise, per expert)   group_axis 0
+    dgrad    dx = dy (rowwise, linear_grad_output) @ W_g^T (rowwise, per expert)      group_axis 0
+    wgrad    dW_g = x_g^T @ dy_g                                                      group_axis 1
+
+For wgrad one gather, computed on the device from ``group_sizes``, lays x and
+dy out in spans aligned to the mode's block (``GROUP_ALIGN``), zero-padded
+(zeros add nothing: exact), and those are quantized columnwise by the
+input and grad_output quantizers (with the same state and scale as the
+rowwise copies). The weight of each expert is quantized on its own
+(``jax.vmap`` of the weight quantizer), so per-tensor recipes scale each
+expert separately.
+
+State. Delayed scaling keeps one amax history per expert weight: the
+"linear_weight" state has a leading G axis (``init_state``). The inputs of
+all experts share one "linear_input" state and their output gradients one
+"linear_grad_output" state (one per-tensor scale for the whole ``[M, K]``
+activation, as it is quantized in one piece). The returned state is the
+forward-updated one; the state after forward and backward comes back as the
+gradient of ``state``, exactly as for ``te_jax.dense`` (``te_jax.train``
+applies it).
+
+"linear_output" / "linear_grad_input" quantizers quantize-dequantize ``y``
+and ``dx`` as in ``te_jax.dense``. With no quantizer at all this is the
+per-group ``lax.dot_general`` (the high-precision reference).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax._core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, check_high_precision, cotangent,
+                          mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state, vary_of)
+from te_jax._core.checks import check_blocks, check_key, check_state
+from te_jax._core.quantizers import FORWARD_FIELDS, ROLE_OF
+from te_jax._core.remat import name_quantized
+from te_jax.autocast import with_plan_mesh
+from te_jax.ops import grouped_gemm as gg
+from te_jax.quantize.scaled_tensor import ScaledTensor
+from te_jax.recipe import ROLES
+from te_jax.sharding import MeshResource, to_varying
+
+__all__ = ["grouped_dense", "init_state"]
+
+_WHERE = "grouped_dense"
+_WEIGHT = ROLE_OF["weight"]
+
+
+def init_state(quantizers: DenseQuantizers | Mapping[str, Any] | None, num_groups: int) -> dict[str, Any]:
+    """The initial state of ``grouped_dense``: the weight's (delayed scaling) with a leading ``num_groups`` axis."""
+    q = as_quantizers(quantizers)
+    state = q.init_state()
+    if _WEIGHT in state:
+        state[_WEIGHT] = jax.tree.map(lambda a: jnp.broadcast_to(a, (num_groups, *a.shape)), state[_WEIGHT])
+    return state
+
+
+def _check_inputs(x, kernel, group_sizes, bias) -> int:
+    check_high_precision(_WHERE, x=x, kernel=kernel, bias=bias)
+    if x.ndim != 2 or kernel.ndim != 3 or x.shape[1] != kernel.shape[1]:
+        raise ValueError(f"te_jax: {_WHERE}: x must be [M, K] and kernel [G, K, N] with one K; got x {x.shape} and "
+                         f"kernel {kernel.shape}")
+    if (not hasattr(group_sizes, "dtype") or jnp.dtype(group_sizes.dtype) != jnp.int32
+            or tuple(group_sizes.shape) != (kernel.shape[0],)):
+        got = f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}{list(getattr(group_sizes, 'shape', ()))}"
+        raise TypeError(f"te_jax: {_WHERE}: group_sizes must be int32 [G] = [{kernel.shape[0]}] (one row count per "
+                        f"expert of the kernel), got {got}")
+    if bias is not None and tuple(bias.shape) != (kernel.shape[0], kernel.shape[2]):
+        raise ValueError(f"te_jax: {_WHERE}: bias must be [G, N] = {[kernel.shape[0], kernel.shape[2]]}, "
+                         f"got {bias.shape}")
+    return kernel.shape[0]
+
+
+def _align(q: DenseQuantizers) -> int:
+    """The span alignment of the wgrad operands: what the input and grad_output quantizers' modes need."""
+    aligns = [gg.GROUP_ALIGN[getattr(q, f).scaling_mode.family] for f in ("input", "grad_output")
+              if getattr(q, f) is not None and hasattr(getattr(q, f), "scaling_mode")]
+    return math.lcm(*aligns) if aligns else 1
+
+
+def _check_state(q: DenseQuantizers, state: Mapping | None, num_groups: int) -> dict[str, Any]:
+    """The stateful roles' states; the weight's has a leading G axis (checked per expert)."""
+    state = dict(state or {})
+    weight = state.get(_WEIGHT)
+    if _WEIGHT in q.stateful() and weight is not None:
+        leaves = jax.tree.leaves(weight)
+        if not leaves or any(a.ndim < 1 or a.shape[0] != num_groups for a in leaves):
+            raise ValueError(f"te_jax: {_WHERE}: the {_WEIGHT} state must have a leading axis of the {num_groups} "
+                             f"experts (one amax history per expert); create it with "
+                             f"te_jax.grouped_dense.init_state(quantizers, {num_groups})")
+        state[_WEIGHT] = jax.tree.map(lambda a: a[0], weight)
+    check_state(q, state, _WHERE)
+    return {r: dict(weight if r == _WEIGHT else state[r]) for r in q.stateful()}
+
+
+def grouped_dense(
+    x: jax.Array,
+    kernel: jax.Array,
+    group_sizes: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    quantizers: DenseQuantizers | Mapping[str, Any] | None = None,
+    state: Mapping[str, Any] | None = None,
+    key: jax.Array | None = None,
+    mesh_resource: MeshResource | None = None,
+) -> tuple[jax.Array, dict[str, Any] | None]:
+    """Per-expert ``x_g @ kernel[g] + bias[g]`` over the row groups of ``x``, with quantized grouped GEMMs.
+
+    Args:
+      x: ``[M, K]`` float32/bfloat16/float16, rows sorted by group.
+      kernel: ``[G, K, N]``, one weight per expert.
+      group_sizes: int32 ``[G]``: the rows of each expert, in order (sum <= M).
+      bias: ``[G, N]`` or None.
+      quantizers: ``DenseQuantizers`` or a mapping role -> quantizer; None computes in high precision.
+      state: role -> state of the stateful quantizers (``init_state(quantizers, G)``).
+      key: PRNG key for stochastic rounding; required when a quantizer uses it.
+      mesh_resource: mesh axes amaxes are reduced over inside shard_map; None takes the active autocast's.
+
+    Returns:
+      ``(y [M, N], new_state)`` as ``te_jax.dense`` returns them (new_state None when ``state`` is None and
+      nothing is quantized).
+    """
+    q = as_quantizers(quantizers)
+    num_groups = _check_inputs(x, kernel, group_sizes, bias)
+    m, k = x.shape
+    n = kernel.shape[2]
+    if not q.any:
+        return _high_precision(x, kernel, group_sizes, bias), None if state is None else dict(state)
+    align = _align(q)
+    spans = -(-(m + num_groups * (align - 1)) // align) * align  # room for every group's aligned span
+    check_blocks(q, spans, k, n, _WHERE)
+    inner = _check_state(q, state, num_groups)
+    if key is None:
+        check_key(q, FORWARD_FIELDS, _WHERE)
+    plan = _GroupedPlan(mesh_resource_or_autocast(mesh_resource), state_leaves(inner), (), vary_of(x, kernel, bias),
+                        None, q, align, spans, x.dtype, kernel.dtype, None if bias is None else bias.dtype)
+    y, new_inner = _vjp(plan, x, kernel, group_sizes, bias, inner, raw_key(key))
+    return y, updated_state(state, new_inner, None)
+
+
+def _high_precision(x, kernel, group_sizes, bias):
+    """What a loop of ``lax.dot_general`` over the groups computes, rows past the groups zero."""
+    group, _, member = gg.grouped_positions(group_sizes, x.shape[0])
+    y = lax.ragged_dot(x, kernel, group_sizes)
+    if bias is not None:
+        y = y + bias[group]
+    return jnp.where(member[:, None], y, jnp.zeros((), y.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class _GroupedPlan(Plan):
+    """The static facts of one grouped_dense call (``vary``: x, kernel, bias)."""
+
+    q: DenseQuantizers
+    align: int  # the wgrad spans' alignment
+    spans: int  # rows of the span layout
+    x_dtype: Any
+    k_dtype: Any
+    bias_dtype: Any  # None: no bias
+
+
+def _in_spans(t: jax.Array, group_sizes, plan: _GroupedPlan) -> jax.Array:
+    """``t [M, C]``'s group rows laid out in aligned spans ``[spans, C]``, zeros between (one gather)."""
+    group, index, member = gg.grouped_positions(group_sizes, plan.spans, plan.align)
+    first = jnp.cumsum(jnp.maximum(group_sizes, 0)) - jnp.maximum(group_sizes, 0)
+    rows = jnp.clip(first[group] + index, 0, t.shape[0] - 1)
+    return jnp.where(member[:, None], t[rows], jnp.zeros((), t.dtype))
+
+
+def _quantize_spans(g: GemmQuant, field: str, t: jax.Array):
+    """The columnwise copy of the span layout ``t``, with the role's state (not recorded again) and its own key."""
+    qz = getattr(g.q, field)
+    if qz is None:
+        return t
+    role = ROLE_OF[field]
+    key = None if g.key is None else jax.random.fold_in(jax.random.fold_in(g.key, ROLES.index(role)), 1)
+    return name_quantized(qz.quantize(t, g.st.get(role), rowwise=False, colwise=True, flatten_axis=1, key=key))
+
+
+def _quantize_weight(g: GemmQuant, kernel: jax.Array):
+    """Each expert's weight quantized on its own (rowwise and columnwise), its state per expert."""
+    if not g.has("weight"):
+        return kernel
+    groups = jnp.arange(kernel.shape[0], dtype=jnp.uint32)
+
+    def run(qz, st, key):
+        def one(w, s, i):
+            k = None if key is None else jax.random.fold_in(key, i)
+            return qz.quantize(w, s, colwise=True, flatten_axis=1, key=k)
+        return (jax.vmap(one, in_axes=(0, None if st is None else 0, 0))(kernel, st, groups),)
+
+    return g.run("weight", run)[0]
+
+
+def _expert(t, e: int):
+    return jax.tree.map(lambda a: a[e], t)
+
+
+def _grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dtype, bias=None, fast_accum=None):
+    """``te_jax.ops.grouped_gemm.grouped_gemm``, or, when either side is unquantized, its float32 equivalent."""
+    if isinstance(a, ScaledTensor) and isinstance(b, ScaledTensor):
+        return gg.grouped_gemm(a, b, group_sizes, contracting, group_axis=group_axis, align=align, bias=bias,
+                               out_dtype=out_dtype, fast_accum=fast_accum)
+    # A custom recipe left a role in high precision: dequantize the other side, multiply in float32.
+    da = a.dequantize(jnp.float32) if isinstance(a, ScaledTensor) else a.astype(jnp.float32)
+    if isinstance(b, ScaledTensor):
+        db = jnp.stack([_expert(b, e).dequantize(jnp.float32) for e in range(group_sizes.shape[0])]) \
+            if group_axis == 0 else b.dequantize(jnp.float32)
+    else:
+        db = b.astype(jnp.float32)
+    hi = lax.Precision.HIGHEST
+    if group_axis == 0:
+        w = db if contracting[1] == 0 else jnp.swapaxes(db, 1, 2)
+        out = _high_precision(da, w, group_sizes, None if bias is None else bias.astype(jnp.float32))
+        return out.astype(out_dtype)
+    group, _, member = gg.grouped_positions(group_sizes, da.shape[0], align)
+    onehot = ((group[:, None] == jnp.arange(group_sizes.shape[0])[None]) & member[:, None]).astype(jnp.float32)
+    return jnp.einsum("mg,mp,mq->gpq", onehot, da, db, precision=hi).astype(out_dtype)
+
+
+def _forward(plan: _GroupedPlan, x, kernel, group_sizes, bias, state, key):
+    g = GemmQuant(plan.q, state, key, plan.mesh_resource)
+    xq = g.quantize("input", x, flatten_axis=1)
+    kq = _quantize_weight(g, kernel)
+    y = _grouped_matmul(xq, kq, group_sizes, (1, 0), group_axis=0, align=plan.align, bias=bias,
+                        out_dtype=jnp.result_type(x.dtype, kernel.dtype), fast_accum=plan.q.fast_accum)
+    y = to_varying(g.qdq("output", y, flatten_axis=1), plan.all_vary)
+    xs = _quantize_spans(g, "input", _in_spans(x, group_sizes, plan))
+    res = (xs, _keep_rowwise(kq), group_sizes, g.st, g.grads, key)
+    return (y, g.new_state()), res
+
+
+def _keep_rowwise(t):
+    return dataclasses.replace(t, colwise_data=None, colwise_scale_inv=None) if isinstance(t, ScaledTensor) else t
+
+
+def _primal(plan, x, kernel, group_sizes, bias, state, key):
+    return _forward(plan, x, kernel, group_sizes, bias, state, key)[0]
+
+
+def _fwd(plan, x, kernel, group_sizes, bias, state, key):
+    return _forward(plan, x, kernel, group_sizes, bias, state, key)
+
+
+def _bwd(plan: _GroupedPlan, res, cotangents):
+    xs, k_res, group_sizes, st, grads, key = res
+    dy = cotangents[0]
+    g = GemmQuant.backward(plan.q, st, key, plan.mesh_resource, None, _WHERE)
+    fast = plan.q.backward_fast_accum
+    dyq = g.quantize("grad_output", dy, flatten_axis=1)
+    dx = _grouped_matmul(dyq, k_res, group_sizes, (1, 1), group_axis=0, align=plan.align, out_dtype=plan.x_dtype,
+                         fast_accum=fast)
+    dx = g.qdq("grad_input", dx, flatten_axis=1)
+    dys = _quantize_spans(g, "grad_output", _in_spans(dy, group_sizes, plan))
+    dk = _grouped_matmul(xs, dys, group_sizes, (0, 0), group_axis=1, align=plan.align, out_dtype=plan.k_dtype,
+                         fast_accum=fast)
+    dbias = None
+    if plan.bias_dtype is not None:
+        group, _, member = gg.grouped_positions(group_sizes, dy.shape[0])
+        rows = jnp.where(member[:, None], dy.astype(jnp.float32), 0.0)
+        dbias = jax.ops.segment_sum(rows, group, num_segments=group_sizes.shape[0]).astype(plan.bias_dtype)
+    u = plan.all_vary
+    vx, vk, vbias = plan.vary
+    return (cotangent(dx, u, vx), cotangent(dk, u, vk), None, cotangent(dbias, u, vbias),
+            state_cotangent(plan.state_leaves, {**grads, **g.grads}, u), None)
+
+
+_vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))
+_vjp.defvjp(_fwd, with_plan_mesh(_bwd))
