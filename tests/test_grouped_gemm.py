@@ -10,12 +10,15 @@ zeros past the groups, NaN confined to its group) is checked exactly.
 
 from __future__ import annotations
 
+import json
+import pathlib
 import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from qtest_util import run_on_fake_devices
 
 from te_jax.ops import gemm as dense_gemm
 from te_jax.ops import grouped_gemm as GG
@@ -311,3 +314,18 @@ def test_grouped_positions():
     np.testing.assert_array_equal(member[16:48], np.arange(32) < 17)
     np.testing.assert_array_equal(group[48:64], 3)
     np.testing.assert_array_equal(member[48:64], np.arange(16) < 1)
+
+
+def test_groups_sharded_with_their_experts():
+    """On 4 fake devices: B's experts (group_axis 0) or out's groups (group_axis 1) split over "ep" give the
+    one-device result bit for bit; rows are combined by one all-reduce, group slices need none."""
+    here = pathlib.Path(__file__).parent
+    proc = run_on_fake_devices([here / "grouped_gemm_multidevice.py"], devices=4, cwd=here)
+    cases = {c["case"]: c for c in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
+    assert set(cases) == {"fp8:rows", "fp8:spans", "block:rows", "block:spans"}, proc.stderr[-4000:]
+    for name, case in cases.items():
+        assert case["equal"], case
+        if name.endswith("rows"):
+            assert case["collectives"]["all-reduce"] == 1 and case["spec"] == "P()", case
+        else:
+            assert case["collectives"]["all-reduce"] == 0 and case["spec"] == "P('ep', None, None)", case

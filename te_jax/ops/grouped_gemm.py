@@ -366,7 +366,7 @@ def _sharding_rule(lay: GroupedLayout, mesh, value_types, result_types):
         names[lay.all_roles.index("sizes")][0] = "g"
     used = {f for d in names + [out] for f in d}
     rule = ", ".join(" ".join(d) for d in names) + " -> " + " ".join(out)
-    replicated = tuple(sorted(f for f in used if f != "g"))
+    replicated = tuple(sorted((f for f in used if f != "g"), key=lambda f: int(f[1:])))  # in order of appearance
     return rule, dict(reduction_factors=("g",) if lay.group_axis == 0 else (), need_replication_factors=replicated)
 
 
