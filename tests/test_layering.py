@@ -28,8 +28,8 @@ OPS_MAY_IMPORT = {
 }
 # Never loaded by `import te_jax.ops` (nor by `import te_jax`).
 NOT_LOADED_BY_OPS = ("flax", "optax", "te_jax.autocast", "te_jax.recipe", "te_jax.flax", "te_jax.quantize.quantizers",
-                     "te_jax.quantize.delayed", "te_jax.quantize.fused", "te_jax.dense", "te_jax.layernorm_dense",
-                     "te_jax.layernorm_mlp", "te_jax.state", "te_jax.train", "te_jax.inspect")
+                     "te_jax.quantize.delayed", "te_jax.quantize.fused", "te_jax.dense", "te_jax.grouped_dense",
+                     "te_jax.layernorm_dense", "te_jax.layernorm_mlp", "te_jax.state", "te_jax.train", "te_jax.inspect")
 
 
 def _module_of(path: pathlib.Path) -> str:
@@ -119,7 +119,9 @@ def test_package_attributes_still_resolve():
     code = """
 import te_jax
 import te_jax.dense, te_jax.layernorm_dense, te_jax.layernorm_mlp, te_jax.autocast  # submodules of the same names
+import te_jax.grouped_dense
 assert callable(te_jax.dense) and callable(te_jax.layernorm_dense) and callable(te_jax.layernorm_mlp)
+assert callable(te_jax.grouped_dense) and te_jax.grouped_dense.__module__ == "te_jax.grouped_dense"
 assert callable(te_jax.autocast) and te_jax.autocast.__module__ == "te_jax.autocast"
 assert te_jax.FP8_COLLECTION == "fp8_meta" and te_jax.STATS_COLLECTION == "fp8_stats"
 from te_jax.inspect.stats import STATS_COLLECTION
