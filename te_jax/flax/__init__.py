@@ -12,7 +12,8 @@
 
 Each layer takes its flax.linen namesake's arguments (plus logical axis names
 for its parameters) and, with autocast off, computes what that namesake
-computes. The functional cores are ``te_jax.dense``,
+computes (``MoE``, which has no flax namesake, computes in high precision).
+The functional cores are ``te_jax.dense``, ``te_jax.grouped_dense``,
 ``te_jax.layernorm_dense`` and ``te_jax.layernorm_mlp``.
 
 Quantization statistics: under ``te_jax.autocast(..., inspect=True)`` each
@@ -29,11 +30,12 @@ functional cores name them; ``te_jax._core.remat``).
 from te_jax.flax.dense import DenseGeneral
 from te_jax.flax.layernorm import LayerNorm, LayerNormDenseGeneral
 from te_jax.flax.mlp import LayerNormMLP
+from te_jax.flax.moe import MoE
 from te_jax.flax.transformer import SelfAttention, TransformerLayer, rotary_embedding
 from te_jax._core.remat import NORM_STATS, PRE_ACTIVATION, QUANTIZED, fp8_checkpoint_policy, save_fp8_policy
 
 __all__ = [
-    "DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "NORM_STATS", "PRE_ACTIVATION",
+    "DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MoE", "NORM_STATS", "PRE_ACTIVATION",
     "QUANTIZED", "SelfAttention", "TransformerLayer", "fp8_checkpoint_policy", "rotary_embedding",
     "save_fp8_policy",
 ]
