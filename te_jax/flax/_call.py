@@ -10,7 +10,7 @@ import jax
 from te_jax._core import split_stats, with_stats
 from te_jax.flax import _common as C
 
-_OPS = ("dense", "layernorm_dense", "layernorm_mlp")
+_OPS = ("dense", "grouped_dense", "layernorm_dense", "layernorm_mlp")
 
 
 def located(err: ValueError, module: nn.Module) -> ValueError:
