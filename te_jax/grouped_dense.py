@@ -235,8 +235,9 @@ def _grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dt
         out = _high_precision(da, w, group_sizes, None if bias is None else bias.astype(jnp.float32))
         return out.astype(out_dtype)
     group, _, member = gg.grouped_positions(group_sizes, da.shape[0], align)
-    onehot = ((group[:, None] == jnp.arange(group_sizes.shape[0])[None]) & member[:, None]).astype(jnp.float32)
-    return jnp.einsum("mg,mp,mq->gpq", onehot, da, db, precision=hi).astype(out_dtype)
+    mask = ((group[None] == jnp.arange(group_sizes.shape[0])[:, None]) & member[None])[:, :, None]  # [G, spans, 1]
+    return jnp.einsum("gmp,gmq->gpq", jnp.where(mask, da[None], 0.0), jnp.where(mask, db[None], 0.0),
+                      precision=hi).astype(out_dtype)
 
 
 def _forward(plan: _GroupedPlan, x, kernel, group_sizes, bias, state, key):

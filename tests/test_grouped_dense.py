@@ -152,6 +152,20 @@ def test_each_gemm_uses_the_right_copies():
     np.testing.assert_allclose(db, want_db, rtol=1e-6, atol=1e-5)
 
 
+def test_one_operand_quantized():
+    """A role left in high precision: the GEMM dequantizes the other operand and multiplies in float32."""
+    qx = CurrentScalingQuantizer(E4)
+    x, w, b, c = _data(seed=5)
+    sizes = [100, 0, 60, 32]  # every row in a group: the wgrad copy has x's scale
+    gs = jnp.asarray(sizes, jnp.int32)
+    y, dx, dw, db = _fwd_bwd(lambda x, w, b: grouped_dense(x, w, gs, b, quantizers={"linear_input": qx})[0],
+                             x, w, b, c)
+    xq = qx.quantize(x).dequantize(jnp.float32)
+    want = _fwd_bwd(lambda x, w, b: _loop(x, w, b, sizes), xq, w, b, c)
+    for u, v in zip((y, dx, dw, db), want):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-4)
+
+
 def test_bf16():
     x, w, b, c = _data(dtype=jnp.bfloat16)
     q = DenseQuantizers.from_recipe(R.Float8CurrentScaling())

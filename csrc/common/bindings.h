@@ -71,15 +71,20 @@ auto FusedCastResults(Binder&& b) {
       .template Ret<ffi::AnyBuffer>();              // scale_out
 }
 
-// A, a_s, B, b_s and bias of a block-scaled FP8 GEMM.
+// A, a_s, B and b_s of a block-scaled GEMM (dense or grouped).
 template <typename Binder>
-auto BlockScaledGemmArgs(Binder&& b) {
+auto BlockScaledOperands(Binder&& b) {
   return std::move(b)
       .template Arg<ffi::AnyBuffer>()               // A
       .template Arg<ffi::AnyBuffer>()               // a_s
       .template Arg<ffi::AnyBuffer>()               // B
-      .template Arg<ffi::AnyBuffer>()               // b_s
-      .template Arg<ffi::AnyBuffer>();              // bias
+      .template Arg<ffi::AnyBuffer>();              // b_s
+}
+
+// A, a_s, B, b_s and bias of a block-scaled FP8 GEMM.
+template <typename Binder>
+auto BlockScaledGemmArgs(Binder&& b) {
+  return BlockScaledOperands(std::move(b)).template Arg<ffi::AnyBuffer>();  // bias
 }
 
 // out and workspace, then the `autotune` attribute every GEMM target takes.
@@ -245,7 +250,8 @@ auto GroupedGemmTail(Binder&& b) {
       .template Ret<ffi::AnyBuffer>()               // out
       .template Ret<ffi::AnyBuffer>()               // workspace
       .template Attr<int64_t>("group_axis")
-      .template Attr<int64_t>("align");
+      .template Attr<int64_t>("align")
+      .template Attr<bool>("has_bias");
 }
 
 // te_jax_grouped_gemm_fp8
@@ -256,32 +262,21 @@ auto BindGroupedGemmFp8(Binder b) {
       .template Arg<ffi::AnyBuffer>()               // B
       .template Arg<ffi::AnyBuffer>()               // a_scale_inv
       .template Arg<ffi::AnyBuffer>())              // b_scale_inv
-      .template Attr<bool>("fast_accum")
-      .template Attr<bool>("has_bias");
+      .template Attr<bool>("fast_accum");
 }
 
 // te_jax_grouped_gemm_fp8_block
 template <typename Binder>
 auto BindGroupedGemmFp8Block(Binder b) {
-  return GroupedGemmTail(std::move(b)
-      .template Arg<ffi::AnyBuffer>()               // A
-      .template Arg<ffi::AnyBuffer>()               // a_s
-      .template Arg<ffi::AnyBuffer>()               // B
-      .template Arg<ffi::AnyBuffer>())              // b_s
+  return GroupedGemmTail(BlockScaledOperands(std::move(b)))
       .template Attr<bool>("a_block_2d")
-      .template Attr<bool>("b_block_2d")
-      .template Attr<bool>("has_bias");
+      .template Attr<bool>("b_block_2d");
 }
 
 // te_jax_grouped_gemm_mxfp8
 template <typename Binder>
 auto BindGroupedGemmMxfp8(Binder b) {
-  return GroupedGemmTail(std::move(b)
-      .template Arg<ffi::AnyBuffer>()               // A
-      .template Arg<ffi::AnyBuffer>()               // a_s
-      .template Arg<ffi::AnyBuffer>()               // B
-      .template Arg<ffi::AnyBuffer>())              // b_s
-      .template Attr<bool>("has_bias");
+  return GroupedGemmTail(BlockScaledOperands(std::move(b)));
 }
 
 // te_jax_grouped_gemm_nvfp4
@@ -293,8 +288,7 @@ auto BindGroupedGemmNvfp4(Binder b) {
       .template Arg<ffi::AnyBuffer>()               // a_amax
       .template Arg<ffi::AnyBuffer>()               // B (packed)
       .template Arg<ffi::AnyBuffer>()               // b_s
-      .template Arg<ffi::AnyBuffer>())              // b_amax
-      .template Attr<bool>("has_bias");
+      .template Arg<ffi::AnyBuffer>());             // b_amax
 }
 
 // ---- fused norm / activation (typed attribute structs, see norm_act.h) ------

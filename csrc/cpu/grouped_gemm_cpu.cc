@@ -173,10 +173,20 @@ ffi::Error CheckAlign(std::string_view target, int64_t axis, int64_t align, int6
   return ffi::Error::Success();
 }
 
+// The block scales a_s and b_s: dtype `t` and [rows / row_block, K / block] for A and each matrix of B.
+ffi::Error CheckScales(std::string_view target, const GroupedShape& s, const ffi::AnyBuffer& a,
+                       const ffi::AnyBuffer& a_s, const ffi::AnyBuffer& b, const ffi::AnyBuffer& b_s, ffi::DataType t,
+                       std::string_view want, int64_t block, int64_t a_rows = 1, int64_t b_rows = 1) {
+  TE_RETURN_IF_ERROR(CheckDtype(target, a_s, t, "a_s", want));
+  TE_RETURN_IF_ERROR(CheckDtype(target, b_s, t, "b_s", want));
+  TE_RETURN_IF_ERROR(CheckBlockScales(target, a_s, "a_s", a, s.k, a_rows, block));
+  return CheckBlockScales(target, b_s, "b_s", b, s.k, b_rows, block);
+}
+
 ffi::Error GroupedGemmFp8(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
                           ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                          ffi::Result<ffi::AnyBuffer> workspace, int64_t group_axis, int64_t align, bool fast_accum,
-                          bool has_bias) {
+                          ffi::Result<ffi::AnyBuffer> workspace, int64_t group_axis, int64_t align, bool has_bias,
+                          bool fast_accum) {
   constexpr std::string_view kTarget = "te_jax_grouped_gemm_fp8";
   Fp8Format fa = kE4M3, fb = kE4M3;
   TE_RETURN_IF_ERROR(Fp8Pair(kTarget, a, b, &fa, &fb));
@@ -200,7 +210,7 @@ ffi::Error GroupedGemmFp8(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_s
 ffi::Error GroupedGemmFp8Block(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer b, ffi::AnyBuffer b_s,
                                ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> workspace, int64_t group_axis, int64_t align,
-                               bool a_block_2d, bool b_block_2d, bool has_bias) {
+                               bool has_bias, bool a_block_2d, bool b_block_2d) {
   constexpr std::string_view kTarget = "te_jax_grouped_gemm_fp8_block";
   Fp8Format fa = kE4M3, fb = kE4M3;
   TE_RETURN_IF_ERROR(Fp8Pair(kTarget, a, b, &fa, &fb));
@@ -212,10 +222,7 @@ ffi::Error GroupedGemmFp8Block(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuf
   if (s_or.has_error()) return s_or.error();
   const GroupedShape& s = s_or.value();
   const int64_t ra = a_block_2d ? kFp8Block : 1, rb = b_block_2d ? kFp8Block : 1;
-  TE_RETURN_IF_ERROR(CheckDtype(kTarget, a_s, ffi::DataType::F32, "a_s", "float32"));
-  TE_RETURN_IF_ERROR(CheckDtype(kTarget, b_s, ffi::DataType::F32, "b_s", "float32"));
-  TE_RETURN_IF_ERROR(CheckBlockScales(kTarget, a_s, "a_s", a, s.k, ra, kFp8Block));
-  TE_RETURN_IF_ERROR(CheckBlockScales(kTarget, b_s, "b_s", b, s.k, rb, kFp8Block));
+  TE_RETURN_IF_ERROR(CheckScales(kTarget, s, a, a_s, b, b_s, ffi::DataType::F32, "float32", kFp8Block, ra, rb));
   const auto* as = static_cast<const float*>(a_s.untyped_data());
   const auto* bs = static_cast<const float*>(b_s.untyped_data());
   const auto av = DequantizeFp8Blocks(a, fa, s.a_rows, s.k, ra, kFp8Block, [as](int64_t i) { return as[i]; });
@@ -234,10 +241,7 @@ ffi::Error GroupedGemmMxfp8(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer
   auto s_or = ShapeOf(kTarget, a, b, group_sizes, bias, *out, 1, group_axis, align, has_bias);
   if (s_or.has_error()) return s_or.error();
   const GroupedShape& s = s_or.value();
-  TE_RETURN_IF_ERROR(CheckDtype(kTarget, a_s, ffi::DataType::U8, "a_s", "uint8 (E8M0 codes)"));
-  TE_RETURN_IF_ERROR(CheckDtype(kTarget, b_s, ffi::DataType::U8, "b_s", "uint8 (E8M0 codes)"));
-  TE_RETURN_IF_ERROR(CheckBlockScales(kTarget, a_s, "a_s", a, s.k, 1, kMxfp8Block));
-  TE_RETURN_IF_ERROR(CheckBlockScales(kTarget, b_s, "b_s", b, s.k, 1, kMxfp8Block));
+  TE_RETURN_IF_ERROR(CheckScales(kTarget, s, a, a_s, b, b_s, ffi::DataType::U8, "uint8 (E8M0 codes)", kMxfp8Block));
   const auto* as = static_cast<const uint8_t*>(a_s.untyped_data());
   const auto* bs = static_cast<const uint8_t*>(b_s.untyped_data());
   const auto av = DequantizeFp8Blocks(a, fa, s.a_rows, s.k, 1, kMxfp8Block,
@@ -259,10 +263,7 @@ ffi::Error GroupedGemmNvfp4(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer
   auto s_or = ShapeOf(kTarget, a, b, group_sizes, bias, *out, 2, group_axis, align, has_bias);
   if (s_or.has_error()) return s_or.error();
   const GroupedShape& s = s_or.value();
-  TE_RETURN_IF_ERROR(CheckDtype(kTarget, a_s, ffi::DataType::F8E4M3FN, "a_s", "float8_e4m3fn"));
-  TE_RETURN_IF_ERROR(CheckDtype(kTarget, b_s, ffi::DataType::F8E4M3FN, "b_s", "float8_e4m3fn"));
-  TE_RETURN_IF_ERROR(CheckBlockScales(kTarget, a_s, "a_s", a, s.k, 1, kNvfp4Block));
-  TE_RETURN_IF_ERROR(CheckBlockScales(kTarget, b_s, "b_s", b, s.k, 1, kNvfp4Block));
+  TE_RETURN_IF_ERROR(CheckScales(kTarget, s, a, a_s, b, b_s, ffi::DataType::F8E4M3FN, "float8_e4m3fn", kNvfp4Block));
   TE_RETURN_IF_ERROR(CheckGroupScale(kTarget, a_amax, "a_amax", s.groups.count));
   TE_RETURN_IF_ERROR(CheckGroupScale(kTarget, b_amax, "b_amax", s.groups.count));
   // S_dec = 1 / nvfp4_global_encode_scale(amax), one per group (or one for the operand).
