@@ -20,8 +20,9 @@ GEMMs (``te_jax.ops.grouped_gemm``)::
 For wgrad one gather, computed on the device from ``group_sizes``, lays x and
 dy out in spans aligned to the mode's block (``GROUP_ALIGN``), zero-padded
 (zeros add nothing: exact), and those are quantized columnwise by the
-input and grad_output quantizers (with the same state and scale as the
-rowwise copies). The weight of each expert is quantized on its own
+input and grad_output quantizers with the rowwise copies' state (delayed
+scaling: the same scale; current scaling and NVFP4: the amax of the rows in
+groups, which is x's own when every row is in one). The weight of each expert is quantized on its own
 (``jax.vmap`` of the weight quantizer), so per-tensor recipes scale each
 expert separately.
 
