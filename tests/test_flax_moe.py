@@ -17,6 +17,14 @@ from te_jax.flax import MoE, save_fp8_policy
 E, K_TOP, H, F, T = 4, 2, 128, 128, 48
 
 
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """Runs on XLA:CPU on every machine (the layer's logic; the CUDA grouped kernels are tested against the
+    reference twin in test_grouped_gemm_gpu.py)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _x(dtype=jnp.float32):
     return jax.random.normal(jax.random.key(0), (2, T // 2, H)).astype(dtype)
 

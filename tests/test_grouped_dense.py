@@ -28,6 +28,14 @@ SIZES = {
 TOL = {"delayed": 0.06, "current": 0.06, "block": 0.06, "mxfp8": 0.1, "nvfp4": 0.3, "custom": 0.06}
 
 
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """Runs on XLA:CPU on every machine, so every recipe (MXFP8 and NVFP4, which have no CUDA grouped kernel, too)
+    is checked; the CUDA grouped kernels are tested against the reference twin in test_grouped_gemm_gpu.py."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _custom():
     """Per-tensor FP8 for the experts' weights by module path, inputs and gradients current-scaled."""
     def qfactory(role):

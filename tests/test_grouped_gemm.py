@@ -51,6 +51,14 @@ SIZES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """Runs on XLA:CPU on every machine: these tests check the CPU handlers (and the CPU-only align=1); the CUDA
+    grouped kernels are tested against the reference twin in test_grouped_gemm_gpu.py."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def _rng(*names) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32(repr(names).encode()))
 
