@@ -1,0 +1,184 @@
+"""The CUDA grouped FP8 GEMM (te_jax_grouped_gemm_fp8) on a GPU, against a float32 per-group reference.
+
+The target is called through ``jax.ffi.ffi_call`` with the grouped GEMM contract's operands and attributes.
+The reference dequantizes each operand (FP8 value x its scale_inv, per tensor or per group) and multiplies group
+by group in float64, then rounds to the out dtype. TODO(te_jax.ops.grouped_gemm): once the op and its reference
+twin exist, call the op and compare with its twin instead of ``_call`` and ``_reference``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import te_jax  # noqa: F401  (registers the FFI targets)
+from te_jax import _ffi
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(jax.default_backend() != "gpu" or not _ffi.CUDA_BUILT,
+                       reason="needs a GPU and te_jax's CUDA handlers"),
+]
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+
+def _workspace_bytes(groups: int) -> int:
+    return 32 * 2**20 + 1024 * groups
+
+
+def _call(a, b, a_si, b_si, sizes, *, group_axis, out_dtype, fast_accum, align=16, bias=None,
+          workspace_bytes=None):
+    groups = sizes.shape[0]
+    out_shape = (a.shape[0], b.shape[1]) if group_axis == 0 else (groups, a.shape[0], b.shape[0])
+    results = (jax.ShapeDtypeStruct(out_shape, out_dtype),
+               jax.ShapeDtypeStruct((workspace_bytes or _workspace_bytes(groups),), jnp.uint8))
+    bias_arg = jnp.zeros((0,), out_dtype) if bias is None else bias
+    out, _ = jax.ffi.ffi_call("te_jax_grouped_gemm_fp8", results)(
+        a, b, a_si, b_si, sizes, bias_arg, group_axis=np.int64(group_axis), align=np.int64(align),
+        fast_accum=bool(fast_accum), has_bias=bias is not None)
+    return out
+
+
+def _fp8(rng, shape, dtype):
+    return jnp.asarray((rng.standard_normal(shape) * 2).astype(np.float32)).astype(dtype)
+
+
+def _scales(rng, count):
+    return jnp.asarray(rng.uniform(0.25, 2.0, size=(count,)).astype(np.float32))
+
+
+def _deq(x, scale_inv, per_group_index=None):
+    v = np.asarray(x.astype(jnp.float32), np.float64)
+    s = np.asarray(scale_inv, np.float64)
+    return v * (s[0] if s.size == 1 else s[per_group_index])
+
+
+def _reference(a, b, a_si, b_si, sizes, *, group_axis, out_dtype, align=16, bias=None):
+    """The contract's product in float64, rounded to out_dtype."""
+    sizes = np.maximum(np.asarray(sizes), 0)
+    groups = sizes.size
+    if group_axis == 0:
+        m, n = a.shape[0], b.shape[1]
+        out = np.zeros((m, n))
+        start = 0
+        for g in range(groups):
+            rows = slice(min(start, m), min(start + sizes[g], m))
+            out[rows] = _deq(a[rows], a_si, g) @ _deq(b[g], b_si, g).T
+            if bias is not None and rows.stop > rows.start:
+                out[rows] += np.asarray(bias[g].astype(jnp.float32), np.float64)
+            start += sizes[g]
+    else:
+        out = np.zeros((groups, a.shape[0], b.shape[0]))
+        start = 0
+        for g in range(groups):
+            cols = slice(start, start + sizes[g])
+            out[g] = _deq(a[:, cols], a_si, g) @ _deq(b[:, cols], b_si, g).T
+            start += -(-sizes[g] // align) * align
+    return np.asarray(jnp.asarray(out.astype(np.float32)).astype(out_dtype).astype(jnp.float32))
+
+
+def _assert_close(out, ref, out_dtype, fast_accum):
+    out = np.asarray(jnp.asarray(out).astype(jnp.float32))
+    # One rounding to the out dtype on each side, and FP8 fast accumulation's float32-like partial sums.
+    eps = {jnp.bfloat16: 2**-7, jnp.float16: 2**-10, jnp.float32: 2**-18}[out_dtype]
+    scale = max(np.abs(ref).max(), 1.0)
+    atol = (2e-3 if fast_accum else 1e-4) * scale
+    np.testing.assert_allclose(out, ref, rtol=2 * eps, atol=atol)
+
+
+def _spans(rng, rows, sizes, align, dtype):
+    """[rows, Kc] FP8 with each group's columns in an aligned span, the spans' padding zero."""
+    kc = int(sum(-(-s // align) * align for s in sizes))
+    kc = -(-max(kc, align) // 16) * 16 + 16  # some unused columns at the end
+    x = np.zeros((rows, kc), np.float32)
+    start = 0
+    for s in sizes:
+        x[:, start:start + s] = rng.standard_normal((rows, s)) * 2
+        start += -(-s // align) * align
+    return jnp.asarray(x).astype(dtype)
+
+
+ROW_CASES = [
+    # (a dtype, b dtype, out dtype, fast_accum, sizes, M, per-group scales)
+    (E4M3, E4M3, jnp.bfloat16, True, [37, 0, 200, 91], 400, True),     # forward; tail rows zero
+    (E4M3, E4M3, jnp.bfloat16, True, [300, 250], 400, False),          # sum > M: group 1 is cut
+    (E5M2, E4M3, jnp.bfloat16, False, [0, 0, 128, 1, 255], 384, True),  # dgrad-like; empty groups
+]
+
+
+@pytest.mark.parametrize("a_dt, b_dt, out_dt, fast, sizes, m, per_group", ROW_CASES)
+def test_rows_match_reference(a_dt, b_dt, out_dt, fast, sizes, m, per_group):
+    rng = np.random.default_rng(len(sizes) * 7 + m)
+    groups, n, k = len(sizes), 272, 384
+    a, b = _fp8(rng, (m, k), a_dt), _fp8(rng, (groups, n, k), b_dt)
+    a_si, b_si = _scales(rng, groups if per_group else 1), _scales(rng, groups)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    out = jax.jit(lambda *xs: _call(*xs, group_axis=0, out_dtype=out_dt, fast_accum=fast))(a, b, a_si, b_si, sizes)
+    ref = _reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=out_dt)
+    _assert_close(out, ref, out_dt, fast)
+    written = min(int(np.maximum(np.asarray(sizes), 0).sum()), m)
+    assert not np.asarray(out[written:]).any(), "rows past the groups' sum must be zero"
+
+
+def test_rows_with_bias():
+    rng = np.random.default_rng(3)
+    sizes, m, n, k = [64, 0, 100], 200, 128, 256
+    a, b = _fp8(rng, (m, k), E4M3), _fp8(rng, (len(sizes), n, k), E4M3)
+    a_si, b_si = _scales(rng, 1), _scales(rng, 1)
+    bias = jnp.asarray(rng.standard_normal((len(sizes), n)).astype(np.float32))
+    sizes = jnp.asarray(sizes, jnp.int32)
+    out = _call(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16, fast_accum=True, bias=bias)
+    ref = _reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16, bias=bias)
+    _assert_close(out, ref, jnp.bfloat16, True)
+    assert not np.asarray(out[164:]).any()
+
+
+def test_one_compilation_serves_any_group_sizes():
+    """group_sizes is data: one jitted function, different routings, each right (nothing read on the host)."""
+    rng = np.random.default_rng(5)
+    m, n, k, groups = 512, 256, 256, 4
+    a, b = _fp8(rng, (m, k), E4M3), _fp8(rng, (groups, n, k), E4M3)
+    a_si, b_si = _scales(rng, 1), _scales(rng, groups)
+    f = jax.jit(lambda *xs: _call(*xs, group_axis=0, out_dtype=jnp.bfloat16, fast_accum=True))
+    for sizes in ([128, 128, 128, 128], [512, 0, 0, 0], [0, 0, 0, 500], [1, 2, 3, 4]):
+        sizes = jnp.asarray(sizes, jnp.int32)
+        ref = _reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16)
+        _assert_close(f(a, b, a_si, b_si, sizes), ref, jnp.bfloat16, True)
+    assert f._cache_size() == 1
+
+
+@pytest.mark.parametrize("sizes", [[50, 0, 130, 17], [0, 0], [256]])
+def test_contraction_matches_reference(sizes):
+    rng = np.random.default_rng(sum(sizes) + len(sizes))
+    p, q, align = 192, 256, 16
+    a, b = _spans(rng, p, sizes, align, E4M3), _spans(rng, q, sizes, align, E5M2)
+    a_si, b_si = _scales(rng, len(sizes)), _scales(rng, 1)
+    sizes = jnp.asarray(sizes, jnp.int32)
+    out = _call(a, b, a_si, b_si, sizes, group_axis=1, out_dtype=jnp.float32, fast_accum=False, align=align)
+    ref = _reference(a, b, a_si, b_si, sizes, group_axis=1, out_dtype=jnp.float32, align=align)
+    _assert_close(out, ref, jnp.float32, False)
+    for g, s in enumerate(np.asarray(sizes)):
+        if s == 0:
+            assert not np.asarray(out[g]).any(), "an empty group's matrix must be zero"
+
+
+def test_unsupported_combination_is_an_error_naming_the_target():
+    rng = np.random.default_rng(0)
+    a, b = _fp8(rng, (64, 128), E4M3), _fp8(rng, (2, 128, 128), E4M3)
+    one = jnp.ones((1,), jnp.float32)
+    with pytest.raises(Exception, match="te_jax_grouped_gemm_fp8.*no kernel"):
+        jax.block_until_ready(_call(a, b, one, one, jnp.asarray([32, 32], jnp.int32), group_axis=0,
+                                    out_dtype=jnp.float16, fast_accum=True))
+
+
+def test_small_workspace_is_an_error():
+    rng = np.random.default_rng(0)
+    a, b = _fp8(rng, (64, 128), E4M3), _fp8(rng, (2, 128, 128), E4M3)
+    one = jnp.ones((1,), jnp.float32)
+    with pytest.raises(Exception, match="te_jax_grouped_gemm_fp8.*workspace"):
+        jax.block_until_ready(_call(a, b, one, one, jnp.asarray([32, 32], jnp.int32), group_axis=0,
+                                    out_dtype=jnp.bfloat16, fast_accum=True, workspace_bytes=256))
