@@ -95,10 +95,12 @@ def bench_shape(shape, args) -> dict:
         bt_sets = [(x.reshape(experts, rows // experts, k), w) for x, w in sets]
         calls["bf16 batched einsum"] = (jax.jit(lambda x, w: jnp.einsum("egk,enk->egn", x, w)), bt_sets)
 
-    # Spot check: group 0 of the grouped GEMM against the dense FP8 GEMM of the same rows and weight.
+    # Spot check: group 0 of the grouped GEMM against the dense FP8 GEMM of the same rows and weight (the dense
+    # GEMM takes multiples of 16 rows).
     x8, w8, s1, s2, _ = fp8_sets[0]
-    ours = grouped_fp8(x8, w8, s1, s2, sizes)[: int(sizes_np[0])].astype(jnp.float32)
-    dense = gemm_ops.gemm_fp8(x8[: int(sizes_np[0])], w8[0], s1, s2, out_dtype=jnp.bfloat16).astype(jnp.float32)
+    rows0 = int(sizes_np[0]) // 16 * 16
+    ours = grouped_fp8(x8, w8, s1, s2, sizes)[:rows0].astype(jnp.float32)
+    dense = gemm_ops.gemm_fp8(x8[:rows0], w8[0], s1, s2, out_dtype=jnp.bfloat16).astype(jnp.float32)
     spot = float(jnp.max(jnp.abs(ours - dense)) / jnp.maximum(jnp.max(jnp.abs(dense)), 1e-30))
 
     per_call = time_interleaved(calls, args.warmup, args.iters, args.trials)

@@ -54,6 +54,8 @@ __global__ void Sample(const T* x, const T* w, int mg, int n, int k, const int* 
   out[s] = acc;
 }
 
+// The grouped batch mode's API (cublasLtGroupedMatrixLayoutCreate, ...) is in cuBLAS 13.1's cublasLt.h.
+#if CUBLAS_VERSION >= 131000
 template <typename T>
 void Probe(const char* name, cudaDataType dtype, bool fp8, int groups, int mg, int n, int k, cublasLtHandle_t lt) {
   std::printf("== %s: G=%d, M_g=%d, N=%d, K=%d\n", name, groups, mg, n, k);
@@ -171,15 +173,23 @@ void Probe(const char* name, cudaDataType dtype, bool fp8, int groups, int mg, i
   std::printf("time: %.3f ms, %.0f TFLOP/s\n", ms, 2.0 * m * n * k / (ms * 1e-3) / 1e12);
 }
 
+#endif  // CUBLAS_VERSION >= 131000
+
 int main(int argc, char** argv) {
+  std::printf("cuBLASLt %zu at run time, cublasLt.h of %d\n", cublasLtGetVersion(), CUBLAS_VERSION);
+#if CUBLAS_VERSION < 131000
+  std::printf("this cublasLt.h has no grouped batch mode (cuBLAS 13.1 added it)\n");
+  (void)argc;
+  (void)argv;
+#else
   const int groups = argc > 1 ? std::atoi(argv[1]) : 8;
   const int mg = argc > 2 ? std::atoi(argv[2]) : 4096;
   const int n = argc > 3 ? std::atoi(argv[3]) : 28672;
   const int k = argc > 4 ? std::atoi(argv[4]) : 4096;
-  std::printf("cuBLASLt %zu\n", cublasLtGetVersion());
   cublasLtHandle_t lt;
   cublasLtCreate(&lt);
   Probe<__nv_fp8_e4m3>("fp8 e4m3 -> bf16, fast accum", CUDA_R_8F_E4M3, true, groups, mg, n, k, lt);
   Probe<__nv_bfloat16>("bf16 -> bf16", CUDA_R_16BF, false, groups, mg, n, k, lt);
+#endif
   return 0;
 }
