@@ -6,6 +6,8 @@ For each shape, ``x [rows, K]`` (rows sorted by expert, ``group_sizes`` on the d
 * ``fp8 grouped``: te_jax_grouped_gemm_fp8 (per-tensor scales, fast accumulation, bfloat16 out), one setup
   kernel and one CUTLASS launch, group sizes read on the device;
 * ``fp8 dense (ceiling)``: te_jax's dense ``gemm_fp8`` of the same total size, ``[rows, K] x [N, K]^T``;
+* ``fp8 block grouped``: te_jax_grouped_gemm_fp8_block, 1x128 blocks of x and 128x128 blocks of W (the
+  DeepSeek-V3 recipe's layout), bfloat16 out; ``fp8 block dense``: te_jax's ``gemm_fp8_block`` of the same total;
 * ``bf16 ragged_dot``: ``jax.lax.ragged_dot`` on bfloat16 operands;
 * ``bf16 batched einsum``: the experts as a batch of equal-size groups (balanced routing only; its best case).
 
@@ -55,6 +57,16 @@ def grouped_fp8(x, w, x_si, w_si, sizes):
     return out
 
 
+def grouped_fp8_block(x, x_s, w, w_s, sizes):
+    """te_jax_grouped_gemm_fp8_block, group_axis 0, 128x128 blocks of W: bfloat16 ``[rows, N]``."""
+    results = (jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.bfloat16),
+               jax.ShapeDtypeStruct((32 * 2**20 + 1024 * sizes.shape[0],), jnp.uint8))
+    out, _ = jax.ffi.ffi_call("te_jax_grouped_gemm_fp8_block", results)(
+        x, x_s, w, w_s, sizes, jnp.zeros((0,), jnp.bfloat16), group_axis=np.int64(0), align=np.int64(128),
+        a_block_2d=False, b_block_2d=True, has_bias=False)
+    return out
+
+
 def group_sizes(experts: int, rows: int, skewed: bool) -> np.ndarray:
     """Balanced sizes, or one expert taking half the rows and the others sharing the rest."""
     if not skewed:
@@ -87,6 +99,12 @@ def bench_shape(shape, args) -> dict:
         "fp8 dense (ceiling)": (jax.jit(lambda a, b, sa, sb: gemm_ops.gemm_fp8(a, b, sa, sb, out_dtype=jnp.bfloat16,
                                                                                  fast_accum=True)), dense_sets),
     }
+    block_sets = [(x8, jnp.ones((rows, k // 128), jnp.float32), w8, jnp.ones((experts, n // 128, k // 128), jnp.float32),
+                   sz) for x8, w8, _, _, sz in fp8_sets]
+    calls["fp8 block grouped"] = (jax.jit(grouped_fp8_block), block_sets)
+    calls["fp8 block dense"] = (jax.jit(lambda a, a_s, b, b_s: gemm_ops.gemm_fp8_block(
+        a, a_s, b, b_s, b_block_2d=True, out_dtype=jnp.bfloat16)),
+        [(x8, x_s, w8[0], w_s[0]) for x8, x_s, w8, w_s, _ in block_sets])
     if not args.no_ragged:
         # ragged_dot takes rhs [E, K, N].
         rd_sets = [(x, jnp.swapaxes(w, 1, 2), sizes) for x, w in sets]
@@ -113,16 +131,19 @@ def bench_shape(shape, args) -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    names = ["fp8 grouped", "fp8 dense (ceiling)", "bf16 ragged_dot", "bf16 batched einsum"]
-    lines = ["| shape | " + " | ".join(names) + " | grouped / dense | grouped vs einsum | spot check |",
-             "|---" * (len(names) + 4) + "|"]
+    names = ["fp8 grouped", "fp8 dense (ceiling)", "fp8 block grouped", "fp8 block dense", "bf16 ragged_dot",
+             "bf16 batched einsum"]
+    lines = ["| shape | " + " | ".join(names) + " | grouped / dense | grouped vs einsum | block vs einsum | spot check |",
+             "|---" * (len(names) + 5) + "|"]
     for r in results:
         v = r["variants"]
         cells = [f"{v[x]['ms']:.2f} ms ({v[x]['tflops']:.0f})" if x in v else "-" for x in names]
         g = v["fp8 grouped"]["ms"]
         ratio = f"{v['fp8 dense (ceiling)']['ms'] / g:.2f}"
         vs = f"{v['bf16 batched einsum']['ms'] / g:.2f}x" if "bf16 batched einsum" in v else "-"
-        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {ratio} | {vs} | "
+        bvs = (f"{v['bf16 batched einsum']['ms'] / v['fp8 block grouped']['ms']:.2f}x"
+               if "bf16 batched einsum" in v and "fp8 block grouped" in v else "-")
+        lines.append(f"| {r['shape']} | " + " | ".join(cells) + f" | {ratio} | {vs} | {bvs} | "
                      f"{r['spot_check_max_rel_diff']:.1e} |")
     return "\n".join(lines) + "\n"
 

@@ -30,17 +30,33 @@ def _workspace_bytes(groups: int) -> int:
     return 32 * 2**20 + 1024 * groups
 
 
-def _call(a, b, a_si, b_si, sizes, *, group_axis, out_dtype, fast_accum, align=16, bias=None,
-          workspace_bytes=None):
-    groups = sizes.shape[0]
-    out_shape = (a.shape[0], b.shape[1]) if group_axis == 0 else (groups, a.shape[0], b.shape[0])
+def _ffi(target, operands, out_shape, out_dtype, groups, workspace_bytes=None, **attrs):
     results = (jax.ShapeDtypeStruct(out_shape, out_dtype),
                jax.ShapeDtypeStruct((workspace_bytes or _workspace_bytes(groups),), jnp.uint8))
-    bias_arg = jnp.zeros((0,), out_dtype) if bias is None else bias
-    out, _ = jax.ffi.ffi_call("te_jax_grouped_gemm_fp8", results)(
-        a, b, a_si, b_si, sizes, bias_arg, group_axis=np.int64(group_axis), align=np.int64(align),
-        fast_accum=bool(fast_accum), has_bias=bias is not None)
+    out, _ = jax.ffi.ffi_call(target, results)(*operands, **attrs)
     return out
+
+
+def _out_shape(a, b, groups, group_axis):
+    return (a.shape[0], b.shape[1]) if group_axis == 0 else (groups, a.shape[0], b.shape[0])
+
+
+def _call(a, b, a_si, b_si, sizes, *, group_axis, out_dtype, fast_accum, align=16, bias=None,
+          workspace_bytes=None):
+    """te_jax_grouped_gemm_fp8."""
+    groups = sizes.shape[0]
+    bias_arg = jnp.zeros((0,), out_dtype) if bias is None else bias
+    return _ffi("te_jax_grouped_gemm_fp8", (a, b, a_si, b_si, sizes, bias_arg), _out_shape(a, b, groups, group_axis),
+                out_dtype, groups, workspace_bytes, group_axis=np.int64(group_axis), align=np.int64(align),
+                fast_accum=bool(fast_accum), has_bias=bias is not None)
+
+
+def _call_block(a, a_s, b, b_s, sizes, *, group_axis, out_dtype, b_block_2d, align=128):
+    """te_jax_grouped_gemm_fp8_block (1x128 blocks of a)."""
+    groups = sizes.shape[0]
+    return _ffi("te_jax_grouped_gemm_fp8_block", (a, a_s, b, b_s, sizes, jnp.zeros((0,), out_dtype)),
+                _out_shape(a, b, groups, group_axis), out_dtype, groups, group_axis=np.int64(group_axis),
+                align=np.int64(align), a_block_2d=False, b_block_2d=bool(b_block_2d), has_bias=False)
 
 
 def _fp8(rng, shape, dtype):
@@ -57,28 +73,41 @@ def _deq(x, scale_inv, per_group_index=None):
     return v * (s[0] if s.size == 1 else s[per_group_index])
 
 
-def _reference(a, b, a_si, b_si, sizes, *, group_axis, out_dtype, align=16, bias=None):
-    """The contract's product in float64, rounded to out_dtype."""
+def _deq_block(x, s, rows):
+    """x * its float32 1/scale per (rows x 128) block along the last two axes."""
+    v = np.asarray(x.astype(jnp.float32), np.float64)
+    s = np.repeat(np.repeat(np.asarray(s, np.float64), 128, axis=-1), rows, axis=-2)
+    return v * s[..., : v.shape[-2], : v.shape[-1]]
+
+
+def _reference(a_deq, b_deq, sizes, *, group_axis, out_dtype, align=16, bias=None):
+    """The contract's product in float64, rounded to out_dtype; a_deq(g) / b_deq(g): the operands under group g's scales."""
     sizes = np.maximum(np.asarray(sizes), 0)
     groups = sizes.size
     if group_axis == 0:
-        m, n = a.shape[0], b.shape[1]
+        a0, b0 = a_deq(0), b_deq(0)
+        m, n = a0.shape[0], b0.shape[1]
         out = np.zeros((m, n))
         start = 0
         for g in range(groups):
             rows = slice(min(start, m), min(start + sizes[g], m))
-            out[rows] = _deq(a[rows], a_si, g) @ _deq(b[g], b_si, g).T
+            out[rows] = a_deq(g)[rows] @ b_deq(g)[g].T
             if bias is not None and rows.stop > rows.start:
                 out[rows] += np.asarray(bias[g].astype(jnp.float32), np.float64)
             start += sizes[g]
     else:
-        out = np.zeros((groups, a.shape[0], b.shape[0]))
+        a0, b0 = a_deq(0), b_deq(0)
+        out = np.zeros((groups, a0.shape[0], b0.shape[0]))
         start = 0
         for g in range(groups):
             cols = slice(start, start + sizes[g])
-            out[g] = _deq(a[:, cols], a_si, g) @ _deq(b[:, cols], b_si, g).T
+            out[g] = a_deq(g)[:, cols] @ b_deq(g)[:, cols].T
             start += -(-sizes[g] // align) * align
     return np.asarray(jnp.asarray(out.astype(np.float32)).astype(out_dtype).astype(jnp.float32))
+
+
+def _tensor_reference(a, b, a_si, b_si, sizes, **kw):
+    return _reference(lambda g: _deq(a, a_si, g), lambda g: _deq(b, b_si, g), sizes, **kw)
 
 
 def _assert_close(out, ref, out_dtype, fast_accum, parts):
@@ -135,7 +164,7 @@ def test_rows_match_reference(a_dt, b_dt, out_dt, fast, sizes, m, per_group):
     a_si, b_si = _scales(rng, groups if per_group else 1), _scales(rng, groups)
     sizes = jnp.asarray(sizes, jnp.int32)
     out = jax.jit(lambda *xs: _call(*xs, group_axis=0, out_dtype=out_dt, fast_accum=fast))(a, b, a_si, b_si, sizes)
-    ref = _reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=out_dt)
+    ref = _tensor_reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=out_dt)
     _assert_close(out, ref, out_dt, fast, _row_parts(sizes, m))  # the last part: rows past the sum, zero
 
 
@@ -147,7 +176,7 @@ def test_rows_with_bias():
     bias = jnp.asarray(rng.standard_normal((len(sizes), n)).astype(np.float32))
     sizes = jnp.asarray(sizes, jnp.int32)
     out = _call(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16, fast_accum=True, bias=bias)
-    ref = _reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16, bias=bias)
+    ref = _tensor_reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16, bias=bias)
     _assert_close(out, ref, jnp.bfloat16, True, _row_parts(sizes, m))
 
 
@@ -160,7 +189,7 @@ def test_one_compilation_serves_any_group_sizes():
     f = jax.jit(lambda *xs: _call(*xs, group_axis=0, out_dtype=jnp.bfloat16, fast_accum=True))
     for sizes in ([128, 128, 128, 128], [512, 0, 0, 0], [0, 0, 0, 500], [1, 2, 3, 4]):
         sizes = jnp.asarray(sizes, jnp.int32)
-        ref = _reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16)
+        ref = _tensor_reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16)
         _assert_close(f(a, b, a_si, b_si, sizes), ref, jnp.bfloat16, True, _row_parts(sizes, m))
     assert f._cache_size() == 1
 
@@ -173,8 +202,43 @@ def test_contraction_matches_reference(sizes):
     a_si, b_si = _scales(rng, len(sizes)), _scales(rng, 1)
     sizes = jnp.asarray(sizes, jnp.int32)
     out = _call(a, b, a_si, b_si, sizes, group_axis=1, out_dtype=jnp.float32, fast_accum=False, align=align)
-    ref = _reference(a, b, a_si, b_si, sizes, group_axis=1, out_dtype=jnp.float32, align=align)
+    ref = _tensor_reference(a, b, a_si, b_si, sizes, group_axis=1, out_dtype=jnp.float32, align=align)
     _assert_close(out, ref, jnp.float32, False, range(len(sizes)))  # an empty group's matrix: zero
+
+
+def _block_scales(rng, shape):
+    return jnp.asarray(rng.uniform(0.25, 2.0, size=shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("sizes, m", [([37, 0, 200, 91], 400), ([300, 250], 512)])
+def test_block_rows_match_reference(sizes, m):
+    """1x128 blocks of a x 128x128 blocks of each group's weight, bfloat16 out."""
+    rng = np.random.default_rng(len(sizes) + m)
+    groups, n, k = len(sizes), 256, 384
+    a, b = _fp8(rng, (m, k), E4M3), _fp8(rng, (groups, n, k), E4M3)
+    a_s, b_s = _block_scales(rng, (m, k // 128)), _block_scales(rng, (groups, n // 128, k // 128))
+    sizes = jnp.asarray(sizes, jnp.int32)
+    out = _call_block(a, a_s, b, b_s, sizes, group_axis=0, out_dtype=jnp.bfloat16, b_block_2d=True)
+    ref = _reference(lambda g: _deq_block(a, a_s, 1), lambda g: _deq_block(b, b_s, 128), sizes, group_axis=0,
+                     out_dtype=jnp.bfloat16)
+    # The block-scaled kernels promote every 128-long K block: the split-accumulation bound.
+    _assert_close(out, ref, jnp.bfloat16, False, _row_parts(sizes, m))
+
+
+@pytest.mark.parametrize("sizes", [[50, 0, 300, 17], [0, 0]])
+def test_block_contraction_matches_reference(sizes):
+    """The wgrad form: 1x128 blocks on both operands, spans aligned to 128, float32 out."""
+    rng = np.random.default_rng(sum(sizes) + 11)
+    p, q, align = 256, 384, 128
+    a, b = _spans(rng, p, sizes, align, E4M3), _spans(rng, q, sizes, align, E4M3)
+    kc = a.shape[1] // 128 * 128 + (128 if a.shape[1] % 128 else 0)
+    a, b = (jnp.pad(x, ((0, 0), (0, kc - x.shape[1]))) for x in (a, b))
+    a_s, b_s = _block_scales(rng, (p, kc // 128)), _block_scales(rng, (q, kc // 128))
+    sizes = jnp.asarray(sizes, jnp.int32)
+    out = _call_block(a, a_s, b, b_s, sizes, group_axis=1, out_dtype=jnp.float32, b_block_2d=False)
+    ref = _reference(lambda g: _deq_block(a, a_s, 1), lambda g: _deq_block(b, b_s, 1), sizes, group_axis=1,
+                     out_dtype=jnp.float32, align=align)
+    _assert_close(out, ref, jnp.float32, False, range(len(sizes)))
 
 
 def test_unsupported_combination_is_an_error_naming_the_target():

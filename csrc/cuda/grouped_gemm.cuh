@@ -31,6 +31,7 @@ enum class GroupAxis { kRows = 0, kContraction = 1 };
 
 // Everything one per-tensor-scaled grouped FP8 GEMM needs (device pointers).
 struct GroupedFp8Call {
+  const char* target;             // the FFI target, for error messages
   GroupAxis axis;
   Fp8Kind a_kind, b_kind;
   OutKind out_kind;
@@ -39,9 +40,15 @@ struct GroupedFp8Call {
   int64_t align;                  // kContraction: the span alignment of K
   const void* a;
   const void* b;
-  const float* a_scale_inv;       // [1] or [groups]
+  const float* a_scale_inv;       // per-tensor: [1] or [groups]; nullptr in the block mode
   const float* b_scale_inv;
   bool a_scale_per_group, b_scale_per_group;
+  // The block mode (te_jax_grouped_gemm_fp8_block): float32 1/scale per 1x128
+  // block of A (row-major [rows, K/128]) and per b_scale_rows x 128 block of B
+  // (b_scale_rows 128: [G, N/128, K/128]; 1: [G, N, K/128] or [N, Kc/128]).
+  const float* a_s;
+  const float* b_s;
+  int b_scale_rows;
   const int32_t* group_sizes;     // [groups], on the device
   void* out;
   void* workspace;
@@ -57,6 +64,12 @@ struct GroupedFp8Call {
 template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, bool kFastAccum>
 ffi::Error RunGroupedFp8(const GroupedFp8Call& call, cudaStream_t stream);
 
+// The same for the block mode (1x128 A scales, b_scale_rows x 128 B scales),
+// defined in grouped_gemm_sm90_block_*.cu for the entries of
+// TE_JAX_GROUPED_FP8_BLOCK_KERNELS.
+template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, int kBScaleRows>
+ffi::Error RunGroupedFp8Block(const GroupedFp8Call& call, cudaStream_t stream);
+
 // The instantiated kernels, X(a kind, b kind, out kind, fast_accum): the
 // forward (E4M3 x E4M3), dgrad (E5M2 gradient x E4M3 weight) and wgrad
 // (E4M3 activation x E5M2 gradient) products. Each is one source file
@@ -65,6 +78,13 @@ ffi::Error RunGroupedFp8(const GroupedFp8Call& call, cudaStream_t stream);
   X(kE4M3, kE4M3, kBf16, true)        \
   X(kE5M2, kE4M3, kBf16, false)       \
   X(kE4M3, kE5M2, kF32, false)
+
+// The block mode's kernels, X(a kind, b kind, out kind, B scale rows): the
+// forward and dgrad product with 128x128 weight blocks (bfloat16 out), and
+// the wgrad product (group_axis 1, 1x128 blocks on both sides, float32 out).
+#define TE_JAX_GROUPED_FP8_BLOCK_KERNELS(X) \
+  X(kE4M3, kE4M3, kBf16, 128)               \
+  X(kE4M3, kE4M3, kF32, 1)
 
 }  // namespace grouped
 }  // namespace te_jax

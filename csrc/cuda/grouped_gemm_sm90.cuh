@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 
 #include "cute/tensor.hpp"
@@ -20,6 +21,7 @@
 #include "cutlass/gemm/dispatch_policy.hpp"
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
 #include "grouped_gemm.cuh"
 
 namespace te_jax {
@@ -40,11 +42,13 @@ struct GroupGeometry {
   int64_t a_offset, b_offset, d_offset;
   int64_t lda, ldb, ldd;
   float alpha;
+  int64_t sfa_offset, sfb_offset, ld_sf;  // block mode: in scales; ld_sf in K blocks
 };
 
 __device__ inline GroupGeometry GeometryOf(const GroupedFp8Call& c, int64_t g, int64_t start, int32_t size) {
   GroupGeometry geo{};
-  geo.alpha = c.a_scale_inv[c.a_scale_per_group ? g : 0] * c.b_scale_inv[c.b_scale_per_group ? g : 0];
+  const bool block = c.a_s != nullptr;
+  geo.alpha = block ? 1.0f : c.a_scale_inv[c.a_scale_per_group ? g : 0] * c.b_scale_inv[c.b_scale_per_group ? g : 0];
   if (c.axis == GroupAxis::kRows) {
     // start: the sum of the earlier groups' sizes; groups past M are cut.
     const int64_t off = min(start, c.m);
@@ -57,21 +61,29 @@ __device__ inline GroupGeometry GeometryOf(const GroupedFp8Call& c, int64_t g, i
     geo.lda = c.k;
     geo.ldb = c.k;
     geo.ldd = c.n;
+    geo.sfa_offset = off * (c.k / 128);
+    geo.sfb_offset = g * (c.n / max(c.b_scale_rows, 1)) * (c.k / 128);
+    geo.ld_sf = c.k / 128;
   } else {
     // start: the sum of the earlier groups' aligned spans. The span's padding
-    // columns are zero in both operands, so K rounds up to the 16 TMA needs.
+    // columns are zero in both operands, so K rounds up to the 16 TMA needs
+    // (the 128 of a scale block in the block mode).
+    const int64_t round = block ? 128 : 16;
     const int64_t off = min(start, c.k);
-    const int64_t k16 = (static_cast<int64_t>(max(size, 0)) + 15) / 16 * 16;
-    const int64_t kg = min(k16, c.k - off);
+    const int64_t k_round = (static_cast<int64_t>(max(size, 0)) + round - 1) / round * round;
+    const int64_t kg = min(k_round, c.k - off);
     geo.m = kg > 0 ? static_cast<int>(c.m) : 0;
     geo.n = static_cast<int>(c.n);
-    geo.k = kg > 0 ? static_cast<int>(kg) : 16;
+    geo.k = kg > 0 ? static_cast<int>(kg) : static_cast<int>(round);
     geo.a_offset = off;
     geo.b_offset = off;
     geo.d_offset = g * c.m * c.n;
     geo.lda = c.k;
     geo.ldb = c.k;
     geo.ldd = c.n;
+    geo.sfa_offset = off / 128;
+    geo.sfb_offset = off / 128;
+    geo.ld_sf = c.k / 128;
   }
   return geo;
 }
@@ -114,6 +126,12 @@ struct Fp8GroupedKernel {
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 
   // The setup arrays, carved from the front of the workspace.
+  struct Arrays;
+  __device__ static void SetupScales(const GroupedFp8Call&, int64_t, const GroupGeometry&, Arrays&) {}
+  static auto MainloopArguments(const Arrays& a) {
+    return typename Mainloop::Arguments{a.a, a.stride_a, a.b, a.stride_b};
+  }
+
   struct Arrays {
     Shape3* problems;
     const ElementA** a;
@@ -151,10 +169,92 @@ struct Fp8GroupedKernel {
   };
 };
 
+// The CUTLASS grouped GEMM with float32 block scales applied in the mainloop:
+// 1x128 blocks of A, kBScaleRows x 128 blocks of B, both K-major (a row's K
+// blocks contiguous, as te_jax's block quantizer writes them).
+template <class ElementA, class ElementB, class ElementD, int kBScaleRows>
+struct Fp8BlockGroupedKernel {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 16;
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+  using TileShape = Shape<_128, _128, _128>;
+  using ClusterShape = Shape<_1, _2, _1>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBScaleRows, 128, cute::GMMA::Major::K,
+                                                                cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
+      kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
+      ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+  struct Arrays : Fp8GroupedKernel<ElementA, ElementB, ElementD, true>::Arrays {
+    const float** sfa;
+    const float** sfb;
+    LayoutSFA* layout_sfa;
+    LayoutSFB* layout_sfb;
+
+    using Base = typename Fp8GroupedKernel<ElementA, ElementB, ElementD, true>::Arrays;
+    static size_t Bytes(int64_t g) {
+      return Base::Bytes(g) + 2 * RoundUpBytes(g * sizeof(void*)) + RoundUpBytes(g * sizeof(LayoutSFA)) +
+             RoundUpBytes(g * sizeof(LayoutSFB));
+    }
+
+    static Arrays Carve(void* base, int64_t g) {
+      Arrays r;
+      static_cast<Base&>(r) = Base::Carve(base, g);
+      char* p = static_cast<char*>(base) + Base::Bytes(g);
+      auto take = [&p](size_t bytes) {
+        void* q = p;
+        p += RoundUpBytes(bytes);
+        return q;
+      };
+      r.sfa = static_cast<const float**>(take(g * sizeof(void*)));
+      r.sfb = static_cast<const float**>(take(g * sizeof(void*)));
+      r.layout_sfa = static_cast<LayoutSFA*>(take(g * sizeof(LayoutSFA)));
+      r.layout_sfb = static_cast<LayoutSFB*>(take(g * sizeof(LayoutSFB)));
+      return r;
+    }
+  };
+
+  // Fills the block mode's arrays of group g (the scale pointers and layouts).
+  __device__ static void SetupScales(const GroupedFp8Call& c, int64_t g, const GroupGeometry& geo, Arrays& arrays) {
+    arrays.sfa[g] = c.a_s + geo.sfa_offset;
+    arrays.sfb[g] = c.b_s + geo.sfb_offset;
+    const int32_t k_blocks = (geo.k + 127) / 128, ld = static_cast<int32_t>(geo.ld_sf);
+    arrays.layout_sfa[g] = LayoutSFA(
+        make_shape(make_shape(Int<1>{}, geo.m), make_shape(Int<128>{}, k_blocks), 1),
+        make_stride(make_stride(_0{}, ld), make_stride(_0{}, _1{}), 0));
+    arrays.layout_sfb[g] = LayoutSFB(
+        make_shape(make_shape(Int<kBScaleRows>{}, (geo.n + kBScaleRows - 1) / kBScaleRows), make_shape(Int<128>{}, k_blocks), 1),
+        make_stride(make_stride(_0{}, ld), make_stride(_0{}, _1{}), 0));
+  }
+
+  static auto MainloopArguments(const Arrays& a) {
+    return typename Mainloop::Arguments{a.a, a.stride_a, a.b, a.stride_b, a.sfa, a.layout_sfa, a.sfb, a.layout_sfb};
+  }
+};
+
 // One block: each thread takes groups g, g + blockDim, ... and sums the sizes
 // (or aligned spans) of the groups before it (G is at most a few thousand).
 template <class K>
 __global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedFp8Call c, typename K::Arrays arrays) {
+  static_assert(std::is_same_v<typename K::StrideA, cute::Stride<int64_t, _1, _0>>);
   using ElementA = typename K::Gemm::ElementA;
   using ElementB = typename K::Gemm::ElementB;
   using ElementD = typename K::Gemm::ElementD;
@@ -180,6 +280,7 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedFp8Call c, t
     arrays.stride_b[g] = sb;
     arrays.stride_d[g] = sd;
     arrays.alpha[g] = geo.alpha;
+    K::SetupScales(c, g, geo, arrays);
   }
 }
 
@@ -194,9 +295,9 @@ inline int SmCount(int device) {
   return it->second;
 }
 
-inline ffi::Error CutlassError(cutlass::Status s, const char* what) {
+inline ffi::Error CutlassError(const GroupedFp8Call& c, cutlass::Status s, const char* what) {
   return ffi::Error(ffi::ErrorCode::kInternal,
-                    std::string("te_jax_grouped_gemm_fp8: CUTLASS ") + what + " failed: " + cutlassGetStatusString(s));
+                    std::string(c.target) + ": CUTLASS " + what + " failed: " + cutlassGetStatusString(s));
 }
 
 template <class K>
@@ -207,7 +308,7 @@ ffi::Error Run(const GroupedFp8Call& c, cudaStream_t stream) {
   SetupKernel<K><<<1, kSetupThreads, 0, stream>>>(c, arrays);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
     return ffi::Error(ffi::ErrorCode::kInternal,
-                      std::string("te_jax_grouped_gemm_fp8: the setup kernel failed: ") + cudaGetErrorString(e));
+                      std::string(c.target) + ": the setup kernel failed: " + cudaGetErrorString(e));
   }
 
   typename Gemm::Arguments args;
@@ -222,27 +323,27 @@ ffi::Error Run(const GroupedFp8Call& c, cudaStream_t stream) {
   args = typename Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {static_cast<int>(c.groups), arrays.problems, nullptr},  // problem shapes on the device only
-      {arrays.a, arrays.stride_a, arrays.b, arrays.stride_b},
+      K::MainloopArguments(arrays),
       {fusion, nullptr, nullptr, arrays.d, arrays.stride_d},
       hw};
 
   const size_t cutlass_bytes = Gemm::get_workspace_size(args);
   if (setup_bytes + cutlass_bytes > c.workspace_bytes) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "te_jax_grouped_gemm_fp8: the workspace has " + std::to_string(c.workspace_bytes) +
+                      std::string(c.target) + ": the workspace has " + std::to_string(c.workspace_bytes) +
                           " bytes, the grouped GEMM needs " + std::to_string(setup_bytes + cutlass_bytes) +
                           " (size it with grouped_workspace_bytes)");
   }
   if (cutlass::Status s = Gemm::can_implement(args); s != cutlass::Status::kSuccess) {
-    return CutlassError(s, "can_implement");
+    return CutlassError(c, s, "can_implement");
   }
   Gemm gemm;
   void* cutlass_workspace = static_cast<char*>(c.workspace) + setup_bytes;
   if (cutlass::Status s = gemm.initialize(args, cutlass_workspace, stream); s != cutlass::Status::kSuccess) {
-    return CutlassError(s, "initialize");
+    return CutlassError(c, s, "initialize");
   }
   if (cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess) {
-    return CutlassError(s, "run");
+    return CutlassError(c, s, "run");
   }
   return ffi::Error::Success();
 }
@@ -281,9 +382,20 @@ ffi::Error RunGroupedFp8(const GroupedFp8Call& c, cudaStream_t stream) {
   return sm90::Run<K>(c, stream);
 }
 
+template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, int kBScaleRows>
+ffi::Error RunGroupedFp8Block(const GroupedFp8Call& c, cudaStream_t stream) {
+  using K = sm90::Fp8BlockGroupedKernel<typename sm90::Fp8Element<kA>::type, typename sm90::Fp8Element<kB>::type,
+                                        typename sm90::OutElement<kOut>::type, kBScaleRows>;
+  return sm90::Run<K>(c, stream);
+}
+
 // Instantiates RunGroupedFp8 for one entry of TE_JAX_GROUPED_FP8_KERNELS.
 #define TE_JAX_INSTANTIATE_GROUPED_FP8(ka, kb, ko, fast) \
   template ffi::Error RunGroupedFp8<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, fast>(const GroupedFp8Call&, cudaStream_t);
+
+// Instantiates RunGroupedFp8Block for one entry of TE_JAX_GROUPED_FP8_BLOCK_KERNELS.
+#define TE_JAX_INSTANTIATE_GROUPED_FP8_BLOCK(ka, kb, ko, rows) \
+  template ffi::Error RunGroupedFp8Block<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, rows>(const GroupedFp8Call&, cudaStream_t);
 
 }  // namespace grouped
 }  // namespace te_jax
