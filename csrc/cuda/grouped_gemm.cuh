@@ -45,7 +45,7 @@ struct GroupedFp8Call {
   bool a_scale_per_group, b_scale_per_group;
   // The block mode (te_jax_grouped_gemm_fp8_block): float32 1/scale per 1x128
   // block of A (row-major [rows, K/128]) and per b_scale_rows x 128 block of B
-  // (b_scale_rows 128: [G, N/128, K/128]; 1: [G, N, K/128] or [N, Kc/128]).
+  // (b_scale_rows 128: [G, N/128, K/128]; 1: [G, N, K/128]).
   const float* a_s;
   const float* b_s;
   int b_scale_rows;
@@ -80,11 +80,11 @@ ffi::Error RunGroupedFp8Block(const GroupedFp8Call& call, cudaStream_t stream);
   X(kE4M3, kE5M2, kF32, false)
 
 // The block mode's kernels, X(a kind, b kind, out kind, B scale rows): the
-// forward and dgrad product with 128x128 weight blocks (bfloat16 out), and
-// the wgrad product (group_axis 1, 1x128 blocks on both sides, float32 out).
+// forward and dgrad products (group_axis 0) with 128x128 or 1x128 weight
+// blocks, bfloat16 out.
 #define TE_JAX_GROUPED_FP8_BLOCK_KERNELS(X) \
   X(kE4M3, kE4M3, kBf16, 128)               \
-  X(kE4M3, kE4M3, kF32, 1)
+  X(kE4M3, kE4M3, kBf16, 1)
 
 }  // namespace grouped
 }  // namespace te_jax

@@ -2,6 +2,7 @@
 // te_jax/ops/grouped_gemm.py):
 //   te_jax_grouped_gemm_fp8        -> GroupedGemmFp8Cuda       per-tensor FP8, CUTLASS sm_90a (grouped_gemm.cuh)
 //   te_jax_grouped_gemm_fp8_block  -> GroupedGemmFp8BlockCuda  1x128 A x 128x128 or 1x128 B scales, CUTLASS sm_90a
+//                                                              (group_axis 0 only: group_axis 1 is an error)
 //   te_jax_grouped_gemm_mxfp8      -> GroupedGemmMxfp8Cuda     no emulation yet: an error
 //   te_jax_grouped_gemm_nvfp4      -> GroupedGemmNvfp4Cuda     no emulation yet: an error
 //
@@ -145,7 +146,7 @@ ffi::Error DispatchBlock(const GroupedFp8Call& c, cudaStream_t stream) {
 #undef TE_JAX_RUN
   return Invalid(c.target,
                  "the CUDA grouped GEMM has no kernel for this combination of operand dtypes, output dtype and B "
-                 "blocks (it has E4M3 x E4M3 with 128x128 B blocks -> bfloat16, and with 1x128 B blocks -> float32)");
+                 "blocks (it has E4M3 x E4M3 with 128x128 or 1x128 B blocks -> bfloat16)");
 }
 
 // Checks the operands, group sizes, output and bias against the contract and
@@ -325,11 +326,11 @@ ffi::Error GroupedGemmFp8Block(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
     TE_RETURN_IF_ERROR(b_block_2d ? CheckScales(t, "b_s", b_s, {c.groups, c.n / 128, c.k / 128})
                                   : CheckScales(t, "b_s", b_s, {c.groups, c.n, c.k / 128}));
   } else {
-    if (b_block_2d || align % 128 != 0) {
-      return Invalid(t, "group_axis 1 takes 1x128 blocks on both operands and align a multiple of 128");
-    }
-    TE_RETURN_IF_ERROR(CheckScales(t, "a_s", a_s, {c.m, c.k / 128}));
-    TE_RETURN_IF_ERROR(CheckScales(t, "b_s", b_s, {c.n, c.k / 128}));
+    // CUTLASS's grouped blockwise kernel derives each group's scale layout
+    // from its problem shape (a row's K blocks compact), while a span of
+    // [P, Kc/128] scales has a row stride of Kc/128.
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string(t) + ": group_axis 1 (the wgrad form) has no CUDA kernel yet");
   }
   c.a_s = static_cast<const float*>(a_s.untyped_data());
   c.b_s = static_cast<const float*>(b_s.untyped_data());

@@ -66,24 +66,20 @@ __device__ inline GroupGeometry GeometryOf(const GroupedFp8Call& c, int64_t g, i
     geo.ld_sf = c.k / 128;
   } else {
     // start: the sum of the earlier groups' aligned spans. The span's padding
-    // columns are zero in both operands, so K rounds up to the 16 TMA needs
-    // (the 128 of a scale block in the block mode).
-    const int64_t round = block ? 128 : 16;
+    // columns are zero in both operands, so K rounds up to the 16 TMA needs.
+    // (Per-tensor scales only: the handler refuses the block mode here.)
     const int64_t off = min(start, c.k);
-    const int64_t k_round = (static_cast<int64_t>(max(size, 0)) + round - 1) / round * round;
-    const int64_t kg = min(k_round, c.k - off);
+    const int64_t k16 = (static_cast<int64_t>(max(size, 0)) + 15) / 16 * 16;
+    const int64_t kg = min(k16, c.k - off);
     geo.m = kg > 0 ? static_cast<int>(c.m) : 0;
     geo.n = static_cast<int>(c.n);
-    geo.k = kg > 0 ? static_cast<int>(kg) : static_cast<int>(round);
+    geo.k = kg > 0 ? static_cast<int>(kg) : 16;
     geo.a_offset = off;
     geo.b_offset = off;
     geo.d_offset = g * c.m * c.n;
     geo.lda = c.k;
     geo.ldb = c.k;
     geo.ldd = c.n;
-    geo.sfa_offset = off / 128;
-    geo.sfb_offset = off / 128;
-    geo.ld_sf = c.k / 128;
   }
   return geo;
 }
@@ -171,7 +167,10 @@ struct Fp8GroupedKernel {
 
 // The CUTLASS grouped GEMM with float32 block scales applied in the mainloop:
 // 1x128 blocks of A, kBScaleRows x 128 blocks of B, both K-major (a row's K
-// blocks contiguous, as te_jax's block quantizer writes them).
+// blocks contiguous, as te_jax's block quantizer writes them). The grouped
+// kernel derives each group's scale layout from its problem shape (compact:
+// a row stride of K/128), so the layouts written here must be those, and the
+// groups must be whole rows of the scale arrays (group_axis 0).
 template <class ElementA, class ElementB, class ElementD, int kBScaleRows>
 struct Fp8BlockGroupedKernel {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;

@@ -54,7 +54,8 @@ __global__ void Sample(const T* x, const T* w, int mg, int n, int k, const int* 
   out[s] = acc;
 }
 
-// The grouped batch mode's API (cublasLtGroupedMatrixLayoutCreate, ...) is in cuBLAS 13.1's cublasLt.h.
+// The grouped batch mode's API (cublasLtGroupedMatrixLayoutCreate, ...): in the cublasLt.h of nvidia-cublas
+// 13.10 (CUBLAS_VERSION 131000), not in 13.1.0's (130100, the one jax 0.11.2's CUDA 13 plugin loaded on the H200).
 #if CUBLAS_VERSION >= 131000
 template <typename T>
 void Probe(const char* name, cudaDataType dtype, bool fp8, int groups, int mg, int n, int k, cublasLtHandle_t lt) {
@@ -178,7 +179,7 @@ void Probe(const char* name, cudaDataType dtype, bool fp8, int groups, int mg, i
 int main(int argc, char** argv) {
   std::printf("cuBLASLt %zu at run time, cublasLt.h of %d\n", cublasLtGetVersion(), CUBLAS_VERSION);
 #if CUBLAS_VERSION < 131000
-  std::printf("this cublasLt.h has no grouped batch mode (cuBLAS 13.1 added it)\n");
+  std::printf("this cublasLt.h has no grouped batch mode (nvidia-cublas 13.10 has it)\n");
   (void)argc;
   (void)argv;
 #else
