@@ -36,6 +36,9 @@ else()
   if(NOT TE_JAX_CUBLASLT_INCLUDE OR NOT TE_JAX_CUBLASLT_LIBRARY)
     set(_te_missing "cuBLASLt (install the CUDA toolkit's cuBLAS or the nvidia-cublas wheel)")
   endif()
+  if(NOT _te_missing)
+    include("${CMAKE_CURRENT_LIST_DIR}/FindCutlass.cmake")
+  endif()
 endif()
 
 if(_te_missing)
@@ -46,11 +49,23 @@ if(_te_missing)
   return()
 endif()
 
-message(STATUS "te_jax: CUDA handlers for ${CMAKE_CUDA_ARCHITECTURES}, cuBLASLt ${TE_JAX_CUBLASLT_LIBRARY}")
+message(STATUS "te_jax: CUDA handlers for ${CMAKE_CUDA_ARCHITECTURES}, cuBLASLt ${TE_JAX_CUBLASLT_LIBRARY}, "
+               "CUTLASS ${TE_JAX_CUTLASS_INCLUDE}")
 
 file(GLOB TE_JAX_CUDA_SOURCES CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/csrc/cuda/*.cu"
      "${PROJECT_SOURCE_DIR}/csrc/cuda/*.cc")
-nanobind_add_module(_te_jax_cuda NB_STATIC ${TE_JAX_CUDA_SOURCES})
+# The CUTLASS kernels (*_sm90_*.cu) use Hopper-only instructions: built for
+# sm_90a alone, whatever CMAKE_CUDA_ARCHITECTURES says (their handlers refuse
+# other devices with an error naming the architecture).
+file(GLOB TE_JAX_CUDA_SM90_SOURCES CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/csrc/cuda/*_sm90_*.cu")
+list(REMOVE_ITEM TE_JAX_CUDA_SOURCES ${TE_JAX_CUDA_SM90_SOURCES})
+add_library(_te_jax_cuda_sm90 OBJECT ${TE_JAX_CUDA_SM90_SOURCES})
+set_target_properties(_te_jax_cuda_sm90 PROPERTIES CUDA_ARCHITECTURES 90a POSITION_INDEPENDENT_CODE ON
+                                                   CUDA_RUNTIME_LIBRARY Static CUDA_VISIBILITY_PRESET hidden)
+target_include_directories(_te_jax_cuda_sm90 SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}" "${TE_JAX_CUTLASS_INCLUDE}")
+target_include_directories(_te_jax_cuda_sm90 PRIVATE "${PROJECT_SOURCE_DIR}/csrc")
+target_compile_options(_te_jax_cuda_sm90 PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-O3 --expt-relaxed-constexpr>)
+nanobind_add_module(_te_jax_cuda NB_STATIC ${TE_JAX_CUDA_SOURCES} $<TARGET_OBJECTS:_te_jax_cuda_sm90>)
 set_target_properties(_te_jax_cuda PROPERTIES CUDA_ARCHITECTURES "${CMAKE_CUDA_ARCHITECTURES}"
                                               CUDA_RUNTIME_LIBRARY Static)
 target_include_directories(_te_jax_cuda SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}" "${TE_JAX_CUBLASLT_INCLUDE}")

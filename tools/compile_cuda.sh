@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Compiles every CUDA source in csrc/cuda for sm_90a and sm_100a (objects only, nothing linked),
-# so a CUDA compile error fails CI on a machine without a GPU.
-# cuBLASLt headers come from the nvidia-cublas wheel (downloaded once into
-# .cache/, only its include/ folder unpacked).
+# so a CUDA compile error fails CI on a machine without a GPU; the CUTLASS kernels (*_sm90_*.cu)
+# for sm_90a only, as CMake builds them.
+# cuBLASLt headers come from the nvidia-cublas wheel, CUTLASS's from the nvidia-cutlass wheel
+# (each downloaded once into .cache/, only its headers unpacked).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-python3}
@@ -20,12 +21,27 @@ PYEOF
 fi
 [ -f "$inc_dir/cublasLt.h" ] || { echo "compile_cuda: could not get cublasLt.h"; exit 1; }
 
+# The version pinned in pyproject.toml's build requirements.
+cutlass_version=$(sed -n 's/.*"nvidia-cutlass==\([0-9.]*\)".*/\1/p' pyproject.toml)
+cutlass_inc=.cache/cutlass/cutlass_library/source/include
+if [ ! -f "$cutlass_inc/cutlass/cutlass.h" ]; then
+  mkdir -p .cache/cutlass
+  $PY -m pip download -q --disable-pip-version-check --no-deps -d .cache/cutlass "nvidia-cutlass==$cutlass_version"
+  $PY - <<'PYEOF'
+import glob, zipfile
+wheel = sorted(glob.glob(".cache/cutlass/nvidia_cutlass-*.whl"))[-1]
+with zipfile.ZipFile(wheel) as z:
+    z.extractall(".cache/cutlass", [n for n in z.namelist() if n.startswith("cutlass_library/source/include/")])
+PYEOF
+fi
+[ -f "$cutlass_inc/cutlass/cutlass.h" ] || { echo "compile_cuda: could not get the CUTLASS headers"; exit 1; }
+
 ffi_inc=$($PY -c "import jax.ffi; print(jax.ffi.include_dir())")
 nb_inc=$($PY -m nanobind --include_dir)
 py_inc=$($PY -c "import sysconfig; print(sysconfig.get_paths()['include'])")
 out=$(mktemp -d)
 flags=(-std=c++17 -O1 --expt-relaxed-constexpr --ftz=true -Xcompiler=-fPIC -Icsrc -isystem "$ffi_inc"
-       -isystem "$inc_dir" -isystem "$nb_inc" -isystem "$py_inc" -Werror=all-warnings)
+       -isystem "$inc_dir" -isystem "$nb_inc" -isystem "$py_inc" -isystem "$cutlass_inc" -Werror=all-warnings)
 shopt -s nullglob
 sources=(csrc/cuda/*.cu csrc/cuda/*.cc)
 if [ ${#sources[@]} -eq 0 ]; then
@@ -36,6 +52,7 @@ jobs=()
 for src in "${sources[@]}"; do
   for arch in 90a 100a; do
     case "$src" in
+      *_sm90_*) [ "$arch" = 90a ] && jobs+=("-gencode arch=compute_90a,code=sm_90a -c $src -o $out/$(basename "$src").o") ;;
       *.cc) [ "$arch" = 90a ] && jobs+=("-x cu -c $src -o $out/$(basename "$src").o") ;;
       *) jobs+=("-gencode arch=compute_${arch},code=sm_${arch} -c $src -o $out/$(basename "$src").$arch.o") ;;
     esac

@@ -38,6 +38,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpu_jobs  # noqa: E402  (a sibling module of this script)
@@ -124,6 +125,10 @@ def split_names(values: list[str]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--wheel", type=pathlib.Path, help="install this wheel instead of building one")
+    p.add_argument("--cutlass-wheel", type=pathlib.Path,
+                   help="the nvidia-cutlass wheel whose headers the build uses when the build's Python has no "
+                        "cutlass_library package (default: the newest .cache/cutlass/nvidia_cutlass-*.whl of this "
+                        "checkout, which tools/compile_cuda.sh downloads; carry it to a machine without network)")
     p.add_argument("--baseline-wheel", type=pathlib.Path,
                    help="run every benchmark also with this wheel (its own install folder), in turns, and "
                         "write the base/new ratio of each timing; the benchmark scripts are this checkout's, "
@@ -258,6 +263,34 @@ def step(what: str, argv: list[str], log: pathlib.Path, **kwargs) -> None:
     print(f"gpu_check: {what} ({time.monotonic() - start:.0f} s)", flush=True)
 
 
+def cutlass_source(args: argparse.Namespace) -> pathlib.Path | None:
+    """The nvidia-cutlass wheel the build takes CUTLASS's headers from, or None: the build's Python finds them."""
+    if args.cutlass_wheel is not None:
+        return args.cutlass_wheel.resolve()
+    wheels = sorted((ROOT / ".cache" / "cutlass").glob("nvidia_cutlass-*.whl"))
+    return wheels[-1] if wheels else None
+
+
+def cutlass_build_flags(wheel: pathlib.Path | None, work: pathlib.Path, python: str) -> list[str]:
+    """The CMake define that points the build at CUTLASS's headers unpacked from ``wheel`` (cmake/FindCutlass.cmake).
+
+    No flags when the build's Python already has the cutlass_library package; the headers of ``wheel`` otherwise
+    (unpacked with zipfile, so no network and no install are needed).
+    """
+    found = subprocess.run([python, "-c", "import importlib.util, sys; "
+                            "sys.exit(importlib.util.find_spec('cutlass_library') is None)"]).returncode == 0
+    if found:
+        return []
+    if wheel is None:
+        raise SystemExit("gpu_check: the build needs CUTLASS's headers: pip install nvidia-cutlass, or run "
+                         "tools/compile_cuda.sh once (it downloads the wheel into .cache/cutlass), or pass "
+                         "--cutlass-wheel")
+    dest = work / "cutlass"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(dest, [n for n in z.namelist() if n.startswith("cutlass_library/source/include/")])
+    return ["-C", f"cmake.define.TE_JAX_CUTLASS_DIR={dest / 'cutlass_library' / 'source'}"]
+
+
 def install(wheel: pathlib.Path, site: pathlib.Path, log: pathlib.Path, python: str) -> None:
     """Installs ``wheel`` (without dependencies) into ``site`` and checks that jobs import it, CUDA module included."""
     shutil.rmtree(site, ignore_errors=True)
@@ -305,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = Layout(args.out.resolve(), pathlib.Path(tempfile.gettempdir()) / "te_jax_gpu_check")
     jobs = make_jobs(args, layout, python)
     if args.dry_run:
-        print(f"build: {'use ' + str(args.wheel) if args.wheel else 'pip wheel ' + ' '.join(BUILD_FLAGS)}")
+        print(f"build: {'use ' + str(args.wheel) if args.wheel else 'pip wheel ' + ' '.join(BUILD_FLAGS)}"
+              + ("" if args.wheel else f", CUTLASS from {cutlass_source(args) or 'the build Python'}"))
         print(f"install: new -> {layout.site('new')}"
               + (f", base {args.baseline_wheel} -> {layout.site('base')}" if args.baseline_wheel else ""))
         for job in jobs:
@@ -323,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     wheel = args.wheel.resolve() if args.wheel else None
     if wheel is None:
         wheel_dir = layout.work / "wheel"
+        flags = BUILD_FLAGS + cutlass_build_flags(cutlass_source(args), layout.work, python)
         step("build the CUDA wheel", [python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-v",
-                                      "-w", str(wheel_dir), str(ROOT), *BUILD_FLAGS], build_log)
+                                      "-w", str(wheel_dir), str(ROOT), *flags], build_log)
         (wheel,) = wheel_dir.glob("te_jax-*.whl")
         shutil.copy(wheel, layout.out / wheel.name)
     install(wheel, layout.site("new"), build_log, python)

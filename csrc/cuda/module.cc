@@ -3,12 +3,14 @@
 #include <nanobind/nanobind.h>
 
 #include "../common/register_module.h"
+#include "grouped_gemm_binding.cuh"
 
 namespace te_jax {
 #define TE_DECLARE_CUDA(name, stem) TE_JAX_DECLARE_HANDLER(name, stem, Cuda)
 TE_JAX_FFI_TARGETS(TE_DECLARE_CUDA)
 TE_JAX_GEMM_TARGETS(TE_DECLARE_CUDA)
 TE_JAX_NORM_ACT_TARGETS(TE_DECLARE_CUDA)
+TE_JAX_GROUPED_GEMM_TARGETS(TE_DECLARE_CUDA)
 }  // namespace te_jax
 
 NB_MODULE(_te_jax_cuda, m) {
@@ -19,6 +21,7 @@ NB_MODULE(_te_jax_cuda, m) {
     TE_JAX_FFI_TARGETS(TE_ADD_CUDA)
     TE_JAX_GEMM_TARGETS(TE_ADD_CUDA)
     TE_JAX_NORM_ACT_TARGETS(TE_ADD_CUDA)
+    TE_JAX_GROUPED_GEMM_TARGETS(TE_ADD_CUDA)
     return d;
   });
 }

@@ -1,0 +1,90 @@
+// The grouped FP8 GEMM on the device (contract: the grouped GEMM custom calls
+// of te_jax/ops/grouped_gemm.py). One call is a tiny setup kernel that reads
+// group_sizes on the device and writes every group's problem shape, operand
+// pointers, strides and alpha (the product of the scale_invs) into the
+// workspace, then ONE CUTLASS pointer-array grouped GEMM launch (sm_90a), then
+// the zeroing (and bias) kernels for the rows / groups no GEMM writes. Nothing
+// is copied to the host, nothing is allocated, nothing synchronizes, so the
+// call can be captured in a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace te_jax {
+namespace grouped {
+
+namespace ffi = ::xla::ffi;
+
+enum class Fp8Kind { kE4M3, kE5M2 };
+enum class OutKind { kF32, kBf16, kF16 };
+
+// The grouped layout of the contract. kRows (group_axis 0): A [M, K] with the
+// groups' rows stacked, B [G, N, K], out [M, N]. kContraction (group_axis 1):
+// A [M, K] and B [N, K] with the groups in aligned column spans of K, out
+// [G, M, N]. (M, N, K here are P, Q, Kc of the contract for kContraction.)
+enum class GroupAxis { kRows = 0, kContraction = 1 };
+
+// Everything one per-tensor-scaled grouped FP8 GEMM needs (device pointers).
+struct GroupedFp8Call {
+  const char* target;             // the FFI target, for error messages
+  GroupAxis axis;
+  Fp8Kind a_kind, b_kind;
+  OutKind out_kind;
+  bool fast_accum;
+  int64_t groups, m, n, k;
+  int64_t align;                  // kContraction: the span alignment of K
+  const void* a;
+  const void* b;
+  const float* a_scale_inv;       // per-tensor: [1] or [groups]; nullptr in the block mode
+  const float* b_scale_inv;
+  bool a_scale_per_group, b_scale_per_group;
+  // The block mode (te_jax_grouped_gemm_fp8_block): float32 1/scale per 1x128
+  // block of A (row-major [rows, K/128]) and per b_scale_rows x 128 block of B
+  // (b_scale_rows 128: [G, N/128, K/128]; 1: [G, N, K/128]).
+  const float* a_s;
+  const float* b_s;
+  int b_scale_rows;
+  const int32_t* group_sizes;     // [groups], on the device
+  void* out;
+  void* workspace;
+  size_t workspace_bytes;
+  int device;
+};
+
+// Enqueues the grouped GEMM of `call` on `stream` with the CUTLASS sm_90a
+// kernel of these dtypes (defined in grouped_gemm_sm90_*.cu, for the entries
+// of TE_JAX_GROUPED_FP8_KERNELS only; the caller checks the device is sm_90).
+// Writes only the groups' rows / matrices: the rows past the groups' sum
+// (kRows) and the matrices of empty groups (kContraction) are the caller's.
+template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, bool kFastAccum>
+ffi::Error RunGroupedFp8(const GroupedFp8Call& call, cudaStream_t stream);
+
+// The same for the block mode (1x128 A scales, b_scale_rows x 128 B scales),
+// defined in grouped_gemm_sm90_block_*.cu for the entries of
+// TE_JAX_GROUPED_FP8_BLOCK_KERNELS.
+template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, int kBScaleRows>
+ffi::Error RunGroupedFp8Block(const GroupedFp8Call& call, cudaStream_t stream);
+
+// The instantiated kernels, X(a kind, b kind, out kind, fast_accum): the
+// forward (E4M3 x E4M3), dgrad (E5M2 gradient x E4M3 weight) and wgrad
+// (E4M3 activation x E5M2 gradient) products. Each is one source file
+// grouped_gemm_sm90_<a>_<b>_<out>_<accum>.cu.
+#define TE_JAX_GROUPED_FP8_KERNELS(X) \
+  X(kE4M3, kE4M3, kBf16, true)        \
+  X(kE5M2, kE4M3, kBf16, false)       \
+  X(kE4M3, kE5M2, kF32, false)
+
+// The block mode's kernels, X(a kind, b kind, out kind, B scale rows): the
+// forward and dgrad products (group_axis 0) with 128x128 or 1x128 weight
+// blocks, bfloat16 out.
+#define TE_JAX_GROUPED_FP8_BLOCK_KERNELS(X) \
+  X(kE4M3, kE4M3, kBf16, 128)               \
+  X(kE4M3, kE4M3, kBf16, 1)
+
+}  // namespace grouped
+}  // namespace te_jax

@@ -1,0 +1,400 @@
+// The per-tensor-scaled grouped FP8 GEMM on sm_90a: CUTLASS's pointer-array
+// grouped kernel (TMA, warp-specialized cooperative, FP8 with or without fast
+// accumulation), fed by a setup kernel that computes every group's problem
+// from group_sizes on the device. See grouped_gemm.cuh. Included only by the
+// grouped_gemm_sm90_*.cu sources, one kernel instantiation each (so a
+// parallel build compiles them side by side), built for sm_90a alone.
+#pragma once
+
+#include <algorithm>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/detail/blockwise_scale_layout.hpp"
+#include "grouped_gemm.cuh"
+
+namespace te_jax {
+namespace grouped {
+namespace sm90 {
+
+using namespace cute;  // NOLINT: CUTLASS's shape and stride vocabulary (_1, Shape, ...)
+
+constexpr int kSetupThreads = 256;
+constexpr size_t kSectionAlign = 256;
+
+inline size_t RoundUpBytes(size_t n) { return (n + kSectionAlign - 1) / kSectionAlign * kSectionAlign; }
+
+// One group's GEMM in the row-major A [m, k] x B [n, k]^T -> D [m, n] form,
+// offsets in elements of each operand. m == 0 means no GEMM for the group.
+struct GroupGeometry {
+  int m, n, k;
+  int64_t a_offset, b_offset, d_offset;
+  int64_t lda, ldb, ldd;
+  float alpha;
+  int64_t sfa_offset, sfb_offset, ld_sf;  // block mode: in scales; ld_sf in K blocks
+};
+
+__device__ inline GroupGeometry GeometryOf(const GroupedFp8Call& c, int64_t g, int64_t start, int32_t size) {
+  GroupGeometry geo{};
+  const bool block = c.a_s != nullptr;
+  geo.alpha = block ? 1.0f : c.a_scale_inv[c.a_scale_per_group ? g : 0] * c.b_scale_inv[c.b_scale_per_group ? g : 0];
+  if (c.axis == GroupAxis::kRows) {
+    // start: the sum of the earlier groups' sizes; groups past M are cut.
+    const int64_t off = min(start, c.m);
+    geo.m = static_cast<int>(min(static_cast<int64_t>(max(size, 0)), c.m - off));
+    geo.n = static_cast<int>(c.n);
+    geo.k = static_cast<int>(c.k);
+    geo.a_offset = off * c.k;
+    geo.b_offset = g * c.n * c.k;
+    geo.d_offset = off * c.n;
+    geo.lda = c.k;
+    geo.ldb = c.k;
+    geo.ldd = c.n;
+    geo.sfa_offset = off * (c.k / 128);
+    geo.sfb_offset = g * (c.n / max(c.b_scale_rows, 1)) * (c.k / 128);
+    geo.ld_sf = c.k / 128;
+  } else {
+    // start: the sum of the earlier groups' aligned spans. The span's padding
+    // columns are zero in both operands, so K rounds up to the 16 TMA needs.
+    // (Per-tensor scales only: the handler refuses the block mode here.)
+    const int64_t off = min(start, c.k);
+    const int64_t k16 = (static_cast<int64_t>(max(size, 0)) + 15) / 16 * 16;
+    const int64_t kg = min(k16, c.k - off);
+    geo.m = kg > 0 ? static_cast<int>(c.m) : 0;
+    geo.n = static_cast<int>(c.n);
+    geo.k = kg > 0 ? static_cast<int>(kg) : 16;
+    geo.a_offset = off;
+    geo.b_offset = off;
+    geo.d_offset = g * c.m * c.n;
+    geo.lda = c.k;
+    geo.ldb = c.k;
+    geo.ldd = c.n;
+  }
+  return geo;
+}
+
+// The CUTLASS grouped GEMM of one dtype combination and accumulation mode.
+template <class ElementA, class ElementB, class ElementD, bool kFastAccum>
+struct Fp8GroupedKernel {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using LayoutA = cutlass::layout::RowMajor;     // A [m, k], k contiguous
+  using LayoutB = cutlass::layout::ColumnMajor;  // B [n, k], k contiguous
+  using LayoutD = cutlass::layout::RowMajor;     // D [m, n]
+  static constexpr int kAlignAB = 16;
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+  using TileShape = Shape<_256, _128, _128>;
+  using ClusterShape = Shape<_1, _2, _1>;
+  using MainloopSchedule =
+      std::conditional_t<kFastAccum, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
+                         cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD*, kAlignD,  // no source C
+      ElementD, LayoutD*, kAlignD, EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlignAB, ElementB, LayoutB*,
+      kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  static_assert(is_static<decltype(get<1>(StrideA{}))>::value && is_static<decltype(get<1>(StrideB{}))>::value &&
+                    is_static<decltype(get<1>(StrideD{}))>::value,
+                "the grouped operands are contiguous along their last axis");
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+  // The setup arrays, carved from the front of the workspace.
+  struct Arrays;
+  __device__ static void SetupScales(const GroupedFp8Call&, int64_t, const GroupGeometry&, Arrays&) {}
+  static auto MainloopArguments(const Arrays& a) {
+    return typename Mainloop::Arguments{a.a, a.stride_a, a.b, a.stride_b};
+  }
+
+  struct Arrays {
+    Shape3* problems;
+    const ElementA** a;
+    const ElementB** b;
+    ElementD** d;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideD* stride_d;
+    float* alpha;
+
+    static size_t Bytes(int64_t g) {
+      return RoundUpBytes(g * sizeof(Shape3)) + 3 * RoundUpBytes(g * sizeof(void*)) +
+             RoundUpBytes(g * sizeof(StrideA)) + RoundUpBytes(g * sizeof(StrideB)) +
+             RoundUpBytes(g * sizeof(StrideD)) + RoundUpBytes(g * sizeof(float));
+    }
+
+    static Arrays Carve(void* base, int64_t g) {
+      auto* p = static_cast<char*>(base);
+      auto take = [&p](size_t bytes) {
+        void* q = p;
+        p += RoundUpBytes(bytes);
+        return q;
+      };
+      Arrays r;
+      r.problems = static_cast<Shape3*>(take(g * sizeof(Shape3)));
+      r.a = static_cast<const ElementA**>(take(g * sizeof(void*)));
+      r.b = static_cast<const ElementB**>(take(g * sizeof(void*)));
+      r.d = static_cast<ElementD**>(take(g * sizeof(void*)));
+      r.stride_a = static_cast<StrideA*>(take(g * sizeof(StrideA)));
+      r.stride_b = static_cast<StrideB*>(take(g * sizeof(StrideB)));
+      r.stride_d = static_cast<StrideD*>(take(g * sizeof(StrideD)));
+      r.alpha = static_cast<float*>(take(g * sizeof(float)));
+      return r;
+    }
+  };
+};
+
+// The CUTLASS grouped GEMM with float32 block scales applied in the mainloop:
+// 1x128 blocks of A, kBScaleRows x 128 blocks of B, both K-major (a row's K
+// blocks contiguous, as te_jax's block quantizer writes them). The grouped
+// kernel derives each group's scale layout from its problem shape (compact:
+// a row stride of K/128), so the layouts written here must be those, and the
+// groups must be whole rows of the scale arrays (group_axis 0).
+template <class ElementA, class ElementB, class ElementD, int kBScaleRows>
+struct Fp8BlockGroupedKernel {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 16;
+  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
+  using TileShape = Shape<_128, _128, _128>;
+  using ClusterShape = Shape<_1, _2, _1>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBScaleRows, 128, cute::GMMA::Major::K,
+                                                                cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
+      kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
+      ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+  struct Arrays : Fp8GroupedKernel<ElementA, ElementB, ElementD, true>::Arrays {
+    const float** sfa;
+    const float** sfb;
+    LayoutSFA* layout_sfa;
+    LayoutSFB* layout_sfb;
+
+    using Base = typename Fp8GroupedKernel<ElementA, ElementB, ElementD, true>::Arrays;
+    static size_t Bytes(int64_t g) {
+      return Base::Bytes(g) + 2 * RoundUpBytes(g * sizeof(void*)) + RoundUpBytes(g * sizeof(LayoutSFA)) +
+             RoundUpBytes(g * sizeof(LayoutSFB));
+    }
+
+    static Arrays Carve(void* base, int64_t g) {
+      Arrays r;
+      static_cast<Base&>(r) = Base::Carve(base, g);
+      char* p = static_cast<char*>(base) + Base::Bytes(g);
+      auto take = [&p](size_t bytes) {
+        void* q = p;
+        p += RoundUpBytes(bytes);
+        return q;
+      };
+      r.sfa = static_cast<const float**>(take(g * sizeof(void*)));
+      r.sfb = static_cast<const float**>(take(g * sizeof(void*)));
+      r.layout_sfa = static_cast<LayoutSFA*>(take(g * sizeof(LayoutSFA)));
+      r.layout_sfb = static_cast<LayoutSFB*>(take(g * sizeof(LayoutSFB)));
+      return r;
+    }
+  };
+
+  // Fills the block mode's arrays of group g (the scale pointers and layouts).
+  __device__ static void SetupScales(const GroupedFp8Call& c, int64_t g, const GroupGeometry& geo, Arrays& arrays) {
+    arrays.sfa[g] = c.a_s + geo.sfa_offset;
+    arrays.sfb[g] = c.b_s + geo.sfb_offset;
+    const int32_t k_blocks = (geo.k + 127) / 128, ld = static_cast<int32_t>(geo.ld_sf);
+    arrays.layout_sfa[g] = LayoutSFA(
+        make_shape(make_shape(Int<1>{}, geo.m), make_shape(Int<128>{}, k_blocks), 1),
+        make_stride(make_stride(_0{}, ld), make_stride(_0{}, _1{}), 0));
+    arrays.layout_sfb[g] = LayoutSFB(
+        make_shape(make_shape(Int<kBScaleRows>{}, (geo.n + kBScaleRows - 1) / kBScaleRows), make_shape(Int<128>{}, k_blocks), 1),
+        make_stride(make_stride(_0{}, ld), make_stride(_0{}, _1{}), 0));
+  }
+
+  static auto MainloopArguments(const Arrays& a) {
+    return typename Mainloop::Arguments{a.a, a.stride_a, a.b, a.stride_b, a.sfa, a.layout_sfa, a.sfb, a.layout_sfb};
+  }
+};
+
+// One block: each thread takes groups g, g + blockDim, ... and sums the sizes
+// (or aligned spans) of the groups before it (G is at most a few thousand).
+template <class K>
+__global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedFp8Call c, typename K::Arrays arrays) {
+  static_assert(std::is_same_v<typename K::StrideA, cute::Stride<int64_t, _1, _0>>);
+  using ElementA = typename K::Gemm::ElementA;
+  using ElementB = typename K::Gemm::ElementB;
+  using ElementD = typename K::Gemm::ElementD;
+  for (int64_t g = threadIdx.x; g < c.groups; g += blockDim.x) {
+    int64_t start = 0;
+    for (int64_t h = 0; h < g; ++h) {
+      const int64_t s = max(c.group_sizes[h], 0);
+      start += c.axis == GroupAxis::kRows ? s : (s + c.align - 1) / c.align * c.align;
+    }
+    const GroupGeometry geo = GeometryOf(c, g, start, c.group_sizes[g]);
+    arrays.problems[g] = typename K::Shape3(geo.m, geo.n, geo.k);
+    arrays.a[g] = static_cast<const ElementA*>(c.a) + geo.a_offset;
+    arrays.b[g] = static_cast<const ElementB*>(c.b) + geo.b_offset;
+    arrays.d[g] = static_cast<ElementD*>(c.out) + geo.d_offset;
+    // Each stride is (leading dimension, 1, 0): only the leading dimension is dynamic.
+    typename K::StrideA sa{};
+    typename K::StrideB sb{};
+    typename K::StrideD sd{};
+    get<0>(sa) = geo.lda;
+    get<0>(sb) = geo.ldb;
+    get<0>(sd) = geo.ldd;
+    arrays.stride_a[g] = sa;
+    arrays.stride_b[g] = sb;
+    arrays.stride_d[g] = sd;
+    arrays.alpha[g] = geo.alpha;
+    K::SetupScales(c, g, geo, arrays);
+  }
+}
+
+inline int SmCount(int device) {
+  static std::mutex mu;
+  static std::unordered_map<int, int> counts;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = counts.find(device);
+  if (it == counts.end()) {
+    it = counts.emplace(device, cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device)).first;
+  }
+  return it->second;
+}
+
+inline ffi::Error CutlassError(const GroupedFp8Call& c, cutlass::Status s, const char* what) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string(c.target) + ": CUTLASS " + what + " failed: " + cutlassGetStatusString(s));
+}
+
+template <class K>
+ffi::Error Run(const GroupedFp8Call& c, cudaStream_t stream) {
+  using Gemm = typename K::Gemm;
+  const size_t setup_bytes = K::Arrays::Bytes(c.groups);
+  auto arrays = K::Arrays::Carve(c.workspace, c.groups);
+  SetupKernel<K><<<1, kSetupThreads, 0, stream>>>(c, arrays);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) {
+    return ffi::Error(ffi::ErrorCode::kInternal,
+                      std::string(c.target) + ": the setup kernel failed: " + cudaGetErrorString(e));
+  }
+
+  typename Gemm::Arguments args;
+  decltype(args.epilogue.thread) fusion;
+  fusion.alpha = 0.0f;
+  fusion.beta = 0.0f;
+  fusion.alpha_ptr = arrays.alpha;
+  fusion.dAlpha = {_0{}, _0{}, 1};  // one alpha per group, read on the device
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = c.device;
+  hw.sm_count = SmCount(c.device);
+  args = typename Gemm::Arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {static_cast<int>(c.groups), arrays.problems, nullptr},  // problem shapes on the device only
+      K::MainloopArguments(arrays),
+      {fusion, nullptr, nullptr, arrays.d, arrays.stride_d},
+      hw};
+
+  const size_t cutlass_bytes = Gemm::get_workspace_size(args);
+  if (setup_bytes + cutlass_bytes > c.workspace_bytes) {
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      std::string(c.target) + ": the workspace has " + std::to_string(c.workspace_bytes) +
+                          " bytes, the grouped GEMM needs " + std::to_string(setup_bytes + cutlass_bytes) +
+                          " (size it with grouped_workspace_bytes)");
+  }
+  if (cutlass::Status s = Gemm::can_implement(args); s != cutlass::Status::kSuccess) {
+    return CutlassError(c, s, "can_implement");
+  }
+  Gemm gemm;
+  void* cutlass_workspace = static_cast<char*>(c.workspace) + setup_bytes;
+  if (cutlass::Status s = gemm.initialize(args, cutlass_workspace, stream); s != cutlass::Status::kSuccess) {
+    return CutlassError(c, s, "initialize");
+  }
+  if (cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess) {
+    return CutlassError(c, s, "run");
+  }
+  return ffi::Error::Success();
+}
+
+template <Fp8Kind kA>
+struct Fp8Element;
+template <>
+struct Fp8Element<Fp8Kind::kE4M3> {
+  using type = cutlass::float_e4m3_t;
+};
+template <>
+struct Fp8Element<Fp8Kind::kE5M2> {
+  using type = cutlass::float_e5m2_t;
+};
+template <OutKind kOut>
+struct OutElement;
+template <>
+struct OutElement<OutKind::kF32> {
+  using type = float;
+};
+template <>
+struct OutElement<OutKind::kBf16> {
+  using type = cutlass::bfloat16_t;
+};
+template <>
+struct OutElement<OutKind::kF16> {
+  using type = cutlass::half_t;
+};
+
+}  // namespace sm90
+
+template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, bool kFastAccum>
+ffi::Error RunGroupedFp8(const GroupedFp8Call& c, cudaStream_t stream) {
+  using K = sm90::Fp8GroupedKernel<typename sm90::Fp8Element<kA>::type, typename sm90::Fp8Element<kB>::type,
+                                   typename sm90::OutElement<kOut>::type, kFastAccum>;
+  return sm90::Run<K>(c, stream);
+}
+
+template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, int kBScaleRows>
+ffi::Error RunGroupedFp8Block(const GroupedFp8Call& c, cudaStream_t stream) {
+  using K = sm90::Fp8BlockGroupedKernel<typename sm90::Fp8Element<kA>::type, typename sm90::Fp8Element<kB>::type,
+                                        typename sm90::OutElement<kOut>::type, kBScaleRows>;
+  return sm90::Run<K>(c, stream);
+}
+
+// Instantiates RunGroupedFp8 for one entry of TE_JAX_GROUPED_FP8_KERNELS.
+#define TE_JAX_INSTANTIATE_GROUPED_FP8(ka, kb, ko, fast) \
+  template ffi::Error RunGroupedFp8<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, fast>(const GroupedFp8Call&, cudaStream_t);
+
+// Instantiates RunGroupedFp8Block for one entry of TE_JAX_GROUPED_FP8_BLOCK_KERNELS.
+#define TE_JAX_INSTANTIATE_GROUPED_FP8_BLOCK(ka, kb, ko, rows) \
+  template ffi::Error RunGroupedFp8Block<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, rows>(const GroupedFp8Call&, cudaStream_t);
+
+}  // namespace grouped
+}  // namespace te_jax
