@@ -16,8 +16,8 @@
 #include <string>
 
 #include "gemm_cublaslt.cuh"
+#include "../common/bindings.h"
 #include "grouped_gemm.cuh"
-#include "grouped_gemm_binding.cuh"
 
 namespace te_jax {
 namespace grouped {
@@ -271,7 +271,7 @@ ffi::Error Run(GroupedFp8Call& c, int device, int64_t out_bytes, const ffi::AnyB
 ffi::Error GroupedGemmFp8(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv,
                           ffi::AnyBuffer b_scale_inv, ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace, int64_t group_axis,
-                          int64_t align, bool fast_accum, bool has_bias) {
+                          int64_t align, bool has_bias, bool fast_accum) {
   const char* t = "te_jax_grouped_gemm_fp8";
   gemm::DeviceGuard guard;
   TE_RETURN_IF_ERROR(guard.Enter(stream));
@@ -310,7 +310,7 @@ ffi::Error CheckScales(const char* t, const char* name, const ffi::AnyBuffer& s,
 ffi::Error GroupedGemmFp8Block(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer b,
                                ffi::AnyBuffer b_s, ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                               int64_t group_axis, int64_t align, bool a_block_2d, bool b_block_2d, bool has_bias) {
+                               int64_t group_axis, int64_t align, bool has_bias, bool a_block_2d, bool b_block_2d) {
   const char* t = "te_jax_grouped_gemm_fp8_block";
   gemm::DeviceGuard guard;
   TE_RETURN_IF_ERROR(guard.Enter(stream));

@@ -3,7 +3,6 @@
 #include <nanobind/nanobind.h>
 
 #include "../common/register_module.h"
-#include "grouped_gemm_binding.cuh"
 
 namespace te_jax {
 #define TE_DECLARE_CUDA(name, stem) TE_JAX_DECLARE_HANDLER(name, stem, Cuda)
