@@ -18,7 +18,7 @@ from flax.linen import dtypes as flax_dtypes
 from jax import lax
 
 from te_jax._core.norm import NORM_TYPES
-from te_jax.layernorm_mlp import ACTIVATIONS
+from te_jax.layernorm_mlp import ACTIVATIONS, GATED
 
 HIGH_PRECISION = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 Initializer = Callable[..., Any]
@@ -212,3 +212,11 @@ def split_qkv(qkv: jax.Array, num_heads: int, num_kv_heads: int, head_dim: int):
     g = num_heads // num_kv_heads
     q = qkv[..., :g, :].reshape(*qkv.shape[:2], num_heads, head_dim)
     return q, qkv[..., g, :], qkv[..., g + 1, :]
+
+
+def mlp_logical_axes(activation: str | Sequence[str], where: str) -> dict[str, tuple[str, ...]]:
+    """A TransformerLayer's LayerNormMLP axis-name arguments ("embed", "act", "mlp")."""
+    gated = activation_name(activation, where) in GATED
+    return dict(kernel_axes_1=("embed", "act", "mlp") if gated else ("embed", "mlp"),
+                bias_axes_1=("act", "mlp") if gated else ("mlp",), kernel_axes_2=("mlp", "embed"),
+                bias_axes_2=("embed",), scale_axes=("embed",), ln_bias_axes=("embed",))

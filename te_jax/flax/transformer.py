@@ -22,12 +22,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from te_jax._layers import activation_name, attention_heads, choose_attention_implementation, rotary_embedding, \
+from te_jax._layers import attention_heads, choose_attention_implementation, mlp_logical_axes, rotary_embedding, \
     split_qkv
 from te_jax.flax import _common as C
 from te_jax.flax.layernorm import LayerNormDenseGeneral
 from te_jax.flax.mlp import LayerNormMLP
-from te_jax.layernorm_mlp import GATED
 
 Dtype = Any
 
@@ -148,16 +147,9 @@ class TransformerLayer(nn.Module):
                              name="attention", **norm, **common)(x, mask, positions)
         drop = nn.Dropout(self.hidden_dropout, rng_collection=self.dropout_rng_name)
         x = x + drop(attn, deterministic=deterministic).astype(x.dtype)
+        axes = mlp_logical_axes(self.mlp_activation, C.where(self)) if self.logical_axes else {}
         mlp = LayerNormMLP(intermediate_dim=self.intermediate_dim or 4 * h, activation=self.mlp_activation,
                            epsilon=self.layernorm_epsilon, intermediate_dropout_rate=self.intermediate_dropout,
                            dropout_rng_name=self.dropout_rng_name, name="mlp", **norm, **common,
-                           **self._mlp_axes())(x, deterministic=deterministic)
+                           **axes)(x, deterministic=deterministic)
         return x + drop(mlp, deterministic=deterministic).astype(x.dtype)
-
-    def _mlp_axes(self) -> dict:
-        if not self.logical_axes:
-            return {}
-        gated = activation_name(self.mlp_activation, C.where(self)) in GATED
-        return dict(kernel_axes_1=("embed", "act", "mlp") if gated else ("embed", "mlp"),
-                    bias_axes_1=("act", "mlp") if gated else ("mlp",), kernel_axes_2=("mlp", "embed"),
-                    bias_axes_2=("embed",), scale_axes=("embed",), ln_bias_axes=("embed",))

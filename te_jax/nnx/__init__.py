@@ -27,7 +27,11 @@ leaves it unchanged.
 """
 
 from te_jax.nnx.linear import Linear, LinearGeneral
+from te_jax.nnx.mlp import LayerNormMLP
+from te_jax.nnx.normalization import LayerNorm, LayerNormLinear, RMSNorm
 from te_jax.nnx.train import grad, value_and_grad
+from te_jax.nnx.transformer import SelfAttention, TransformerLayer
 from te_jax.nnx.variables import FP8Meta, FP8Stats
 
-__all__ = ["FP8Meta", "FP8Stats", "Linear", "LinearGeneral", "grad", "value_and_grad"]
+__all__ = ["FP8Meta", "FP8Stats", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "LinearGeneral", "RMSNorm",
+           "SelfAttention", "TransformerLayer", "grad", "value_and_grad"]

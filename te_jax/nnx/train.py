@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 from flax import nnx
 
 from te_jax import train as linen_train
@@ -64,8 +65,10 @@ def value_and_grad(fun: Callable, *, has_aux: bool = False) -> Callable:
             variables[STATS_COLLECTION] = fp8_stats
 
         def loss_fn(variables, other):
-            m = nnx.merge(graphdef, variables["params"], variables.get(FP8_COLLECTION, fp8_meta),
-                          variables.get(STATS_COLLECTION, fp8_stats), other)
+            states = (variables["params"], variables.get(FP8_COLLECTION, fp8_meta),
+                      variables.get(STATS_COLLECTION, fp8_stats), other)
+            # Fresh Variable objects: those of this trace may be updated (RNG counts), the caller's not.
+            m = nnx.merge(graphdef, *jax.tree.map(lambda a: a, states))
             out = fun(m, *args, **kwargs)
             loss, aux = out if has_aux else (out, None)
             return loss, (aux, nnx.state(m, _OTHER))
