@@ -325,10 +325,8 @@ def test_scan_over_layers_equals_the_unrolled_loop(remat):
     n, x, y = 3, normal(12, (2, 8, 16)), normal(13, (2, 8, 16))
     stacked = _stack(n, DELAYED)
     assert jax.tree.leaves(nnx.state(stacked, te_nnx.FP8Meta))[0].shape[0] == n
-    unrolled = [nnx.merge(*nnx.split(stacked)) for _ in range(n)]
     graphdef, state = nnx.split(stacked)
-    for i, layer in enumerate(unrolled):
-        nnx.update(layer, jax.tree.map(lambda v: v[i], state))
+    unrolled = [nnx.merge(graphdef, jax.tree.map(lambda v: v[i], state)) for i in range(n)]  # new variables
 
     def scanned_loss(model):
         def body(x, layer):
@@ -344,10 +342,13 @@ def test_scan_over_layers_equals_the_unrolled_loop(remat):
             h = layer(h)
         return jnp.mean((h - y) ** 2)
 
-    @nnx.jit
     def step(model, loss_fn):
-        with te_jax.autocast(recipe=DELAYED):
-            return te_nnx.value_and_grad(loss_fn)(model)
+        @nnx.jit
+        def run(model):
+            with te_jax.autocast(recipe=DELAYED):
+                return te_nnx.value_and_grad(loss_fn)(model)
+
+        return run(model)
 
     wrapper = nnx.List(unrolled)
     for _ in range(2):
@@ -356,8 +357,8 @@ def test_scan_over_layers_equals_the_unrolled_loop(remat):
     stacked_meta = pure(nnx.state(stacked, te_nnx.FP8Meta))["fp8_meta"]
     for i, layer in enumerate(unrolled):
         got = jax.tree.map(lambda v: v[i], stacked_meta)
-        np.testing.assert_allclose(jax.tree.leaves(got), jax.tree.leaves(pure(nnx.state(layer, te_nnx.FP8Meta))),
-                                   rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(pure(nnx.state(layer, te_nnx.FP8Meta)))):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
 def test_stochastic_rounding_keys_come_from_the_quantize_stream():
