@@ -277,6 +277,22 @@ def test_readme_quick_start_runs(name, capsys):
         assert "fp8_meta" in namespace["state"].params
 
 
+@pytest.mark.parametrize("name", ["nnx-base", "nnx-fp8", "nnx-delayed"])
+def test_readme_nnx_quick_start_runs(name, capsys):
+    blocks = _readme_blocks()
+    code = blocks[name] if name == "nnx-base" else _apply_diff(blocks["nnx-base"], blocks[name])
+    namespace = {"__name__": f"readme_{name}"}
+    exec(compile(code, f"README.md ({name})", "exec"), namespace)
+    assert "final loss" in capsys.readouterr().out
+    assert float(namespace["loss"]) < 0.5 * float(jax.numpy.mean(namespace["y"] ** 2))
+    if name == "nnx-delayed":
+        from flax import nnx  # noqa: PLC0415
+
+        import te_jax  # noqa: PLC0415
+
+        assert jax.tree.leaves(nnx.state(namespace["model"], te_jax.nnx.FP8Meta))
+
+
 def _commands(text: str, script: str) -> list[list[str]]:
     """The arguments of every ``.venv/bin/python <script> ...`` command in ``text`` (comments dropped)."""
     found = re.findall(rf"\.venv/bin/python\s+{re.escape(script)}([^`\n#]*)", text)

@@ -91,9 +91,10 @@ def test_linear_general_is_flax_nnx(args, kw, shape):
 
 
 @pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
-@pytest.mark.parametrize("kw", [dict(), dict(use_fast_variance=False), dict(dtype=jnp.bfloat16),
-                                dict(param_dtype=jnp.bfloat16, epsilon=1e-3), dict(use_scale=False)])
-@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("kw,masked", [(dict(), False), (dict(use_fast_variance=False), True),
+                                       (dict(dtype=jnp.bfloat16), False),
+                                       (dict(param_dtype=jnp.bfloat16, epsilon=1e-3), True),
+                                       (dict(use_scale=False), False)])
 def test_norms_are_flax_nnx(name, kw, masked):
     x = normal(2, (4, 6, 16), 2.0) + 5.0
     mask = jax.random.bernoulli(jax.random.key(3), 0.7, x.shape) if masked else None
@@ -320,8 +321,7 @@ def _stack(n: int, recipe):
     return create(nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_scan_over_layers_equals_the_unrolled_loop(remat):
+def test_remat_scan_over_layers_equals_the_unrolled_loop():
     n, x, y = 3, normal(12, (2, 8, 16)), normal(13, (2, 8, 16))
     stacked = _stack(n, DELAYED)
     assert jax.tree.leaves(nnx.state(stacked, te_nnx.FP8Meta))[0].shape[0] == n
@@ -332,7 +332,7 @@ def test_scan_over_layers_equals_the_unrolled_loop(remat):
         def body(x, layer):
             return layer(x), None
 
-        body = nnx.remat(body) if remat else body
+        body = nnx.remat(body)
         out, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, model)
         return jnp.mean((out - y) ** 2)
 
