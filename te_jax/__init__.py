@@ -30,7 +30,8 @@ _LAZY_NAMES = {
 
 __all__ = [
     "FP8_COLLECTION", "STATS_COLLECTION", "DenseQuantizers", "MLPQuantizers", "MeshResource", "autocast", "backend",
-    "dense", "inspect", "layernorm_dense", "layernorm_mlp", "nnx", "ops", "quantize", "recipe", "sharding", "state", "train",
+    "dense", "inspect", "layernorm_dense", "layernorm_mlp", "nnx", "ops", "quantize", "recipe", "sharding", "state",
+    "train",
 ]
 
 
