@@ -22,7 +22,7 @@ from te_jax.layernorm_mlp import ACTIVATIONS, GATED
 
 HIGH_PRECISION = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 Initializer = Callable[..., Any]
-_OPS = ("dense", "layernorm_dense", "layernorm_mlp")
+_OPS = ("dense", "grouped_dense", "layernorm_dense", "layernorm_mlp")  # the functional ops, named in their errors
 # TransformerEngine-style activation tuples.
 _ACTIVATION_TUPLES = {("gelu",): "gelu", ("relu",): "relu", ("silu",): "silu", ("swish",): "silu",
                       ("squared_relu",): "squared_relu", ("silu", "linear"): "swiglu", ("swish", "linear"): "swiglu",
