@@ -2,7 +2,7 @@
 
 ``import te_jax`` loads the ops, quantization and sharding layers; the
 functional layers (``dense``, ``grouped_dense``, ``layernorm_dense``,
-``layernorm_mlp``), the recipes, ``autocast``, the Flax helpers (``state``, ``train``, ``flax``) and
+``layernorm_mlp``), the recipes, ``autocast``, the Flax helpers (``state``, ``train``, ``flax``, ``nnx``) and
 ``inspect`` are imported on first use, so that ``import te_jax.ops`` never
 loads Flax or anything above the ops layer.
 """
@@ -17,8 +17,8 @@ from te_jax.sharding import MeshResource
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = ("autocast", "dense", "flax", "grouped_dense", "inspect", "layernorm_dense", "layernorm_mlp", "recipe",
-                 "state", "train")
+_LAZY_MODULES = ("autocast", "dense", "flax", "grouped_dense", "inspect", "layernorm_dense", "layernorm_mlp", "nnx",
+                 "recipe", "state", "train")
 _LAZY_NAMES = {
     "DenseQuantizers": "te_jax.dense",
     "MLPQuantizers": "te_jax.layernorm_mlp",
@@ -31,8 +31,8 @@ _LAZY_NAMES = {
 
 __all__ = [
     "FP8_COLLECTION", "STATS_COLLECTION", "DenseQuantizers", "MLPQuantizers", "MeshResource", "autocast", "backend",
-    "dense", "grouped_dense", "inspect", "layernorm_dense", "layernorm_mlp", "ops", "quantize", "recipe", "sharding",
-    "state", "train",
+    "dense", "grouped_dense", "inspect", "layernorm_dense", "layernorm_mlp", "nnx", "ops", "quantize", "recipe",
+    "sharding", "state", "train",
 ]
 
 

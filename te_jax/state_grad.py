@@ -11,7 +11,8 @@ caller declared that it applies the state update (``fp8_state_updates``), and
 raises ``FP8StateError`` otherwise.
 
 ``te_jax.train.value_and_grad`` and ``te_jax.train.grad`` declare it when
-the differentiated variables hold "fp8_meta". Functional-API users who
+the differentiated variables hold "fp8_meta" (``te_jax.nnx.value_and_grad``
+builds on them). Functional-API users who
 differentiate ``te_jax.dense(..., state=...)`` themselves declare it::
 
     with te_jax.train.fp8_state_updates():
@@ -33,7 +34,8 @@ FIX = (
     "differentiate with te_jax.train.value_and_grad (or te_jax.train.grad) over the whole variables dict, "
     "\"fp8_meta\" included, and step with te_jax.train.TrainState (or te_jax.train.apply_gradients), "
     "not with jax.grad / jax.value_and_grad, flax.training.train_state.TrainState or optax.apply_updates. "
-    "Calling te_jax.dense / layernorm_dense / layernorm_mlp with state=... directly: differentiate inside "
+    "A te_jax.nnx model: differentiate with te_jax.nnx.value_and_grad (or te_jax.nnx.grad), which applies the "
+    "update. Calling te_jax.dense / layernorm_dense / layernorm_mlp with state=... directly: differentiate inside "
     "`with te_jax.train.fp8_state_updates():` and apply the state's gradient with te_jax.state.apply_fp8_update"
 )
 

@@ -232,6 +232,20 @@ def test_demo_runs(tmp_path, capsys):
     assert "tokens/s" in out and "vs bf16" in out and (tmp_path / "results.json").exists()
 
 
+def test_nnx_example_trains_with_every_recipe(capsys):
+    """examples/nnx_gpt.py's tiny preset, a few steps per recipe: the te_jax.nnx layers in a model."""
+    from examples import nnx_gpt  # noqa: PLC0415
+
+    recipes = ["bf16", "delayed", "current", "block", "mxfp8", "nvfp4"]
+    results = nnx_gpt.main(["--recipe", ",".join(recipes), "--steps", "3", "--batch", "2", "--seq-len", "64",
+                            "--eval-batches", "1", "--data-bytes", str(1 << 20)])
+    assert [r["recipe"] for r in results] == recipes
+    bf16 = results[0]["eval_loss"]
+    for r in results:
+        assert np.isfinite(r["losses"]).all() and abs(r["eval_loss"] - bf16) < 0.1, r
+    assert "tokens/s" in capsys.readouterr().out
+
+
 # ---- the README's quick start, as written ----------------------------------------------------------
 
 
@@ -275,6 +289,22 @@ def test_readme_quick_start_runs(name, capsys):
     assert float(namespace["loss"]) < 0.5 * float(jax.numpy.mean(namespace["y"] ** 2))
     if name == "delayed":
         assert "fp8_meta" in namespace["state"].params
+
+
+@pytest.mark.parametrize("name", ["nnx-base", "nnx-fp8", "nnx-delayed"])
+def test_readme_nnx_quick_start_runs(name, capsys):
+    blocks = _readme_blocks()
+    code = blocks[name] if name == "nnx-base" else _apply_diff(blocks["nnx-base"], blocks[name])
+    namespace = {"__name__": f"readme_{name}"}
+    exec(compile(code, f"README.md ({name})", "exec"), namespace)
+    assert "final loss" in capsys.readouterr().out
+    assert float(namespace["loss"]) < 0.5 * float(jax.numpy.mean(namespace["y"] ** 2))
+    if name == "nnx-delayed":
+        from flax import nnx  # noqa: PLC0415
+
+        import te_jax  # noqa: PLC0415
+
+        assert jax.tree.leaves(nnx.state(namespace["model"], te_jax.nnx.FP8Meta))
 
 
 def _commands(text: str, script: str) -> list[list[str]]:

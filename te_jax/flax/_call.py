@@ -8,17 +8,8 @@ import flax.linen as nn
 import jax
 
 from te_jax._core import split_stats, with_stats
+from te_jax._layers import located
 from te_jax.flax import _common as C
-
-_OPS = ("dense", "grouped_dense", "layernorm_dense", "layernorm_mlp")
-
-
-def located(err: ValueError, module: nn.Module) -> ValueError:
-    """A functional op's error with the module (and its path) in place of the op's name."""
-    msg = str(err)
-    for op in _OPS:
-        msg = msg.replace(f"te_jax: {op}", f"te_jax: {C.where(module)}", 1)
-    return ValueError(msg)
 
 
 def call_op(module: nn.Module, quantizers, op: Callable, gemms: Sequence[str] | None = None) -> jax.Array:
@@ -48,7 +39,7 @@ def call_op(module: nn.Module, quantizers, op: Callable, gemms: Sequence[str] | 
     try:
         y, new_state = op(state=with_stats(state, stats), key=C.quantize_key(module, quantizers.any), inspect=inspect)
     except ValueError as err:
-        raise located(err, module) from None
+        raise located(err, C.where(module)) from None
     new_state, fwd_stats = split_stats(new_state)
     if gemms is None:
         C.store_gemm_state(module, new_state)

@@ -2,59 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.linen import dtypes as flax_dtypes
 from flax.linen import meta
 
 from te_jax import FP8_COLLECTION
+from te_jax import _layers as L
 from te_jax.autocast import current_recipe, inspect_sample, inspecting
 from te_jax.inspect import stats as inspect_stats
 from te_jax.inspect.stats import STATS_COLLECTION
 from te_jax.state import QUANTIZE_RNG, module_path
+from te_jax._layers import HIGH_PRECISION, Initializer, canonical_input, compute_dtype  # noqa: F401  (shared)
 from te_jax.state_grad import missing_state_error
-
-HIGH_PRECISION = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-Initializer = Callable[..., Any]
 
 
 def where(module: nn.Module) -> str:
     """``"LayerNormMLP at TransformerLayer_0/mlp"`` for error messages."""
-    path = "/".join(module_path(module))
-    return f"{type(module).__name__}" + (f" at {path}" if path else "")
+    return L.describe(module, module_path(module))
 
 
 def check_dtypes(module: nn.Module, x: jax.Array | None = None) -> None:
     """Input, ``dtype`` and ``param_dtype`` must be float32, bfloat16 or float16 (a clear error otherwise)."""
-    for name in ("dtype", "param_dtype"):
-        value = getattr(module, name, None)
-        if value is not None and jnp.dtype(value) not in HIGH_PRECISION:
-            raise TypeError(f"te_jax: {where(module)}: {name}={jnp.dtype(value)} is not supported; use float32, "
-                            "bfloat16 or float16")
-    if x is not None:
-        dtype = getattr(x, "dtype", None)
-        if dtype is None or jnp.dtype(dtype) not in HIGH_PRECISION:
-            raise TypeError(f"te_jax: {where(module)}: the input must be a float32, bfloat16 or float16 array, "
-                            f"got {dtype if dtype is not None else type(x).__name__}")
-
-
-def canonical_input(x) -> jax.Array:
-    """``x`` in the dtype flax.linen's layers compute it in: NumPy float64 is float32 with x64 off, integers and
-    bools are promoted to float32 (flax's ``canonicalize_dtype``); float32/bfloat16/float16 arrays pass unchanged."""
-    return jnp.asarray(x, flax_dtypes.canonicalize_dtype(x))
+    L.check_dtypes(where(module), getattr(module, "dtype", None), getattr(module, "param_dtype", None), x)
 
 
 def canonical_axes(axes, ndim: int, module: nn.Module, what: str = "axis") -> tuple[int, ...]:
-    axes = (axes,) if isinstance(axes, (int, np.integer)) else tuple(axes)
-    out = tuple(int(a) % ndim for a in axes if -ndim <= int(a) < ndim)
-    if len(out) != len(axes) or len(set(out)) != len(out):
-        raise ValueError(f"te_jax: {where(module)}: {what}={axes} are not distinct axes of a rank-{ndim} input")
-    return out
+    return L.canonical_axes(axes, ndim, where(module), what)
 
 
 def flat_init(init: Initializer, n_in: int) -> Initializer:
@@ -102,11 +80,6 @@ def param(module: nn.Module, name: str, init: Initializer, shape: Sequence[int],
             raise ValueError(f"te_jax: {where(module)}: parameter {name!r} has shape {tuple(np.shape(have))}, but "
                              f"this input needs {shape}; check the input's feature size")
     return module.param(name, init, shape, dtype)
-
-
-def compute_dtype(dtype, *arrays):
-    """flax's rule: ``dtype`` if given, else the promoted type of the arrays (None ignored)."""
-    return flax_dtypes.canonicalize_dtype(*arrays, dtype=dtype)
 
 
 def recipe_or_none():
@@ -204,17 +177,8 @@ def quantize_key(module: nn.Module, quantized: bool):
 
 def dropout_mask(module: nn.Module, rate: float, shape, broadcast_dims, rng_name: str, dtype, deterministic: bool):
     """``bernoulli(1 - rate) / (1 - rate)`` of ``shape`` (size 1 along ``broadcast_dims``), or None."""
-    if not 0.0 <= rate <= 1.0:
-        raise ValueError(f"te_jax: {where(module)}: a dropout rate must be in [0, 1], got {rate}")
-    if deterministic or rate == 0.0:
-        return None
-    if rate == 1.0:
-        return jnp.zeros(shape, dtype)
-    keep = 1.0 - rate
-    dims = canonical_axes(broadcast_dims, len(shape), module, "dropout broadcast dims") if broadcast_dims else ()
-    draw = tuple(1 if i in dims else d for i, d in enumerate(shape))
-    mask = jax.random.bernoulli(module.make_rng(rng_name), keep, draw)
-    return jnp.broadcast_to(mask.astype(dtype) / jnp.asarray(keep, dtype), shape)
+    return L.dropout_mask(lambda: module.make_rng(rng_name), rate, shape, broadcast_dims, dtype, deterministic,
+                          where(module))
 
 
 def dot_general_of(module: nn.Module, dot_general_cls, quantized: bool):

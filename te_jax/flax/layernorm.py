@@ -10,10 +10,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from te_jax._core import DenseQuantizers
-from te_jax._core.norm import NORM_TYPES, NormSpec, normalize_hp
+from te_jax._core.norm import NormSpec, normalize_hp
+from te_jax._layers import flax_normalize, norm_uses_bias
 from te_jax.flax import _common as C
 from te_jax.flax._call import call_op
 from te_jax.layernorm_dense import layernorm_dense
@@ -25,12 +25,7 @@ Dtype = Any
 def norm_params(module: nn.Module, x: jax.Array, *, layernorm_type: str, zero_centered_gamma: bool, use_scale: bool,
                 use_bias: bool | None, scale_init, bias_init, scale_axes, bias_axes, bias_name: str):
     """The norm's ``(gamma, beta, zero_centered_gamma)`` as the kernels take them (``[H]`` arrays)."""
-    if layernorm_type not in NORM_TYPES:
-        raise ValueError(f"te_jax: {C.where(module)}: layernorm_type must be one of {NORM_TYPES}, "
-                         f"got {layernorm_type!r}")
-    if use_bias and layernorm_type == "rmsnorm":
-        raise ValueError(f"te_jax: {C.where(module)}: rmsnorm has no bias; leave use_bias unset (None) or False")
-    use_bias = layernorm_type == "layernorm" if use_bias is None else use_bias
+    use_bias = norm_uses_bias(layernorm_type, use_bias, C.where(module))
     h = x.shape[-1]
     gamma, zcg = None, bool(zero_centered_gamma)
     if use_scale:
@@ -129,36 +124,10 @@ class LayerNorm(nn.Module):
         if C.recipe_or_none() is not None and mask is None:
             x = C.canonical_input(x)
             return normalize_hp(NormSpec(self.layernorm_type, zcg, float(self.epsilon)), x, gamma, beta, dtype)
-        return self._flax_normalize(x, gamma if self.use_scale else None, beta, zcg, mask, dtype)
-
-    def _flax_normalize(self, x, gamma, beta, zero_centered_gamma: bool, mask, dtype):
-        """flax.linen.LayerNorm's (RMSNorm's) statistics and normalization, in its order of operations."""
-        stats_dtype = jnp.result_type(x) if self.dtype is None else self.dtype
-        if self.force_float32_reductions:
-            stats_dtype = jnp.promote_types(stats_dtype, jnp.float32)
-        xs = x.astype(stats_dtype)
-        where = None if mask is None else jnp.asarray(mask, bool)
-        mean = functools.partial(jnp.mean, axis=-1, keepdims=True, where=where)
-        if self.layernorm_type == "rmsnorm":
-            var = mean(lax.square(xs))
-            mu = jnp.zeros_like(var)
-        elif self.use_fast_variance:
-            squares = lax.square(xs)  # before the means: the order of uses sets how x's gradient terms add up
-            mu, mu2 = mean(xs), mean(squares)
-            var = jnp.maximum(0.0, mu2 - lax.square(mu))
-        else:
-            mu = mean(xs)
-            var = mean(lax.square(xs - mu))
-        y = x - mu
-        mul = lax.rsqrt(var + self.epsilon)
-        if gamma is not None:
-            if not self.force_float32_reductions:
-                gamma = jnp.asarray(gamma, self.param_dtype)
-            mul = mul * (gamma + 1 if zero_centered_gamma else gamma)
-        y = y * mul
-        if beta is not None:
-            y = y + (beta if self.force_float32_reductions else jnp.asarray(beta, self.param_dtype))
-        return jnp.asarray(y, dtype)
+        return flax_normalize(x, gamma if self.use_scale else None, beta, layernorm_type=self.layernorm_type,
+                              zero_centered_gamma=zcg, epsilon=self.epsilon, use_fast_variance=self.use_fast_variance,
+                              force_float32_reductions=self.force_float32_reductions, reduction_dtype=self.dtype,
+                              param_dtype=self.param_dtype, dtype=dtype, mask=mask)
 
 
 class LayerNormDenseGeneral(nn.Module):

@@ -11,28 +11,14 @@ import jax
 import jax.numpy as jnp
 
 from te_jax._core import GEMMS, MLPQuantizers
+from te_jax._layers import activation_name
 from te_jax.flax import _common as C
 from te_jax.flax._call import call_op
 from te_jax.flax.layernorm import gemm_norm_params
-from te_jax.layernorm_mlp import ACTIVATIONS, GATED, layernorm_mlp
+from te_jax.layernorm_mlp import GATED, layernorm_mlp
 from te_jax.state import module_path
 
 Dtype = Any
-# TransformerEngine-style activation tuples.
-_ACTIVATION_TUPLES = {("gelu",): "gelu", ("relu",): "relu", ("silu",): "silu", ("swish",): "silu",
-                      ("squared_relu",): "squared_relu", ("silu", "linear"): "swiglu", ("swish", "linear"): "swiglu",
-                      ("gelu", "linear"): "geglu"}
-
-
-def activation_name(activation: str | Sequence[str], module: nn.Module) -> str:
-    """"gelu", "relu", "silu", "squared_relu", "swiglu" or "geglu" (TE tuples like ("silu", "linear") accepted)."""
-    name = activation if isinstance(activation, str) else _ACTIVATION_TUPLES.get(tuple(activation))
-    if name not in ACTIVATIONS:
-        raise ValueError(f"te_jax: {C.where(module)}: activation must be one of {ACTIVATIONS} (or a TE tuple "
-                         f"{tuple(_ACTIVATION_TUPLES)}), got {activation!r}")
-    return name
-
-
 class LayerNormMLP(nn.Module):
     """``wo(dropout(act(wi(norm(x)))))`` on ``te_jax.layernorm_mlp``.
 
@@ -93,7 +79,7 @@ class LayerNormMLP(nn.Module):
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
         """``[..., H] -> [..., H]``; dropout is active when ``deterministic`` is False."""
         C.check_dtypes(self, x := C.canonical_input(x))
-        act = activation_name(self.activation, self)
+        act = activation_name(self.activation, C.where(self))
         h, f = x.shape[-1], int(self.intermediate_dim)
         if f < 1:
             raise ValueError(f"te_jax: {C.where(self)}: intermediate_dim must be >= 1, got {self.intermediate_dim}")

@@ -22,31 +22,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from te_jax._layers import attention_heads, choose_attention_implementation, mlp_logical_axes, rotary_embedding, \
+    split_qkv
 from te_jax.flax import _common as C
 from te_jax.flax.layernorm import LayerNormDenseGeneral
-from te_jax.flax.mlp import LayerNormMLP, activation_name
-from te_jax.layernorm_mlp import GATED
+from te_jax.flax.mlp import LayerNormMLP
 
 Dtype = Any
-
-
-def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
-    """Rotary position embedding of ``x [B, T, N, D]`` (rotate-half convention), computed in float32.
-
-    Args:
-      x: queries or keys; D must be even.
-      positions: ``[B, T]`` or ``[T]`` integer positions.
-      base: the frequency base.
-    """
-    d = x.shape[-1]
-    if d % 2:
-        raise ValueError(f"te_jax: rotary embeddings need an even head dimension, got {d}")
-    inv_freq = 1.0 / (base ** (jnp.arange(0, d // 2, dtype=jnp.float32) * (2.0 / d)))
-    angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [.., T, D/2]
-    angles = jnp.broadcast_to(angles, (*x.shape[:2], d // 2))[:, :, None, :]
-    sin, cos = jnp.sin(angles), jnp.cos(angles)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 class SelfAttention(nn.Module):
@@ -76,16 +58,13 @@ class SelfAttention(nn.Module):
         ax = self.logical_axes
         common = dict(use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
                       dtype=self.dtype, param_dtype=self.param_dtype, dot_general_cls=self.dot_general_cls)
-        # Grouped per key/value head: [kv, n/kv query heads + key + value, d]. Splitting the kv axis over
-        # tensor-parallel devices keeps each device's queries with their keys and values.
-        g = n // kv
+        g = n // kv  # grouped per key/value head: [kv, n/kv query heads + key + value, d] (split_qkv)
         qkv = LayerNormDenseGeneral(features=(kv, g + 2, d), layernorm_type=self.layernorm_type,
                                     zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon, name="qkv",
                                     kernel_axes=("embed", "heads", "qkv", "kv") if ax else (),
                                     bias_axes=("heads", "qkv", "kv") if ax else (), scale_axes=("embed",) if ax else (),
                                     ln_bias_axes=("embed",) if ax else (), **common)(x)
-        q = qkv[..., :g, :].reshape(*qkv.shape[:2], n, d)  # query head i uses key/value head i // g
-        k, v = qkv[..., g, :], qkv[..., g + 1, :]
+        q, k, v = split_qkv(qkv, n, kv, d)
         if self.rotary:
             if positions is None:
                 positions = jnp.arange(x.shape[1])
@@ -99,18 +78,6 @@ class SelfAttention(nn.Module):
         return LayerNormDenseGeneral(features=h, axis=(-2, -1), enable_layernorm=False, name="out",
                                      kernel_axes=("heads", "kv", "embed") if ax else (),
                                      bias_axes=("embed",) if ax else (), **common)(o)
-
-
-def choose_attention_implementation(q: jax.Array, mask: jax.Array | None = None) -> str:
-    """The attention kernel a TransformerLayer picks when left to choose.
-
-    "cudnn" when the default backend is a GPU, ``q`` ([B, T, N, D]) is bf16 or
-    fp16, D is a multiple of 8 and at most 128, and any mask leaves T even
-    (what cuDNN's fused attention takes for training); "xla" otherwise.
-    """
-    d, t = q.shape[-1], q.shape[-3]
-    fits = q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128 and (mask is None or t % 2 == 0)
-    return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
 
 
 class TransformerLayer(nn.Module):
@@ -169,13 +136,8 @@ class TransformerLayer(nn.Module):
         C.check_dtypes(self, x := C.canonical_input(x))
         if x.ndim != 3:
             raise ValueError(f"te_jax: {C.where(self)}: the input must be [batch, seq, hidden], got {x.shape}")
-        h, n = x.shape[-1], self.num_attention_heads
-        kv = self.num_gqa_groups or n
-        if n < 1 or kv < 1 or n % kv:
-            raise ValueError(f"te_jax: {C.where(self)}: num_gqa_groups ({kv}) must divide num_attention_heads ({n})")
-        d = self.head_dim or h // n
-        if self.head_dim is None and h % n:
-            raise ValueError(f"te_jax: {C.where(self)}: hidden size {h} is not divisible by {n} heads; set head_dim")
+        h = x.shape[-1]
+        n, kv, d = attention_heads(h, self.num_attention_heads, self.num_gqa_groups, self.head_dim, C.where(self))
         norm = dict(layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma)
         common = dict(use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
                       dtype=self.dtype, param_dtype=self.param_dtype, dot_general_cls=self.dot_general_cls)
@@ -185,16 +147,9 @@ class TransformerLayer(nn.Module):
                              name="attention", **norm, **common)(x, mask, positions)
         drop = nn.Dropout(self.hidden_dropout, rng_collection=self.dropout_rng_name)
         x = x + drop(attn, deterministic=deterministic).astype(x.dtype)
+        axes = mlp_logical_axes(self.mlp_activation, C.where(self)) if self.logical_axes else {}
         mlp = LayerNormMLP(intermediate_dim=self.intermediate_dim or 4 * h, activation=self.mlp_activation,
                            epsilon=self.layernorm_epsilon, intermediate_dropout_rate=self.intermediate_dropout,
                            dropout_rng_name=self.dropout_rng_name, name="mlp", **norm, **common,
-                           **self._mlp_axes())(x, deterministic=deterministic)
+                           **axes)(x, deterministic=deterministic)
         return x + drop(mlp, deterministic=deterministic).astype(x.dtype)
-
-    def _mlp_axes(self) -> dict:
-        if not self.logical_axes:
-            return {}
-        gated = activation_name(self.mlp_activation, self) in GATED
-        return dict(kernel_axes_1=("embed", "act", "mlp") if gated else ("embed", "mlp"),
-                    bias_axes_1=("act", "mlp") if gated else ("mlp",), kernel_axes_2=("mlp", "embed"),
-                    bias_axes_2=("embed",), scale_axes=("embed",), ln_bias_axes=("embed",))
