@@ -43,20 +43,20 @@ out=$(mktemp -d)
 flags=(-std=c++17 -O1 --expt-relaxed-constexpr --ftz=true -Xcompiler=-fPIC -Icsrc -isystem "$ffi_inc"
        -isystem "$inc_dir" -isystem "$nb_inc" -isystem "$py_inc" -isystem "$cutlass_inc" -Werror=all-warnings)
 shopt -s nullglob
-sources=(csrc/cuda/*.cu csrc/cuda/*.cc)
+# The CUTLASS kernels first: they are the longest jobs.
+sources=(csrc/cuda/*_sm90_*.cu $(ls csrc/cuda/*.cu | grep -v _sm90_) csrc/cuda/*.cc)
 if [ ${#sources[@]} -eq 0 ]; then
   echo "compile_cuda: no CUDA sources"; exit 0
 fi
-# One nvcc per (source, arch), two at a time (CI has 2 cores).
+# One nvcc per source (both architectures in one call share the host pass), two at a time (CI has 2 cores).
+both="-gencode arch=compute_90a,code=sm_90a -gencode arch=compute_100a,code=sm_100a"
 jobs=()
 for src in "${sources[@]}"; do
-  for arch in 90a 100a; do
-    case "$src" in
-      *_sm90_*) [ "$arch" = 90a ] && jobs+=("-gencode arch=compute_90a,code=sm_90a -c $src -o $out/$(basename "$src").o") ;;
-      *.cc) [ "$arch" = 90a ] && jobs+=("-x cu -c $src -o $out/$(basename "$src").o") ;;
-      *) jobs+=("-gencode arch=compute_${arch},code=sm_${arch} -c $src -o $out/$(basename "$src").$arch.o") ;;
-    esac
-  done
+  case "$src" in
+    *_sm90_*) jobs+=("-gencode arch=compute_90a,code=sm_90a -c $src -o $out/$(basename "$src").o") ;;
+    *.cc) jobs+=("-x cu -c $src -o $out/$(basename "$src").o") ;;
+    *) jobs+=("$both -c $src -o $out/$(basename "$src").o") ;;
+  esac
 done
 printf '%s\n' "${jobs[@]}" | xargs -P 2 -I{} sh -c "nvcc ${flags[*]} {}" || { echo "compile_cuda: FAILED"; exit 1; }
 rm -rf "$out"
