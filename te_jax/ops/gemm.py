@@ -43,7 +43,7 @@ OUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.flo
 # ---- validation and the four custom calls ----------------------------------------------
 
 
-def _check_operands(a, b, *, block: int, mode: str) -> int:
+def _check_operands(a, b, *, mode: str) -> int:
     """A [..., M, K] and B [N, K] or [..., N, K] (NVFP4: packed, K/2 columns); returns K."""
     nvfp4 = mode == modes.NVFP4.label
     if nvfp4 and not a.dtype == b.dtype == jnp.uint8:
@@ -58,18 +58,12 @@ def _check_operands(a, b, *, block: int, mode: str) -> int:
                          f"got {a.shape} and {b.shape}")
     if b.ndim > 2 and b.shape[:-2] != a.shape[:-2]:
         raise ValueError(f"te_jax: a batched B {b.shape} must have A's leading axes {a.shape[:-2]}")
-    k = a.shape[-1] * (2 if nvfp4 else 1)
-    if k % block:
-        raise ValueError(f"te_jax: {mode} GEMM needs K ({k}) to be a multiple of {block}; pad the contraction axis")
-    return k
+    return a.shape[-1] * (2 if nvfp4 else 1)
 
 
 def _block_scales(s, data, k: int, rows: int, k_block: int, dtype, name: str):
-    """Checks block scales ``[..., R/rows, K/k_block]`` of ``data [..., R, K]``."""
-    if data.shape[-2] % rows:
-        raise ValueError(f"te_jax: {name}: 2D blocks need the operand's rows ({data.shape[-2]}) to be a multiple "
-                         f"of {rows}")
-    want = (*data.shape[:-2], data.shape[-2] // rows, k // k_block)
+    """Checks block scales ``[..., ceil(R/rows), ceil(K/k_block)]`` of ``data [..., R, K]``."""
+    want = (*data.shape[:-2], -(-data.shape[-2] // rows), -(-k // k_block))
     if tuple(s.shape) != want or jnp.dtype(s.dtype) != jnp.dtype(dtype):
         raise ValueError(f"te_jax: {name} must be {jnp.dtype(dtype)}{list(want)}, got {s.dtype}{list(s.shape)}")
     return s
@@ -98,6 +92,41 @@ def _flag(name: str, value) -> bool:
     return bool(value)
 
 
+def _pad_to(x, shape: tuple[int, int]):
+    """``x [..., R, C]`` zero padded at the end to ``[..., *shape]``."""
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, want - have) for want, have in zip(shape, x.shape[-2:])]
+    return x if not any(p for _, p in pad) else jnp.pad(x, pad)
+
+
+def _aligned(lay: Layout, args: tuple, bias) -> tuple[tuple, jax.Array | None]:
+    """The operands zero padded to the shape every GEMM handler takes; the same arrays when they have it.
+
+    The handlers take M and N multiples of 16 (cuBLASLt's aligned rows),
+    operands with 2D-block scales whole 128-row blocks, and K a multiple of
+    the mode's ``gemm_k_multiple`` and its scale block. Zero codes (with zero
+    scales) add nothing to the products along K, and padded rows of M and N
+    are cut off the output, so the result is that of the operands as given.
+    """
+    mode = modes.by_gemm_target(lay.target)
+    k_block = max(lay.k_block, 1)
+    k_to = -(-args[lay.roles.index("a")].shape[-1] * lay.pack // math.lcm(mode.gemm_k_multiple, k_block)) * math.lcm(
+        mode.gemm_k_multiple, k_block)
+    per_scale_row = {"a": lay.a_rows, "b": lay.b_rows}
+    padded = []
+    for role, x in zip(lay.roles, args):
+        if role in ("a", "b"):
+            rows = math.lcm(16, per_scale_row[role])
+            x = _pad_to(x, (-(-x.shape[-2] // rows) * rows, k_to // lay.pack))
+        elif role in ("a_s", "b_s"):
+            data = args[lay.roles.index(role[0])]
+            rows = math.lcm(16, per_scale_row[role[0]])
+            x = _pad_to(x, (-(-data.shape[-2] // rows) * rows // per_scale_row[role[0]], k_to // k_block))
+        padded.append(x)
+    if bias is not None:
+        bias = _pad_to(bias[None], (1, padded[lay.roles.index("b")].shape[-2]))[0]
+    return tuple(padded), bias
+
+
 def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, autotune: bool, backend, mesh_resource):
     """Checks out_dtype and bias, then runs the custom call or its reference twin."""
     out_dtype, autotune = _out_dtype(out_dtype), _flag("autotune", autotune)
@@ -108,14 +137,18 @@ def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, autotune: bool, 
             raise ValueError(f"te_jax: bias must be [N] = [{b.shape[-2]}], got shape {bias.shape}")
         if jnp.dtype(bias.dtype) not in (out_dtype, jnp.dtype(jnp.float32)):
             bias = bias.astype(jnp.float32)
+    m, n = a.shape[-2], b.shape[-2]
+    args, bias = _aligned(lay, args, bias)
     if backend_lib.resolve(backend) == "reference":
-        da, db = dequantize()
+        da, db = dequantize(*args)
         out = jnp.matmul(da, jnp.swapaxes(db, -1, -2), precision=lax.Precision.HIGHEST,
                          preferred_element_type=jnp.float32)
-        return (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
-    lay = dataclasses.replace(lay, attrs=(*lay.attrs, ("autotune", autotune)), out_dtype=out_dtype,
-                              has_bias=bias is not None, n_lead=a.ndim - 2, b_batched=b.ndim > 2)
-    return call(lay, *args, *(() if bias is None else (bias,)), mesh_resource=mesh_resource)
+        out = (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
+    else:
+        lay = dataclasses.replace(lay, attrs=(*lay.attrs, ("autotune", autotune)), out_dtype=out_dtype,
+                                  has_bias=bias is not None, n_lead=a.ndim - 2, b_batched=b.ndim > 2)
+        out = call(lay, *args, *(() if bias is None else (bias,)), mesh_resource=mesh_resource)
+    return out if out.shape[-2:] == (m, n) else out[..., :m, :n]
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, autotune=False,
@@ -135,10 +168,10 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat1
         weight split over them stays split along N, and sequence-parallel
         partial products are reduce-scattered over M (None: neither).
     """
-    _check_operands(a, b, block=1, mode=modes.FP8_TENSOR.label)
+    _check_operands(a, b, mode=modes.FP8_TENSOR.label)
     (a_scale_inv, ra), (b_scale_inv, rb) = _tensor_scale(a_scale_inv, a, "a_scale_inv"), _tensor_scale(
         b_scale_inv, b, "b_scale_inv")
-    deq = lambda: (ref.dequantize_fp8_tensor(a, a_scale_inv), ref.dequantize_fp8_tensor(b, b_scale_inv))  # noqa: E731
+    deq = lambda a, b, sa, sb: (ref.dequantize_fp8_tensor(a, sa), ref.dequantize_fp8_tensor(b, sb))  # noqa: E731
     lay = Layout(modes.FP8_TENSOR.gemm_target, ("a", "b", ra, rb),
                  attrs=(("fast_accum", _flag("fast_accum", fast_accum)),))
     return _run(lay, (a, b, a_scale_inv, b_scale_inv), deq, bias, out_dtype, autotune, backend, mesh_resource)
@@ -154,15 +187,15 @@ def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=Fa
     128-long K block into float32 sums.
     """
     block = modes.FP8_BLOCK.block_cols
-    k = _check_operands(a, b, block=block, mode=modes.FP8_BLOCK.label)
+    k = _check_operands(a, b, mode=modes.FP8_BLOCK.label)
     if a_block_2d and b_block_2d:
         raise ValueError("te_jax: 128x128 x 128x128 block-scaled GEMMs are not supported; quantize one operand "
                          "with 1x128 blocks (Float8BlockQuantizer(block_2d=False))")
     ra, rb = (block if a_block_2d else 1), (block if b_block_2d else 1)
     a_s = _block_scales(a_s, a, k, ra, block, modes.FP8_BLOCK.scale_dtype, "a_s")
     b_s = _block_scales(b_s, b, k, rb, block, modes.FP8_BLOCK.scale_dtype, "b_s")
-    deq = lambda: (ref.dequantize_fp8_block(a, a_s, block_2d=a_block_2d),  # noqa: E731
-                   ref.dequantize_fp8_block(b, b_s, block_2d=b_block_2d))
+    deq = lambda a, sa, b, sb: (ref.dequantize_fp8_block(a, sa, block_2d=a_block_2d),  # noqa: E731
+                                ref.dequantize_fp8_block(b, sb, block_2d=b_block_2d))
     lay = Layout(modes.FP8_BLOCK.gemm_target, ("a", "a_s", "b", "b_s"), k_block=block, a_rows=ra, b_rows=rb,
                  attrs=(("a_block_2d", bool(a_block_2d)), ("b_block_2d", bool(b_block_2d))))
     return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, autotune, backend, mesh_resource)
@@ -176,10 +209,10 @@ def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, autotune=Fa
     float32 (block-scaled MMA on sm_100, a bfloat16 GEMM on sm_90).
     """
     mode = modes.MXFP8
-    k = _check_operands(a, b, block=mode.block_cols, mode=mode.label)
+    k = _check_operands(a, b, mode=mode.label)
     a_s = _block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
     b_s = _block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
-    deq = lambda: (ref.dequantize_mxfp8(a, a_s), ref.dequantize_mxfp8(b, b_s))  # noqa: E731
+    deq = lambda a, sa, b, sb: (ref.dequantize_mxfp8(a, sa), ref.dequantize_mxfp8(b, sb))  # noqa: E731
     lay = Layout(mode.gemm_target, ("a", "a_s", "b", "b_s"), k_block=mode.block_cols)
     return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, autotune, backend, mesh_resource)
 
@@ -193,11 +226,11 @@ def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloa
     ``fast_accum`` (float32 sums, as ``gemm_mxfp8``).
     """
     mode = modes.NVFP4
-    k = _check_operands(a, b, block=mode.block_cols, mode=mode.label)
+    k = _check_operands(a, b, mode=mode.label)
     a_s = _block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
     b_s = _block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
     (a_amax, ra), (b_amax, rb) = _tensor_scale(a_amax, a, "a_amax"), _tensor_scale(b_amax, b, "b_amax")
-    deq = lambda: (ref.dequantize_nvfp4(a, a_s, a_amax), ref.dequantize_nvfp4(b, b_s, b_amax))  # noqa: E731
+    deq = lambda a, sa, ma, b, sb, mb: (ref.dequantize_nvfp4(a, sa, ma), ref.dequantize_nvfp4(b, sb, mb))  # noqa: E731
     lay = Layout(mode.gemm_target, ("a", "a_s", ra, "b", "b_s", rb), pack=mode.pack, k_block=mode.block_cols)
     return _run(lay, (a, a_s, a_amax, b, b_s, b_amax), deq, bias, out_dtype, autotune, backend, mesh_resource)
 
@@ -252,7 +285,7 @@ def _pick(t: ScaledTensor, contract: tuple[int, ...], batch: tuple[int, ...], si
         if lead and data.shape[-2] % rows_per_scale:
             raise ValueError(f"te_jax: {side}: batching 2D-block scales needs the rows per batch element "
                              f"({data.shape[-2]}) to be a multiple of {rows_per_scale}")
-        scale = scale.reshape(*lead, data.shape[-2] // rows_per_scale, scale.shape[-1])
+        scale = scale.reshape(*lead, -(-data.shape[-2] // rows_per_scale), scale.shape[-1])
     amax = t.colwise_amax if colwise and spec.global_amax else t.amax
     return _Operand(data, scale, amax, tuple(t.shape[i] for i in free), colwise)
 
