@@ -199,10 +199,20 @@ def _group_partials(xm: jax.Array, values: jax.Array, codes: jax.Array, fmt_max:
 def _block_amax(group_amax: jax.Array, t: ScaledTensor) -> jax.Array:
     """``max |x|`` per block, shaped like one copy's decode scales, from the per-row-group maxima."""
     if t.block_2d:
-        m, nb = group_amax.shape
         b = _BLOCK[t.mode]
+        group_amax = _pad_to(group_amax, -(-group_amax.shape[0] // b) * b, axis=0)  # a partial last block row
+        m, nb = group_amax.shape
         return jnp.max(group_amax.reshape(m // b, b, nb), axis=1)
     return group_amax
+
+
+def _pad_to(a: jax.Array, size: int, axis: int = 1) -> jax.Array:
+    """``a`` zero padded along ``axis`` to ``size`` (a copy's whole blocks; ``a`` itself when it has them)."""
+    if a.shape[axis] == size:
+        return a
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, size - a.shape[axis])
+    return jnp.pad(a, pad)
 
 
 def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -286,14 +296,17 @@ def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int, presampl
     xm = x.astype(jnp.float32).reshape((-1, t.matrix_shape[1]) if presampled else t.matrix_shape)
     # The pure-JAX dequantize (bit-identical to the custom call): XLA fuses it into the reductions
     # below, where the custom call would write and re-read a float32 copy of the tensor.
+    # A partial block's zero padding (the copy's last axis) adds nothing to any statistic.
+    codes, decode = _copy(t, copy)
+    width = codes.shape[1]
     if copy == "colwise":
-        xm = xm.T
-        values = t.dequantize_colwise(jnp.float32, backend="reference")
+        xm = _pad_to(xm.T, width)
+        values = _pad_to(t.dequantize_colwise(jnp.float32, backend="reference"), width)
         if t.rht:
             xm = nm.rht16(xm)
     else:
-        values = t.dequantize(jnp.float32, backend="reference").reshape(t.matrix_shape)
-    codes, decode = _copy(t, copy)
+        xm = _pad_to(xm, width)
+        values = _pad_to(t.dequantize(jnp.float32, backend="reference").reshape(t.matrix_shape), width)
     if every > 1:  # strided row slices; XLA fuses them into the reduction's reads
         xm = xm if presampled else xm[::every]
         values, codes = values[::every], codes[::every]

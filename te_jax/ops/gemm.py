@@ -6,8 +6,11 @@ Two layers (the contract is ``docs/gemm_ffi.md``):
   contraction-last operands ``A [..., M, K]`` and ``B [N, K]`` (or
   ``[..., N, K]`` with A's leading axes: a batched GEMM) with their scales, in
   the custom call's argument order, and return ``out [..., M, N]``. Each
-  validates at trace time, then runs the ``te_jax_gemm_*`` custom call or, with
-  the "reference" backend, its pure-JAX twin (dequantize, float32 matmul).
+  validates at trace time, zero pads its operands to the shapes every handler
+  takes (``_aligned``: M, N multiples of 16, whole K blocks; a partial last K
+  block needs its own scale column), then runs the ``te_jax_gemm_*`` custom
+  call or, with the "reference" backend, its pure-JAX twin (dequantize,
+  float32 matmul), and cuts the output back to ``[..., M, N]``.
 * ``gemm(lhs, rhs, contracting_dims, batch_dims)`` multiplies ScaledTensors like
   ``lax.dot_general``, picking the rowwise or columnwise copy of each.
 
@@ -181,7 +184,7 @@ def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=Fa
                    autotune=False, backend=None, mesh_resource: MeshResource | None = None):
     """Float8 block scaling: float32 1/scale per 1x128 block, or per 128x128 block when ``*_block_2d``.
 
-    ``a_s`` is ``[..., M, K/128]`` (2D: ``[..., M/128, K/128]``), ``b_s``
+    ``a_s`` is ``[..., M, ceil(K/128)]`` (2D: ``[..., ceil(M/128), ceil(K/128)]``), ``b_s``
     likewise for B; 128x128 x 128x128 is refused. Other args as ``gemm_fp8``;
     there is no ``fast_accum``: the block-scaled kernels promote every
     128-long K block into float32 sums.
@@ -203,7 +206,7 @@ def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=Fa
 
 def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, autotune=False, backend=None,
                mesh_resource: MeshResource | None = None):
-    """MXFP8: uint8 E8M0 scales ``a_s [..., M, K/32]``, ``b_s [..., N, K/32]``.
+    """MXFP8: uint8 E8M0 scales ``a_s [..., M, ceil(K/32)]``, ``b_s [..., N, ceil(K/32)]``.
 
     Other args as ``gemm_fp8``; there is no ``fast_accum``: the sums are
     float32 (block-scaled MMA on sm_100, a bfloat16 GEMM on sm_90).
@@ -219,9 +222,9 @@ def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, autotune=Fa
 
 def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloat16, autotune=False,
                backend=None, mesh_resource: MeshResource | None = None):
-    """NVFP4: packed E2M1 ``a [..., M, K/2]`` (uint8), E4M3 scales ``a_s [..., M, K/16]``, amax ``[1]`` or ``[..., 1]``.
+    """NVFP4: packed E2M1 ``a [..., M, K/2]`` (uint8), E4M3 scales ``a_s [..., M, ceil(K/16)]``, amax ``[1]``.
 
-    Each operand decodes as ``e2m1 * s_b * S_dec`` with ``S_dec = 1 /
+    An amax may also be one value per matrix ``[..., 1]``. Each operand decodes as ``e2m1 * s_b * S_dec`` with ``S_dec = 1 /
     nvfp4_global_encode_scale(amax)``. Other args as ``gemm_fp8``; there is no
     ``fast_accum`` (float32 sums, as ``gemm_mxfp8``).
     """

@@ -187,8 +187,8 @@ class ModeSpec:
                 a for a, on in (("the last axis", rowwise), ("the row axis", colwise)) if on)
             raise ValueError(
                 f"te_jax: a {self.label} kernel takes whole {self.block[0]}x{self.block[1]} blocks along {axes}; got "
-                f"shape {tuple(shape)}. The quantize ops pad partial blocks: quantize with them (or through a "
-                "quantizer) rather than calling the kernel on this shape directly.")
+                f"shape {tuple(shape)}. Partial blocks are handled above the kernels: the quantize ops (and "
+                "quantizers) pad them, and te_jax.quantize.fused runs such a norm or activation unfused.")
 
 
 FP8_TENSOR = ModeSpec(

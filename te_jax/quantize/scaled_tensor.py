@@ -125,14 +125,17 @@ class ScaledTensor:
     def dequantize_colwise(self, dtype=jnp.float32, backend: str | None = None, undo_rht: bool = False):
         """The columnwise copy's values as the matrix ``[N, M]``.
 
-        With ``rht`` these are Hadamard-domain values (of the zero-padded
-        columns, when M is not a whole number of blocks) unless ``undo_rht``.
+        With ``rht`` these are Hadamard-domain values unless ``undo_rht``:
+        then a partial 16-group's transformed padding is part of them, so
+        they are ``[N, M']`` with ``M'`` rounded up to whole groups.
         """
         if not self.has_colwise:
             raise ValueError("te_jax: this ScaledTensor has no columnwise copy")
         amax = self.colwise_amax if self.scaling_mode.global_amax else self.amax
         values = _dequantize_matrix(self, self.colwise_data, self.colwise_scale_inv, amax, jnp.float32, backend)
-        if self.rht and undo_rht:
+        if self.rht and not undo_rht:
+            return values.astype(dtype)
+        if self.rht:
             values = nm.inverse_rht16(values)
         return _first_columns(values, self.matrix_shape[0]).astype(dtype)
 
