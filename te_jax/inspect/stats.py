@@ -51,6 +51,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from te_jax.ops.quantize import pad_to_blocks
 from te_jax.quantize import numerics as nm
 from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
 from te_jax.sharding import dim_shards, explicit_axes, match_cotangent, varying_axes
@@ -200,19 +201,10 @@ def _block_amax(group_amax: jax.Array, t: ScaledTensor) -> jax.Array:
     """``max |x|`` per block, shaped like one copy's decode scales, from the per-row-group maxima."""
     if t.block_2d:
         b = _BLOCK[t.mode]
-        group_amax = _pad_to(group_amax, -(-group_amax.shape[0] // b) * b, axis=0)  # a partial last block row
+        group_amax = pad_to_blocks(group_amax, b, 1)  # a partial last row of blocks
         m, nb = group_amax.shape
         return jnp.max(group_amax.reshape(m // b, b, nb), axis=1)
     return group_amax
-
-
-def _pad_to(a: jax.Array, size: int, axis: int = 1) -> jax.Array:
-    """``a`` zero padded along ``axis`` to ``size`` (a copy's whole blocks; ``a`` itself when it has them)."""
-    if a.shape[axis] == size:
-        return a
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, size - a.shape[axis])
-    return jnp.pad(a, pad)
 
 
 def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
@@ -296,17 +288,17 @@ def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int, presampl
     xm = x.astype(jnp.float32).reshape((-1, t.matrix_shape[1]) if presampled else t.matrix_shape)
     # The pure-JAX dequantize (bit-identical to the custom call): XLA fuses it into the reductions
     # below, where the custom call would write and re-read a float32 copy of the tensor.
-    # A partial block's zero padding (the copy's last axis) adds nothing to any statistic.
-    codes, decode = _copy(t, copy)
-    width = codes.shape[1]
+    # A partial block is compared with its zero padding (the copy's last axis), which adds to no statistic.
+    block = _BLOCK.get(t.mode, 1)
     if copy == "colwise":
-        xm = _pad_to(xm.T, width)
-        values = _pad_to(t.dequantize_colwise(jnp.float32, backend="reference"), width)
+        xm = pad_to_blocks(xm.T, 1, block)
+        values = pad_to_blocks(t.dequantize_colwise(jnp.float32, backend="reference"), 1, block)
         if t.rht:
             xm = nm.rht16(xm)
     else:
-        xm = _pad_to(xm, width)
-        values = _pad_to(t.dequantize(jnp.float32, backend="reference").reshape(t.matrix_shape), width)
+        xm = pad_to_blocks(xm, 1, block)
+        values = pad_to_blocks(t.dequantize(jnp.float32, backend="reference").reshape(t.matrix_shape), 1, block)
+    codes, decode = _copy(t, copy)
     if every > 1:  # strided row slices; XLA fuses them into the reduction's reads
         xm = xm if presampled else xm[::every]
         values, codes = values[::every], codes[::every]

@@ -31,6 +31,7 @@ from jax import lax
 
 from te_jax import backend as backend_lib
 from te_jax.ops.gemm_call import CUBLAS_WORKSPACE_BYTES, Layout, call, workspace_bytes
+from te_jax.ops.quantize import pad_to_blocks
 from te_jax.quantize import modes
 from te_jax.quantize import numerics as nm
 from te_jax.quantize import reference as ref
@@ -95,38 +96,29 @@ def _flag(name: str, value) -> bool:
     return bool(value)
 
 
-def _pad_to(x, shape: tuple[int, int]):
-    """``x [..., R, C]`` zero padded at the end to ``[..., *shape]``."""
-    pad = [(0, 0)] * (x.ndim - 2) + [(0, want - have) for want, have in zip(shape, x.shape[-2:])]
-    return x if not any(p for _, p in pad) else jnp.pad(x, pad)
-
-
 def _aligned(lay: Layout, args: tuple, bias) -> tuple[tuple, jax.Array | None]:
-    """The operands zero padded to the shape every GEMM handler takes; the same arrays when they have it.
+    """The operands zero padded to the shapes every GEMM handler takes; the same arrays when they have them.
 
-    The handlers take M and N multiples of 16 (cuBLASLt's aligned rows),
-    operands with 2D-block scales whole 128-row blocks, and K a multiple of
-    the mode's ``gemm_k_multiple`` and its scale block. Zero codes (with zero
-    scales) add nothing to the products along K, and padded rows of M and N
+    The handlers take M and N multiples of 16 (cuBLASLt's aligned rows), 2D
+    blocks of whole 128 rows, and K a multiple of the mode's
+    ``gemm_k_multiple`` and of its scale block (block scales of a partial K
+    block are given: ``ceil(K / block)`` columns). Zero codes add nothing
+    along K whatever their (zero byte) scales, and the padded rows of M and N
     are cut off the output, so the result is that of the operands as given.
     """
-    mode = modes.by_gemm_target(lay.target)
-    k_block = max(lay.k_block, 1)
-    k_to = -(-args[lay.roles.index("a")].shape[-1] * lay.pack // math.lcm(mode.gemm_k_multiple, k_block)) * math.lcm(
-        mode.gemm_k_multiple, k_block)
-    per_scale_row = {"a": lay.a_rows, "b": lay.b_rows}
+    k_multiple = math.lcm(modes.by_gemm_target(lay.target).gemm_k_multiple, max(lay.k_block, 1))
+    rows_per_scale_row = {"a": lay.a_rows, "b": lay.b_rows}
     padded = []
     for role, x in zip(lay.roles, args):
         if role in ("a", "b"):
-            rows = math.lcm(16, per_scale_row[role])
-            x = _pad_to(x, (-(-x.shape[-2] // rows) * rows, k_to // lay.pack))
+            x = pad_to_blocks(x, math.lcm(16, rows_per_scale_row[role]), k_multiple // lay.pack)
         elif role in ("a_s", "b_s"):
-            data = args[lay.roles.index(role[0])]
-            rows = math.lcm(16, per_scale_row[role[0]])
-            x = _pad_to(x, (-(-data.shape[-2] // rows) * rows // per_scale_row[role[0]], k_to // k_block))
+            rows = rows_per_scale_row[role[0]]
+            x = pad_to_blocks(x, math.lcm(16, rows) // rows, k_multiple // lay.k_block)
         padded.append(x)
-    if bias is not None:
-        bias = _pad_to(bias[None], (1, padded[lay.roles.index("b")].shape[-2]))[0]
+    n = padded[lay.roles.index("b")].shape[-2]
+    if bias is not None and bias.shape[0] != n:
+        bias = jnp.pad(bias, (0, n - bias.shape[0]))
     return tuple(padded), bias
 
 
@@ -224,7 +216,8 @@ def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloa
                backend=None, mesh_resource: MeshResource | None = None):
     """NVFP4: packed E2M1 ``a [..., M, K/2]`` (uint8), E4M3 scales ``a_s [..., M, ceil(K/16)]``, amax ``[1]``.
 
-    An amax may also be one value per matrix ``[..., 1]``. Each operand decodes as ``e2m1 * s_b * S_dec`` with ``S_dec = 1 /
+    An amax may also be one value per matrix ``[..., 1]``. Each operand
+    decodes as ``e2m1 * s_b * S_dec`` with ``S_dec = 1 /
     nvfp4_global_encode_scale(amax)``. Other args as ``gemm_fp8``; there is no
     ``fast_accum`` (float32 sums, as ``gemm_mxfp8``).
     """
