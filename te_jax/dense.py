@@ -46,7 +46,6 @@ take it from the "quantize" RNG stream (``te_jax.state.QUANTIZE_RNG``).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -129,8 +128,7 @@ def dense(
     # Contracting axes last on x, first on the kernel: flatten_axis then splits them off.
     x_free = tuple(i for i in range(x.ndim) if i not in x_c)
     k_free = tuple(i for i in range(kernel.ndim) if i not in k_c)
-    m, k = math.prod(x.shape[i] for i in x_free), math.prod(x.shape[i] for i in x_c)
-    inner = check_gemm(q, m, k, math.prod(k_free_shape), state, key, _WHERE)
+    inner = check_gemm(q, state, key, _WHERE)
     x2 = jnp.transpose(x, x_free + x_c) if x_free + x_c != tuple(range(x.ndim)) else x
     k2 = jnp.transpose(kernel, k_c + k_free) if k_c + k_free != tuple(range(kernel.ndim)) else kernel
     qstats = stats_input(q.quantized_roles(), given_stats(state)) if inspect else None

@@ -53,7 +53,7 @@ from jax import lax
 
 from te_jax._core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, check_high_precision, cotangent,
                           mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state, vary_of)
-from te_jax._core.checks import check_blocks, check_key, check_state
+from te_jax._core.checks import check_key, check_state
 from te_jax._core.quantizers import FORWARD_FIELDS, ROLE_OF
 from te_jax._core.remat import name_quantized
 from te_jax.autocast import with_plan_mesh
@@ -115,6 +115,25 @@ def _check_state(q: DenseQuantizers, state: Mapping | None, num_groups: int) -> 
     return {r: dict(weight if r == _WEIGHT else state[r]) for r in q.stateful()}
 
 
+def _check_blocks(q: DenseQuantizers, spans: int, k: int, n: int) -> None:
+    """Raises a clear error when a block recipe's blocks do not tile the grouped GEMMs' operands.
+
+    The grouped kernels take whole blocks only (``te_jax.dense`` pads partial
+    ones; the grouped op does not), and each tensor is quantized rowwise and
+    columnwise: x ``[spans, K]``, the expert weights ``[K, N]``, dy ``[spans, N]``.
+    """
+    dims = {"input": ("input features", (spans, k)), "weight": ("input and output features", (k, n)),
+            "grad_output": ("output features", (spans, n))}
+    for field, (what, shape) in dims.items():
+        mode = getattr(getattr(q, field), "scaling_mode", None)
+        if mode is not None and not mode.tiles(shape, rowwise=True, colwise=True):
+            raise ValueError(
+                f"te_jax: {_WHERE}: {mode.label} quantizes the {ROLE_OF[field]} tensor in blocks of "
+                f"{mode.block_cols}, and the grouped GEMM takes whole blocks only, but its shape is {list(shape)}: "
+                f"make each of the {what} a multiple of {mode.block_cols}, or give this layer a per-tensor recipe "
+                "(DelayedScaling, Float8CurrentScaling)")
+
+
 def grouped_dense(
     x: jax.Array,
     kernel: jax.Array,
@@ -150,7 +169,7 @@ def grouped_dense(
         return _high_precision(x, kernel, group_sizes, bias), None if state is None else dict(state)
     align = _align(q)
     spans = -(-(m + num_groups * (align - 1)) // align) * align  # room for every group's aligned span
-    check_blocks(q, spans, k, n, _WHERE)
+    _check_blocks(q, spans, k, n)
     inner = _check_state(q, state, num_groups)
     if key is None:
         check_key(q, FORWARD_FIELDS, _WHERE)

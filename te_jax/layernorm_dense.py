@@ -128,7 +128,7 @@ def layernorm_dense(
         if bias is not None:
             y = y + bias.astype(y.dtype)
         return y, high_precision_state(state, inspect)
-    inner = check_gemm(q, math.prod(lead), h, n, state, key, where)
+    inner = check_gemm(q, state, key, where)
     x2, k2 = x.reshape(-1, h), kernel.reshape(h, n)
     b2 = None if bias is None else bias.reshape(n)
     qstats = stats_input(q.quantized_roles(), given_stats(state)) if inspect else None

@@ -172,9 +172,8 @@ def layernorm_mlp(
         y = _high_precision(norm, activation, x, gamma, beta, k1, b1, kernel_2, bias_2, mask,
                             precision, dot_generals or (lax.dot_general, lax.dot_general))
         return y.reshape(*lead, h_out), high_precision_state(state, inspect)
-    m, state = math.prod(lead), dict(state or {})
-    inner = {g: check_gemm(qg, m, k, n, state.get(g), key, f"{where} ({g})")
-             for (g, qg), (k, n) in zip(q.by_gemm().items(), ((h, n1), (f, h_out)))}
+    state = dict(state or {})
+    inner = {g: check_gemm(qg, state.get(g), key, f"{where} ({g})") for g, qg in q.by_gemm().items()}
     qstats = None
     if inspect:
         given = dict(given_stats(state) or {})

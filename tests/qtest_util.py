@@ -1,4 +1,5 @@
-"""Helpers shared by the tests: awkward inputs, bit-level comparison, scripts on fake CPU devices."""
+"""Helpers shared by the tests: awkward inputs, bit-level comparison, the built-in recipes, scripts on fake CPU
+devices."""
 
 from __future__ import annotations
 
@@ -10,7 +11,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax import recipe as R
+
 CPU = jax.devices("cpu")[0]
+# Every built-in recipe, with a short amax history so that delayed scaling calibrates in one step.
+BUILTIN_RECIPES = {
+    "delayed": R.DelayedScaling(amax_history_len=4),
+    "current": R.Float8CurrentScaling(),
+    "mxfp8": R.MXFP8BlockScaling(),
+    "block": R.Float8BlockScaling(),
+    "nvfp4": R.NVFP4BlockScaling(),
+}
 
 
 def on_cpu(fn, *args, **kwargs):

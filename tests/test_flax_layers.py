@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import te_jax
+from qtest_util import BUILTIN_RECIPES
 from te_jax import flax as tf
 from te_jax import recipe as R
 from te_jax.dense import DenseQuantizers, dense
@@ -23,11 +24,7 @@ from te_jax.ops.activation import apply_activation
 from te_jax.ops.norm import normalize
 
 RECIPES = {
-    "delayed": R.DelayedScaling(amax_history_len=4),
-    "current": R.Float8CurrentScaling(),
-    "mxfp8": R.MXFP8BlockScaling(),
-    "block": R.Float8BlockScaling(),
-    "nvfp4": R.NVFP4BlockScaling(),
+    **BUILTIN_RECIPES,
     "custom_ref": R.load_recipe("current_scaling_ref"),
     "custom_mixed": R.load_recipe("mixed_per_layer"),
 }

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from te_jax.ops import gemm as G
+from te_jax.ops import gemm_call
 from te_jax.ops import quantize as qops
 from te_jax.quantize import (
     CurrentScalingQuantizer,
@@ -200,11 +201,16 @@ def test_e5m2_x_e5m2_is_refused():
 
 
 def test_k_not_a_block_multiple():
+    """A partial last K block needs its own scale (ceil(K / block) of them); the op zero pads the codes."""
     q, s = jnp.zeros((4, 48), E4), jnp.zeros((4, 1), jnp.uint8)
-    with pytest.raises(ValueError, match="te_jax: MXFP8 GEMM needs K \\(48\\) to be a multiple of 32"):
+    with pytest.raises(ValueError, match=re.escape("te_jax: a_s must be uint8[4, 2], got uint8[4, 1]")):
         G.gemm_mxfp8(q, s, q, s)
-    with pytest.raises(ValueError, match="te_jax: Float8 block scaling GEMM needs K"):
-        G.gemm_fp8_block(q, s.astype(jnp.float32), q, s.astype(jnp.float32))
+    with pytest.raises(ValueError, match=re.escape("te_jax: a_s must be float32[4, 1], got float32[4, 2]")):
+        G.gemm_fp8_block(q, jnp.ones((4, 2), F32), q, jnp.ones((4, 1), F32))
+    codes = jnp.asarray(_rng("k48").normal(size=(4, 48)), E4)
+    s2 = jnp.full((4, 2), 127, jnp.uint8)  # E8M0 1.0
+    want = np.asarray(codes, np.float64) @ np.asarray(codes, np.float64).T
+    np.testing.assert_allclose(G.gemm_mxfp8(codes, s2, codes, s2, out_dtype=F32), want, rtol=1e-6)
     with pytest.raises(jax.errors.JaxRuntimeError, match="K \\(48\\) must be a multiple of the block size 32"):
         _raw("te_jax_gemm_mxfp8", q, s, q, s, jnp.zeros((0,), jnp.float32), out_shape=(4, 4))
 
@@ -405,12 +411,17 @@ def test_workspace_per_platform():
     assert G.workspace_bytes("te_jax_gemm_nvfp4", (8192, 4096), (28672, 4096), 8192, BF16) == 608 * 2**20 + 4104
 
 
-def test_cuda_shape_checks_at_lowering():
+def test_unaligned_rows_are_padded_for_every_handler():
+    """M = N = 33 reach the custom call as 48 (cuBLASLt's 16-aligned rows); aligned operands are not padded."""
     a, s = jnp.zeros((33, 64), E4), jnp.zeros((33, 2), jnp.uint8)
     fn = lambda a, s: G.gemm_mxfp8(a, s, a, s)  # noqa: E731
-    _lowered_text(fn, a, s, platform="cpu")  # the CPU handler takes any M
+    for platform in ("cpu", "cuda"):
+        text = _lowered_text(fn, a, s, platform=platform)
+        assert "stablehlo.pad" in text and "tensor<48x64xf8E4M3FN>" in text
+    assert "stablehlo.pad" not in _lowered_text(fn, a[:32], s[:32], platform="cuda")
+    lay = gemm_call.Layout("te_jax_gemm_mxfp8", ("a", "a_s", "b", "b_s"), (("autotune", False),), k_block=32)
     with pytest.raises(ValueError, match="te_jax: te_jax_gemm_mxfp8 on CUDA needs M and N to be multiples of 16"):
-        _lowered_text(fn, a, s, platform="cuda")
+        _lowered_text(lambda a, s: gemm_call.call(lay, a, s, a, s), a, s, platform="cuda")
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")

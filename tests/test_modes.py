@@ -23,7 +23,6 @@ from te_jax.ops import gemm_call, partition
 from te_jax.ops.gemm import gemm
 from te_jax.quantize import (
     CurrentScalingQuantizer,
-    DelayedScalingQuantizer,
     Float8BlockQuantizer,
     MXFP8Quantizer,
     NVFP4Quantizer,
@@ -105,13 +104,16 @@ def test_from_kernel_outputs_keeps_what_the_mode_keeps():
     assert t.rht and t.colwise_amax is s and t.amax is amax and t.scaling_mode is modes.NVFP4
 
 
-def test_tiling_block():
-    assert modes.tiling_block(DelayedScalingQuantizer()) is None
-    assert modes.tiling_block(CurrentScalingQuantizer()) is None
-    assert modes.tiling_block(MXFP8Quantizer()) == (32, "MXFP8")
-    assert modes.tiling_block(Float8BlockQuantizer(block_2d=True)) == (128, "Float8 block scaling")
-    assert modes.tiling_block(NVFP4Quantizer(block_2d=True)) == (16, "NVFP4")
-    assert modes.tiling_block(object()) is None
+def test_tiles_and_partial_block_scales():
+    assert modes.FP8_TENSOR.tiles((3, 5), rowwise=True, colwise=True)
+    assert modes.MXFP8.tiles((3, 64), rowwise=True, colwise=False)
+    assert not modes.MXFP8.tiles((3, 64), rowwise=True, colwise=True)
+    assert modes.MXFP8.tiles((50, 64), rowwise=False, colwise=False) and not modes.FP8_BLOCK_2D.tiles(
+        (100, 128), rowwise=True, colwise=False)
+    assert modes.FP8_BLOCK_2D.scale_shape(129, 256) == (2, 2) and modes.MXFP8.scale_shape(30, 33) == (30, 2)
+    assert modes.NVFP4_2D.scale_shape(17, 17) == (17, 2) and modes.FP8_TENSOR.scale_shape(3, 5) == (1,)
+    with pytest.raises(ValueError, match="whole 128x128 blocks along both axes"):
+        modes.FP8_BLOCK_2D.check_tiles((100, 128), rowwise=True, colwise=False)
 
 
 # ---- explicit fallbacks ---------------------------------------------------------------

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 
 from te_jax._core.quantizers import FORWARD_FIELDS, ROLE_OF, DenseQuantizers
-from te_jax.quantize.quantizers import Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
 
 HIGH_PRECISION = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -42,42 +41,6 @@ def contracting_axes(dims, ndim: int, what: str, where: str) -> tuple[int, ...]:
     return out
 
 
-def block_of(quantizer) -> tuple[int, str] | None:
-    """``(block size, format name)`` of a block-scaling quantizer, None for per-tensor scaling or None."""
-    if isinstance(quantizer, MXFP8Quantizer):
-        return 32, "MXFP8"
-    if isinstance(quantizer, Float8BlockQuantizer):
-        return 128, "Float8 block scaling"
-    if isinstance(quantizer, NVFP4Quantizer):
-        return 16, "NVFP4"
-    return None
-
-
-def check_blocks(q: DenseQuantizers, m: int, k: int, n: int, where: str) -> None:
-    """Raises a clear error when the recipe's blocks do not tile a GEMM ``[m, k] x [k, n]``.
-
-    Inputs, weights and output gradients are quantized rowwise and columnwise
-    (forward, dgrad and wgrad each read one copy), so both axes of each must be
-    multiples of the block size.
-    """
-    tokens = "tokens (the batch axes' product)"
-    dims = {"input": ((tokens, m), ("input features", k)),
-            "weight": (("input features", k), ("output features", n)),
-            "grad_output": ((tokens, m), ("output features", n))}
-    for field, axes in dims.items():
-        block = block_of(getattr(q, field))
-        if block is None:
-            continue
-        size, mode = block
-        for name, value in axes:
-            if value % size:
-                raise ValueError(
-                    f"te_jax: {where}: {mode} quantizes the {ROLE_OF[field]} tensor "
-                    f"[{axes[0][1]}, {axes[1][1]}] in blocks of {size} along both axes, but its {name} ({value}) "
-                    f"is not a multiple of {size}. Pad that axis, or give this layer a per-tensor recipe "
-                    "(DelayedScaling, Float8CurrentScaling).")
-
-
 def check_state(q: DenseQuantizers, state: Mapping | None, where: str) -> dict[str, Any]:
     """The states of ``q``'s stateful roles, checked (missing or malformed ones raise a clear error)."""
     stateful, state = q.stateful(), dict(state or {})
@@ -101,13 +64,14 @@ def check_key(q: DenseQuantizers, fields, where: str) -> None:
             "NVFP4BlockScaling(disable_stochastic_rounding=True)")
 
 
-def check_gemm(q: DenseQuantizers, m: int, k: int, n: int, state: Mapping | None, key, where: str) -> dict[str, Any]:
-    """The checks of one quantized GEMM ``[m, k] x [k, n]``, in one order: blocks, state, forward key.
+def check_gemm(q: DenseQuantizers, state: Mapping | None, key, where: str) -> dict[str, Any]:
+    """The checks of one quantized GEMM, in one order: state, forward key.
 
+    Every shape is accepted: block-scaled quantizers give a partial block its
+    own scale and the GEMM zero pads the contraction axis.
     Returns the states of the stateful roles (``check_state``). The backward
     roles' key is checked when the backward is traced (``GemmQuant``).
     """
-    check_blocks(q, m, k, n, where)
     inner = check_state(q, state, where)
     if key is None:
         check_key(q, FORWARD_FIELDS, where)

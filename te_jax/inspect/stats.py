@@ -51,6 +51,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from te_jax.ops.quantize import pad_to_blocks
 from te_jax.quantize import numerics as nm
 from te_jax.quantize.scaled_tensor import ScaledTensor, ScalingMode
 from te_jax.sharding import dim_shards, explicit_axes, match_cotangent, varying_axes
@@ -199,8 +200,9 @@ def _group_partials(xm: jax.Array, values: jax.Array, codes: jax.Array, fmt_max:
 def _block_amax(group_amax: jax.Array, t: ScaledTensor) -> jax.Array:
     """``max |x|`` per block, shaped like one copy's decode scales, from the per-row-group maxima."""
     if t.block_2d:
-        m, nb = group_amax.shape
         b = _BLOCK[t.mode]
+        group_amax = pad_to_blocks(group_amax, b, 1)  # a partial last row of blocks
+        m, nb = group_amax.shape
         return jnp.max(group_amax.reshape(m // b, b, nb), axis=1)
     return group_amax
 
@@ -286,13 +288,16 @@ def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int, presampl
     xm = x.astype(jnp.float32).reshape((-1, t.matrix_shape[1]) if presampled else t.matrix_shape)
     # The pure-JAX dequantize (bit-identical to the custom call): XLA fuses it into the reductions
     # below, where the custom call would write and re-read a float32 copy of the tensor.
+    # A partial block is compared with its zero padding (the copy's last axis), which adds to no statistic.
+    block = _BLOCK.get(t.mode, 1)
     if copy == "colwise":
-        xm = xm.T
-        values = t.dequantize_colwise(jnp.float32, backend="reference")
+        xm = pad_to_blocks(xm.T, 1, block)
+        values = pad_to_blocks(t.dequantize_colwise(jnp.float32, backend="reference"), 1, block)
         if t.rht:
             xm = nm.rht16(xm)
     else:
-        values = t.dequantize(jnp.float32, backend="reference").reshape(t.matrix_shape)
+        xm = pad_to_blocks(xm, 1, block)
+        values = pad_to_blocks(t.dequantize(jnp.float32, backend="reference").reshape(t.matrix_shape), 1, block)
     codes, decode = _copy(t, copy)
     if every > 1:  # strided row slices; XLA fuses them into the reduction's reads
         xm = xm if presampled else xm[::every]

@@ -6,8 +6,11 @@ Two layers (the contract is ``docs/gemm_ffi.md``):
   contraction-last operands ``A [..., M, K]`` and ``B [N, K]`` (or
   ``[..., N, K]`` with A's leading axes: a batched GEMM) with their scales, in
   the custom call's argument order, and return ``out [..., M, N]``. Each
-  validates at trace time, then runs the ``te_jax_gemm_*`` custom call or, with
-  the "reference" backend, its pure-JAX twin (dequantize, float32 matmul).
+  validates at trace time, zero pads its operands to the shapes every handler
+  takes (``_aligned``: M, N multiples of 16, whole K blocks; a partial last K
+  block needs its own scale column), then runs the ``te_jax_gemm_*`` custom
+  call or, with the "reference" backend, its pure-JAX twin (dequantize,
+  float32 matmul), and cuts the output back to ``[..., M, N]``.
 * ``gemm(lhs, rhs, contracting_dims, batch_dims)`` multiplies ScaledTensors like
   ``lax.dot_general``, picking the rowwise or columnwise copy of each.
 
@@ -28,6 +31,7 @@ from jax import lax
 
 from te_jax import backend as backend_lib
 from te_jax.ops.gemm_call import CUBLAS_WORKSPACE_BYTES, Layout, call, workspace_bytes
+from te_jax.ops.quantize import pad_to_blocks
 from te_jax.quantize import modes
 from te_jax.quantize import numerics as nm
 from te_jax.quantize import reference as ref
@@ -55,7 +59,7 @@ def check_operand_dtypes(a, b, mode: str) -> None:
                         "(Format.HYBRID keeps E5M2 for gradients only)")
 
 
-def _check_operands(a, b, *, block: int, mode: str) -> int:
+def _check_operands(a, b, *, mode: str) -> int:
     """A [..., M, K] and B [N, K] or [..., N, K] (NVFP4: packed, K/2 columns); returns K."""
     check_operand_dtypes(a, b, mode)
     nvfp4 = mode == modes.NVFP4.label
@@ -64,18 +68,12 @@ def _check_operands(a, b, *, block: int, mode: str) -> int:
                          f"got {a.shape} and {b.shape}")
     if b.ndim > 2 and b.shape[:-2] != a.shape[:-2]:
         raise ValueError(f"te_jax: a batched B {b.shape} must have A's leading axes {a.shape[:-2]}")
-    k = a.shape[-1] * (2 if nvfp4 else 1)
-    if k % block:
-        raise ValueError(f"te_jax: {mode} GEMM needs K ({k}) to be a multiple of {block}; pad the contraction axis")
-    return k
+    return a.shape[-1] * (2 if nvfp4 else 1)
 
 
 def check_block_scales(s, data, k: int, rows: int, k_block: int, dtype, name: str):
-    """Checks block scales ``[..., R/rows, K/k_block]`` of ``data [..., R, K]``."""
-    if data.shape[-2] % rows:
-        raise ValueError(f"te_jax: {name}: 2D blocks need the operand's rows ({data.shape[-2]}) to be a multiple "
-                         f"of {rows}")
-    want = (*data.shape[:-2], data.shape[-2] // rows, k // k_block)
+    """Checks block scales ``[..., ceil(R/rows), ceil(K/k_block)]`` of ``data [..., R, K]``."""
+    want = (*data.shape[:-2], -(-data.shape[-2] // rows), -(-k // k_block))
     if tuple(s.shape) != want or jnp.dtype(s.dtype) != jnp.dtype(dtype):
         raise ValueError(f"te_jax: {name} must be {jnp.dtype(dtype)}{list(want)}, got {s.dtype}{list(s.shape)}")
     return s
@@ -104,6 +102,32 @@ def check_flag(name: str, value) -> bool:
     return bool(value)
 
 
+def _aligned(lay: Layout, args: tuple, bias) -> tuple[tuple, jax.Array | None]:
+    """The operands zero padded to the shapes every GEMM handler takes; the same arrays when they have them.
+
+    The handlers take M and N multiples of 16 (cuBLASLt's aligned rows), 2D
+    blocks of whole 128 rows, and K a multiple of the mode's
+    ``gemm_k_multiple`` and of its scale block (block scales of a partial K
+    block are given: ``ceil(K / block)`` columns). Zero codes add nothing
+    along K whatever their (zero byte) scales, and the padded rows of M and N
+    are cut off the output, so the result is that of the operands as given.
+    """
+    k_multiple = math.lcm(modes.by_gemm_target(lay.target).gemm_k_multiple, max(lay.k_block, 1))
+    rows_per_scale_row = {"a": lay.a_rows, "b": lay.b_rows}
+    padded = []
+    for role, x in zip(lay.roles, args):
+        if role in ("a", "b"):
+            x = pad_to_blocks(x, math.lcm(16, rows_per_scale_row[role]), k_multiple // lay.pack)
+        elif role in ("a_s", "b_s"):
+            rows = rows_per_scale_row[role[0]]
+            x = pad_to_blocks(x, math.lcm(16, rows) // rows, k_multiple // lay.k_block)
+        padded.append(x)
+    n = padded[lay.roles.index("b")].shape[-2]
+    if bias is not None and bias.shape[0] != n:
+        bias = jnp.pad(bias, (0, n - bias.shape[0]))
+    return tuple(padded), bias
+
+
 def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, autotune: bool, backend, mesh_resource):
     """Checks out_dtype and bias, then runs the custom call or its reference twin."""
     out_dtype, autotune = check_out_dtype(out_dtype), check_flag("autotune", autotune)
@@ -114,14 +138,18 @@ def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, autotune: bool, 
             raise ValueError(f"te_jax: bias must be [N] = [{b.shape[-2]}], got shape {bias.shape}")
         if jnp.dtype(bias.dtype) not in (out_dtype, jnp.dtype(jnp.float32)):
             bias = bias.astype(jnp.float32)
+    m, n = a.shape[-2], b.shape[-2]
+    args, bias = _aligned(lay, args, bias)
     if backend_lib.resolve(backend) == "reference":
-        da, db = dequantize()
+        da, db = dequantize(*args)
         out = jnp.matmul(da, jnp.swapaxes(db, -1, -2), precision=lax.Precision.HIGHEST,
                          preferred_element_type=jnp.float32)
-        return (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
-    lay = dataclasses.replace(lay, attrs=(*lay.attrs, ("autotune", autotune)), out_dtype=out_dtype,
-                              has_bias=bias is not None, n_lead=a.ndim - 2, b_batched=b.ndim > 2)
-    return call(lay, *args, *(() if bias is None else (bias,)), mesh_resource=mesh_resource)
+        out = (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
+    else:
+        lay = dataclasses.replace(lay, attrs=(*lay.attrs, ("autotune", autotune)), out_dtype=out_dtype,
+                                  has_bias=bias is not None, n_lead=a.ndim - 2, b_batched=b.ndim > 2)
+        out = call(lay, *args, *(() if bias is None else (bias,)), mesh_resource=mesh_resource)
+    return out if out.shape[-2:] == (m, n) else out[..., :m, :n]
 
 
 def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat16, fast_accum=True, autotune=False,
@@ -141,10 +169,10 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat1
         weight split over them stays split along N, and sequence-parallel
         partial products are reduce-scattered over M (None: neither).
     """
-    _check_operands(a, b, block=1, mode=modes.FP8_TENSOR.label)
+    _check_operands(a, b, mode=modes.FP8_TENSOR.label)
     (a_scale_inv, ra), (b_scale_inv, rb) = _tensor_scale(a_scale_inv, a, "a_scale_inv"), _tensor_scale(
         b_scale_inv, b, "b_scale_inv")
-    deq = lambda: (ref.dequantize_fp8_tensor(a, a_scale_inv), ref.dequantize_fp8_tensor(b, b_scale_inv))  # noqa: E731
+    deq = lambda a, b, sa, sb: (ref.dequantize_fp8_tensor(a, sa), ref.dequantize_fp8_tensor(b, sb))  # noqa: E731
     lay = Layout(modes.FP8_TENSOR.gemm_target, ("a", "b", ra, rb),
                  attrs=(("fast_accum", check_flag("fast_accum", fast_accum)),))
     return _run(lay, (a, b, a_scale_inv, b_scale_inv), deq, bias, out_dtype, autotune, backend, mesh_resource)
@@ -154,21 +182,21 @@ def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=Fa
                    autotune=False, backend=None, mesh_resource: MeshResource | None = None):
     """Float8 block scaling: float32 1/scale per 1x128 block, or per 128x128 block when ``*_block_2d``.
 
-    ``a_s`` is ``[..., M, K/128]`` (2D: ``[..., M/128, K/128]``), ``b_s``
+    ``a_s`` is ``[..., M, ceil(K/128)]`` (2D: ``[..., ceil(M/128), ceil(K/128)]``), ``b_s``
     likewise for B; 128x128 x 128x128 is refused. Other args as ``gemm_fp8``;
     there is no ``fast_accum``: the block-scaled kernels promote every
     128-long K block into float32 sums.
     """
     block = modes.FP8_BLOCK.block_cols
-    k = _check_operands(a, b, block=block, mode=modes.FP8_BLOCK.label)
+    k = _check_operands(a, b, mode=modes.FP8_BLOCK.label)
     if a_block_2d and b_block_2d:
         raise ValueError("te_jax: 128x128 x 128x128 block-scaled GEMMs are not supported; quantize one operand "
                          "with 1x128 blocks (Float8BlockQuantizer(block_2d=False))")
     ra, rb = (block if a_block_2d else 1), (block if b_block_2d else 1)
     a_s = check_block_scales(a_s, a, k, ra, block, modes.FP8_BLOCK.scale_dtype, "a_s")
     b_s = check_block_scales(b_s, b, k, rb, block, modes.FP8_BLOCK.scale_dtype, "b_s")
-    deq = lambda: (ref.dequantize_fp8_block(a, a_s, block_2d=a_block_2d),  # noqa: E731
-                   ref.dequantize_fp8_block(b, b_s, block_2d=b_block_2d))
+    deq = lambda a, sa, b, sb: (ref.dequantize_fp8_block(a, sa, block_2d=a_block_2d),  # noqa: E731
+                                ref.dequantize_fp8_block(b, sb, block_2d=b_block_2d))
     lay = Layout(modes.FP8_BLOCK.gemm_target, ("a", "a_s", "b", "b_s"), k_block=block, a_rows=ra, b_rows=rb,
                  attrs=(("a_block_2d", bool(a_block_2d)), ("b_block_2d", bool(b_block_2d))))
     return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, autotune, backend, mesh_resource)
@@ -176,34 +204,35 @@ def gemm_fp8_block(a, a_s, b, b_s, bias=None, *, a_block_2d=False, b_block_2d=Fa
 
 def gemm_mxfp8(a, a_s, b, b_s, bias=None, *, out_dtype=jnp.bfloat16, autotune=False, backend=None,
                mesh_resource: MeshResource | None = None):
-    """MXFP8: uint8 E8M0 scales ``a_s [..., M, K/32]``, ``b_s [..., N, K/32]``.
+    """MXFP8: uint8 E8M0 scales ``a_s [..., M, ceil(K/32)]``, ``b_s [..., N, ceil(K/32)]``.
 
     Other args as ``gemm_fp8``; there is no ``fast_accum``: the sums are
     float32 (block-scaled MMA on sm_100, a bfloat16 GEMM on sm_90).
     """
     mode = modes.MXFP8
-    k = _check_operands(a, b, block=mode.block_cols, mode=mode.label)
+    k = _check_operands(a, b, mode=mode.label)
     a_s = check_block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
     b_s = check_block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
-    deq = lambda: (ref.dequantize_mxfp8(a, a_s), ref.dequantize_mxfp8(b, b_s))  # noqa: E731
+    deq = lambda a, sa, b, sb: (ref.dequantize_mxfp8(a, sa), ref.dequantize_mxfp8(b, sb))  # noqa: E731
     lay = Layout(mode.gemm_target, ("a", "a_s", "b", "b_s"), k_block=mode.block_cols)
     return _run(lay, (a, a_s, b, b_s), deq, bias, out_dtype, autotune, backend, mesh_resource)
 
 
 def gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, bias=None, *, out_dtype=jnp.bfloat16, autotune=False,
                backend=None, mesh_resource: MeshResource | None = None):
-    """NVFP4: packed E2M1 ``a [..., M, K/2]`` (uint8), E4M3 scales ``a_s [..., M, K/16]``, amax ``[1]`` or ``[..., 1]``.
+    """NVFP4: packed E2M1 ``a [..., M, K/2]`` (uint8), E4M3 scales ``a_s [..., M, ceil(K/16)]``, amax ``[1]``.
 
-    Each operand decodes as ``e2m1 * s_b * S_dec`` with ``S_dec = 1 /
+    An amax may also be one value per matrix ``[..., 1]``. Each operand
+    decodes as ``e2m1 * s_b * S_dec`` with ``S_dec = 1 /
     nvfp4_global_encode_scale(amax)``. Other args as ``gemm_fp8``; there is no
     ``fast_accum`` (float32 sums, as ``gemm_mxfp8``).
     """
     mode = modes.NVFP4
-    k = _check_operands(a, b, block=mode.block_cols, mode=mode.label)
+    k = _check_operands(a, b, mode=mode.label)
     a_s = check_block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
     b_s = check_block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
     (a_amax, ra), (b_amax, rb) = _tensor_scale(a_amax, a, "a_amax"), _tensor_scale(b_amax, b, "b_amax")
-    deq = lambda: (ref.dequantize_nvfp4(a, a_s, a_amax), ref.dequantize_nvfp4(b, b_s, b_amax))  # noqa: E731
+    deq = lambda a, sa, ma, b, sb, mb: (ref.dequantize_nvfp4(a, sa, ma), ref.dequantize_nvfp4(b, sb, mb))  # noqa: E731
     lay = Layout(mode.gemm_target, ("a", "a_s", ra, "b", "b_s", rb), pack=mode.pack, k_block=mode.block_cols)
     return _run(lay, (a, a_s, a_amax, b, b_s, b_amax), deq, bias, out_dtype, autotune, backend, mesh_resource)
 
@@ -258,7 +287,7 @@ def _pick(t: ScaledTensor, contract: tuple[int, ...], batch: tuple[int, ...], si
         if lead and data.shape[-2] % rows_per_scale:
             raise ValueError(f"te_jax: {side}: batching 2D-block scales needs the rows per batch element "
                              f"({data.shape[-2]}) to be a multiple of {rows_per_scale}")
-        scale = scale.reshape(*lead, data.shape[-2] // rows_per_scale, scale.shape[-1])
+        scale = scale.reshape(*lead, -(-data.shape[-2] // rows_per_scale), scale.shape[-1])
     amax = t.colwise_amax if colwise and spec.global_amax else t.amax
     return _Operand(data, scale, amax, tuple(t.shape[i] for i in free), colwise)
 

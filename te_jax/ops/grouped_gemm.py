@@ -453,6 +453,10 @@ def grouped_gemm_fp8_block(a, a_s, b, b_s, group_sizes, bias=None, *, a_block_2d
         raise ValueError("te_jax: 128x128 x 128x128 block-scaled GEMMs are not supported; quantize one operand "
                          "with 1x128 blocks (Float8BlockQuantizer(block_2d=False))")
     block = mode.block_cols
+    for name, x, two_d in (("A", a, a_block_2d), ("B", b, b_block_2d)):
+        if two_d and x.shape[-2] % block:
+            raise ValueError(f"te_jax: the grouped GEMM's 128x128 blocks need {name}'s rows ({x.shape[-2]}) to be a "
+                             f"multiple of {block}; use 1x128 blocks for it (Float8BlockQuantizer(block_2d=False))")
     a_s = check_block_scales(a_s, a, k, block if a_block_2d else 1, block, mode.scale_dtype, "a_s")
     b_s = check_block_scales(b_s, b, k, block if b_block_2d else 1, block, mode.scale_dtype, "b_s")
     deq = lambda: (ref.dequantize_fp8_block(a, a_s, block_2d=a_block_2d),  # noqa: E731

@@ -73,6 +73,43 @@ def _scalar_sds(x) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((*x.shape[:-2], 1), jnp.float32)
 
 
+def pad_to_blocks(x, rows: int, cols: int):
+    """``x [..., M, N]`` zero padded at the end to multiples of ``rows`` and ``cols`` (``x`` itself if it is)."""
+    pad_m, pad_n = -x.shape[-2] % rows, -x.shape[-1] % cols
+    if not (pad_m or pad_n):
+        return x
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pad_m), (0, pad_n)])
+
+
+def _block_padded(x, block: int, *, rowwise: bool, colwise: bool, block_2d: bool):
+    """``x`` padded to whole blocks along the axes a block-scaled quantize splits into blocks.
+
+    The rowwise copy's blocks run along N, the columnwise copy's along M, 2D
+    blocks along both. Zeros never raise an amax, so a partial block's scale
+    is its real elements' own.
+    """
+    rows = block if colwise or block_2d else 1
+    cols = block if rowwise or block_2d else 1
+    return pad_to_blocks(x, rows, cols)
+
+
+def _rows(a, count: int):
+    """The first ``count`` rows of a result ``[..., R, C]`` (an empty ``[..., 0]`` result as it is)."""
+    return a if a.ndim < 2 or a.shape[-1] == 0 or a.shape[-2] == count else a[..., :count, :]
+
+
+def _trim_rows(results, m: int, n: int, rows_per_scale_row: int = 1) -> tuple:
+    """A block quantize's ``(q, s, q_t, s_t, *rest)`` of a padded matrix, cut to the real ``m`` / ``n`` rows.
+
+    Each copy keeps its padded last axis (whole blocks: what the GEMM
+    contracts); its rows, the other axis, are the real ones, and 2D-block
+    scales keep ``ceil(rows / rows_per_scale_row)`` rows.
+    """
+    q, s, q_t, s_t, *rest = results
+    up = lambda count: -(-count // rows_per_scale_row)  # noqa: E731
+    return (_rows(q, m), _rows(s, up(m)), _rows(q_t, n), _rows(s_t, up(n)), *rest)
+
+
 
 def key_words(key) -> jax.Array:
     """The two uint32 words of a JAX PRNG key (typed or raw) that seed stochastic rounding."""
@@ -263,18 +300,24 @@ def quantize_fp8_current(
 def quantize_mxfp8(x, *, qdtype=jnp.float8_e4m3fn, rowwise=True, colwise=False, backend=None):
     """MXFP8: 1x32 blocks, E8M0 scale codes (uint8).
 
-    Returns ``(q [...,M,N], s [...,M,N/32], q_t [...,N,M], s_t [...,N,M/32])``.
+    Any ``M``, ``N``: a partial block at the end of an axis takes the scale of
+    its own elements. Each copy keeps its last axis (the one a GEMM contracts)
+    zero padded to whole blocks, and its rows as they are.
+
+    Returns ``(q [...,M,N'], s [...,M,N'/32], q_t [...,N,M'], s_t [...,N,M'/32])``
+    with ``N'``, ``M'`` rounded up to whole blocks.
     """
     _check_matrix(x)
     qdtype = check_fp8_dtype(qdtype)
     _check_layouts(rowwise, colwise)
-    modes.MXFP8.check_tiles(x.shape, rowwise=rowwise, colwise=colwise)
+    m, n = x.shape[-2:]
+    x = _block_padded(x, MXFP8_BLOCK, rowwise=rowwise, colwise=colwise, block_2d=False)
     if backend_lib.resolve(backend) == "reference":
-        return ref.quantize_mxfp8(x, qdtype=qdtype, rowwise=rowwise, colwise=colwise)
+        return _trim_rows(ref.quantize_mxfp8(x, qdtype=qdtype, rowwise=rowwise, colwise=colwise), m, n)
     results = (_on(rowwise, "m n"), _on(rowwise, "m n/32"), _on(colwise, "n m"), _on(colwise, "n m/32"))
     op = partition.MatrixOp(modes.MXFP8.quantize_target, _mxfp8_body, (qdtype, bool(rowwise), bool(colwise)), ("m n",),
                             results, x.shape[-2:])
-    return partition.call(op, x)
+    return _trim_rows(partition.call(op, x), m, n)
 
 
 def quantize_fp8_block(
@@ -282,22 +325,28 @@ def quantize_fp8_block(
 ):
     """Float8 block scaling: 1x128 or (``block_2d``) 128x128 blocks; float32 1/scale per block.
 
-    Returns ``(q, s, q_t, s_t)`` with ``s`` ``[...,M,N/128]`` or ``[...,M/128,N/128]``.
+    Any ``M``, ``N``, as ``quantize_mxfp8``: ``q [...,M,N']`` with ``N'`` rounded
+    up to whole blocks, ``s`` ``[...,M,N'/128]`` or ``[...,M'/128,N'/128]``,
+    ``q_t`` / ``s_t`` likewise for the transpose.
+
+    Returns ``(q, s, q_t, s_t)``.
     """
     _check_matrix(x)
     qdtype = check_fp8_dtype(qdtype)
     _check_layouts(rowwise, colwise)
-    _fp8_block_mode(block_2d).check_tiles(x.shape, rowwise=rowwise, colwise=colwise)
+    m, n = x.shape[-2:]
+    x = _block_padded(x, FP8_BLOCK, rowwise=rowwise, colwise=colwise, block_2d=block_2d)
+    scale_rows = _fp8_block_mode(block_2d).rows_per_scale_row
     if backend_lib.resolve(backend) == "reference":
-        return ref.quantize_fp8_block(
+        return _trim_rows(ref.quantize_fp8_block(
             x, qdtype=qdtype, rowwise=rowwise, colwise=colwise, block_2d=block_2d, power_2=power_2
-        )
+        ), m, n, scale_rows)
     rows = "m/128" if block_2d else "m"
     cols = "n/128" if block_2d else "n"
     results = (_on(rowwise, "m n"), _on(rowwise, f"{rows} n/128"), _on(colwise, "n m"), _on(colwise, f"{cols} m/128"))
     config = (qdtype, bool(rowwise), bool(colwise), bool(block_2d), bool(power_2))
     op = partition.MatrixOp(modes.FP8_BLOCK.quantize_target, _fp8_block_body, config, ("m n",), results, x.shape[-2:])
-    return partition.call(op, x)
+    return _trim_rows(partition.call(op, x), m, n, scale_rows)
 
 
 def quantize_nvfp4(
@@ -308,14 +357,18 @@ def quantize_nvfp4(
     ``rht`` applies the 16-point random Hadamard transform to the columnwise
     copy; ``stochastic_rounding`` draws its bits from ``key`` (a JAX PRNG key).
 
-    Returns ``(q [...,M,N/2], s [...,M,N/16], q_t [...,N,M/2], s_t [...,N,M/16],
-    amax [...,1], amax_t [...,1])``.
+    Any ``M``, ``N``, as ``quantize_mxfp8`` (with ``rht``, a partial block of
+    the columnwise copy is transformed with its zero padding).
+
+    Returns ``(q [...,M,N'/2], s [...,M,N'/16], q_t [...,N,M'/2], s_t [...,N,M'/16],
+    amax [...,1], amax_t [...,1])`` with ``N'``, ``M'`` rounded up to whole blocks.
     """
     _check_matrix(x)
     _check_layouts(rowwise, colwise)
     if rht and block_2d:
         raise ValueError("te_jax: the random Hadamard transform applies to 1D (1x16) NVFP4 blocks only")
-    (modes.NVFP4_2D if block_2d else modes.NVFP4).check_tiles(x.shape, rowwise=rowwise, colwise=colwise or rht)
+    m, n = x.shape[-2:]
+    x = _block_padded(x, NVFP4_BLOCK, rowwise=rowwise, colwise=colwise or rht, block_2d=block_2d)
     if stochastic_rounding:
         if key is None:
             raise ValueError("te_jax: NVFP4 stochastic rounding needs a PRNG key")
@@ -328,13 +381,13 @@ def quantize_nvfp4(
     flags = dict(rowwise=bool(rowwise), colwise=bool(colwise), block_2d=bool(block_2d), rht=bool(rht),
                  stochastic_rounding=bool(stochastic_rounding))
     if backend_lib.resolve(backend) == "reference":
-        return ref.quantize_nvfp4(x, words, **flags)
+        return _trim_rows(ref.quantize_nvfp4(x, words, **flags), m, n)
     results = (_on(rowwise, "m n/2"), _on(rowwise, "m n/16"), _on(colwise, "n m/2"), _on(colwise, "n m/16"),
                "~", "~")
     align = (NVFP4_BLOCK if block_2d or rht else 1, NVFP4_BLOCK if block_2d else 1)
     op = partition.MatrixOp(modes.NVFP4.quantize_target, _nvfp4_body, tuple(flags.items()), ("m n", "~"), results,
                             x.shape[-2:], align=align)
-    return partition.call(op, x, words)
+    return _trim_rows(partition.call(op, x, words), m, n)
 
 
 # ---- dequantize --------------------------------------------------------------------
@@ -391,14 +444,17 @@ def dequantize_mxfp8(q, s, *, out_dtype=jnp.float32, backend=None):
 
 
 def dequantize_fp8_block(q, s, *, block_2d=False, out_dtype=jnp.float32, backend=None):
+    """Float8 block codes ``[..., M, N]`` (N whole blocks; 2D blocks: any M, scales ``[..., ceil(M/128), N/128]``)."""
     _check_quantized(q, nm.FP8_DTYPES, "Float8 block")
     out_dtype = _check_out_dtype(out_dtype)
+    rows = q.shape[-2]
+    q = pad_to_blocks(q, FP8_BLOCK if block_2d else 1, 1)  # a partial 2D block's rows decode with its scale
     _fp8_block_mode(block_2d).check_tiles(q.shape, rowwise=True, colwise=False)
     if backend_lib.resolve(backend) == "reference":
-        return ref.dequantize_fp8_block(q, s, block_2d=block_2d, out_dtype=out_dtype)
+        return _rows(ref.dequantize_fp8_block(q, s, block_2d=block_2d, out_dtype=out_dtype), rows)
     scales = "m/128 n/128" if block_2d else "m n/128"
-    return _dequantize(_fp8_block_mode(block_2d), out_dtype, (("block_2d", bool(block_2d)),),
-                       ("m n", scales), q, s.astype(jnp.float32))
+    return _rows(_dequantize(_fp8_block_mode(block_2d), out_dtype, (("block_2d", bool(block_2d)),),
+                             ("m n", scales), q, s.astype(jnp.float32)), rows)
 
 
 def dequantize_nvfp4(q, s, amax, *, out_dtype=jnp.float32, backend=None):

@@ -8,7 +8,9 @@ wraps the seven cast results, so the result is the ScaledTensor that
 ``quantizer.quantize`` would return for the same output.
 
 A quantizer without a fused cast (a custom quantizer without ``fused_cast``,
-or a built-in one that returns None for 2D blocks) takes the unfused path:
+or a built-in one that returns None for 2D blocks), or a block-scaled one
+whose blocks do not tile the output (the fused kernels take whole blocks;
+the quantize op pads partial ones), takes the unfused path:
 the kernel writes its output in float32, then ``quantizer.quantize`` runs on
 it. That costs one float32 write and read of the output plus the separate
 quantize kernel, and warns once per quantizer (``UnfusedCastWarning``;
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 from te_jax.ops import activation as act_ops
 from te_jax.ops import norm as norm_ops
 from te_jax.ops.fused_cast import CastOutputs, CastSpec
-from te_jax.quantize.scaled_tensor import ScaledTensor
+from te_jax.quantize.scaled_tensor import ScaledTensor, flattened_shape
 
 
 class UnfusedCastWarning(UserWarning):
@@ -45,9 +47,13 @@ def scaled_tensor(outs: CastOutputs, spec: CastSpec, quantizer, shape, flatten_a
         amax_t=outs.amax_t, rowwise=spec.rowwise, colwise=spec.colwise, flatten_axis=flatten_axis, rht=spec.rht)
 
 
-def _warn_unfused(quantizer) -> None:
-    why = ("its fused_cast returns None (its blocks are not fused)" if hasattr(quantizer, "fused_cast")
-           else "it has no fused_cast method")
+def _warn_unfused(quantizer, partial_blocks_of=None) -> None:
+    if partial_blocks_of is not None:
+        why = f"its blocks do not tile the output matrix {list(partial_blocks_of)}; the quantize op pads them"
+    elif hasattr(quantizer, "fused_cast"):
+        why = "its fused_cast returns None (its blocks are not fused)"
+    else:
+        why = "it has no fused_cast method"
     warnings.warn(
         f"te_jax: {quantizer!r} cannot be fused into the norm/activation kernel ({why}), so the kernel writes its "
         "output in float32 and a separate kernel quantizes it (one extra float32 write and read of the output). "
@@ -71,8 +77,11 @@ def run_cast(call: Callable, shape, in_dtype, quantizer, state, *, rowwise, colw
         outs, *extras = call(CastSpec("none", out_dtype or in_dtype), None, None)
         return (outs.q.reshape(shape), *extras)
     fused = spec_for_quantizer(quantizer, state, rowwise=rowwise, colwise=colwise)
-    if fused is None:
-        _warn_unfused(quantizer)
+    matrix = flattened_shape(tuple(shape), flatten_axis)
+    partial = fused is not None and fused[0].mode != "none" and not fused[0].scaling_mode.tiles(
+        matrix, rowwise=fused[0].rowwise, colwise=fused[0].colwise or fused[0].rht)
+    if fused is None or partial:
+        _warn_unfused(quantizer, matrix if partial else None)
         outs, *extras = call(CastSpec("none", jnp.float32), None, None)
         layout = {} if flatten_axis == -1 else {"flatten_axis": flatten_axis}
         y = quantizer.quantize(outs.q.reshape(shape), state, rowwise=rowwise, colwise=colwise, key=key, **layout)

@@ -19,6 +19,14 @@ except that NVFP4's 16x16 scales are stored like 1x16 ones (each of a block's
 the transposed matrix ``[N, M]``. A per-tensor scale is shared by both copies;
 NVFP4 keeps one float32 global amax per copy.
 
+Block modes take any ``M`` and ``N``: a partial block at the end of an axis
+is quantized with zero padding, so its scale comes from its own elements.
+Each copy keeps its last axis (the one a GEMM contracts) padded to whole
+blocks, ``N' = ceil(N / cols) * cols``, and its rows as they are: data
+``[M, N']``, scales ``[ceil(M / rows), N' / cols]`` (``scale_shape``). Zero
+padding on the contraction axis adds nothing to a product, and
+``ScaledTensor.dequantize`` cuts the padding off.
+
 Python code asks this registry (``mode_spec``, ``by_cast_mode``,
 ``by_gemm_target``) rather than branching on the mode; adding a mode means
 adding an entry here and its kernels. The block lengths themselves are
@@ -145,11 +153,6 @@ class ModeSpec:
         return 1 if self.block is None else self.block[1]
 
     @property
-    def tile(self) -> int:
-        """The length both axes of a tensor quantized rowwise and columnwise must be a multiple of."""
-        return 1 if self.block is None else max(self.block)
-
-    @property
     def rows_per_scale_row(self) -> int:
         """Data rows per row of stored scales: 128 for 128x128 Float8 blocks, else 1.
 
@@ -158,26 +161,34 @@ class ModeSpec:
         return self.block[0] if self.block_2d and self.family is ScalingMode.FP8_BLOCK else 1
 
     def scale_shape(self, rows: int, cols: int) -> tuple[int, int] | tuple[int]:
-        """The stored scales of a copy ``[rows, cols]`` (``[1]`` for a per-tensor mode)."""
+        """The stored scales of a copy of the matrix ``[rows, cols]`` (``[1]`` for a per-tensor mode).
+
+        A partial block at the end of an axis has a scale of its own.
+        """
         if self.block is None:
             return (1,)
-        return (rows // self.rows_per_scale_row, cols // self.block[1])
+        return (-(-rows // self.rows_per_scale_row), -(-cols // self.block[1]))
+
+    def tiles(self, shape, *, rowwise: bool, colwise: bool) -> bool:
+        """Whether whole blocks tile ``[..., M, N]`` along every axis the copies asked for split into blocks."""
+        if self.block is None:
+            return True
+        m, n, block = shape[-2], shape[-1], self.block[1]
+        return not (((rowwise or self.block_2d) and n % block) or ((colwise or self.block_2d) and m % block))
 
     def check_tiles(self, shape, *, rowwise: bool, colwise: bool) -> None:
-        """Raises a ValueError saying what to do when the blocks do not tile ``[..., M, N]``."""
-        if self.block is None:
-            return
-        m, n, block = shape[-2], shape[-1], self.block[1]
-        if (rowwise or self.block_2d) and n % block:
+        """Raises a ValueError when whole blocks do not tile ``[..., M, N]``, what a kernel itself requires.
+
+        The te_jax ops pad a partial block before the kernel; this guards the
+        kernels' own operands (quantized data, a fused cast's output).
+        """
+        if not self.tiles(shape, rowwise=rowwise, colwise=colwise):
+            axes = "both axes" if self.block_2d else " and ".join(
+                a for a, on in (("the last axis", rowwise), ("the row axis", colwise)) if on)
             raise ValueError(
-                f"te_jax: {self.label} needs the last axis (N={n}) to be a multiple of {block}; "
-                f"got shape {tuple(shape)}. Pad the tensor or pick another recipe."
-            )
-        if (colwise or self.block_2d) and m % block:
-            raise ValueError(
-                f"te_jax: {self.label} {'2D blocks' if self.block_2d else 'columnwise copy'} needs the flattened "
-                f"row axis (M={m}) to be a multiple of {block}; got shape {tuple(shape)}."
-            )
+                f"te_jax: a {self.label} kernel takes whole {self.block[0]}x{self.block[1]} blocks along {axes}; got "
+                f"shape {tuple(shape)}. Partial blocks are handled above the kernels: the quantize ops (and "
+                "quantizers) pad them, and te_jax.quantize.fused runs such a norm or activation unfused.")
 
 
 FP8_TENSOR = ModeSpec(
@@ -240,17 +251,5 @@ def by_gemm_target(target: str) -> ModeSpec:
     raise ValueError(f"te_jax: {target!r} is not a GEMM target of any scaling mode")
 
 
-def tiling_block(quantizer) -> tuple[int, str] | None:
-    """``(tile, label)`` of a block-scaled quantizer (both axes of its tensors must be multiples of tile).
-
-    None for per-tensor quantizers and for custom quantizers without a
-    ``scaling_mode`` attribute.
-    """
-    spec = getattr(quantizer, "scaling_mode", None)
-    if not isinstance(spec, ModeSpec) or spec.per_tensor:
-        return None
-    return spec.tile, spec.label
-
-
 __all__ = ["CAST_MODES", "FP8_BLOCK", "FP8_BLOCK_2D", "FP8_TENSOR", "MODES", "MXFP8", "ModeSpec", "NVFP4", "NVFP4_2D",
-           "ScalingMode", "by_cast_mode", "by_gemm_target", "mode_spec", "tiling_block"]
+           "ScalingMode", "by_cast_mode", "by_gemm_target", "mode_spec"]

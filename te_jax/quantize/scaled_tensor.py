@@ -31,12 +31,17 @@ def flattened_shape(shape: tuple[int, ...], flatten_axis: int) -> tuple[int, int
 class ScaledTensor:
     """A quantized tensor of logical shape ``shape``, viewed as a matrix ``[M, N]``.
 
+    In the block modes each copy's last axis is zero padded to whole blocks
+    (``N'``, ``M'`` below: ``N``, ``M`` rounded up to the block; equal to them
+    when the blocks tile the matrix), so a partial block has its own scale;
+    ``dequantize`` returns the logical shape.
+
     Attributes:
-      data: rowwise quantized matrix ``[M, N]`` (NVFP4: ``[M, N/2]`` packed
-        uint8), or None.
+      data: rowwise quantized matrix ``[M, N]`` (block modes ``[M, N']``;
+        NVFP4: ``[M, N'/2]`` packed uint8), or None.
       scale_inv: rowwise decode scales: ``[1]`` float32 (per tensor),
-        ``[M, N/32]`` uint8 E8M0 codes (MXFP8), ``[M, N/128]`` or
-        ``[M/128, N/128]`` float32 (FP8 block), ``[M, N/16]`` E4M3 (NVFP4).
+        ``[M, N'/32]`` uint8 E8M0 codes (MXFP8), ``[M, N'/128]`` or
+        ``[ceil(M/128), N'/128]`` float32 (FP8 block), ``[M, N'/16]`` E4M3 (NVFP4).
       colwise_data / colwise_scale_inv: the same for the transposed matrix
         ``[N, M]``, or None.
       amax: float32 ``[1]``: the tensor's amax (per-tensor modes; NVFP4's
@@ -112,6 +117,7 @@ class ScaledTensor:
         """The represented values, in the logical shape (from the rowwise copy if present)."""
         if self.has_rowwise:
             values = _dequantize_matrix(self, self.data, self.scale_inv, self.amax, dtype, backend)
+            values = _first_columns(values, self.matrix_shape[1])
         else:
             values = jnp.swapaxes(self.dequantize_colwise(dtype, backend, undo_rht=True), -1, -2)
         return values.reshape(*values.shape[:-2], *self.shape)
@@ -119,15 +125,24 @@ class ScaledTensor:
     def dequantize_colwise(self, dtype=jnp.float32, backend: str | None = None, undo_rht: bool = False):
         """The columnwise copy's values as the matrix ``[N, M]``.
 
-        With ``rht`` these are Hadamard-domain values unless ``undo_rht``.
+        With ``rht`` these are Hadamard-domain values unless ``undo_rht``:
+        then a partial 16-group's transformed padding is part of them, so
+        they are ``[N, M']`` with ``M'`` rounded up to whole groups.
         """
         if not self.has_colwise:
             raise ValueError("te_jax: this ScaledTensor has no columnwise copy")
         amax = self.colwise_amax if self.scaling_mode.global_amax else self.amax
         values = _dequantize_matrix(self, self.colwise_data, self.colwise_scale_inv, amax, jnp.float32, backend)
-        if self.rht and undo_rht:
+        if self.rht and not undo_rht:
+            return values.astype(dtype)
+        if self.rht:
             values = nm.inverse_rht16(values)
-        return values.astype(dtype)
+        return _first_columns(values, self.matrix_shape[0]).astype(dtype)
+
+
+def _first_columns(values: jax.Array, count: int) -> jax.Array:
+    """``values [..., R, C]`` without the block padding after column ``count`` (as it is when there is none)."""
+    return values if values.shape[-1] == count else values[..., :count]
 
 
 def _dequantize_matrix(t: ScaledTensor, data, scales, amax, dtype, backend):
