@@ -10,7 +10,9 @@ input and (te_jax) of the FP8 state, all bfloat16 activations and parameters:
   i.e. ``nn.Fp8DotGeneral``, and the deprecated ``nn.Fp8DotGeneralOp``), and
   ``te_jax.flax.LayerNormMLP`` under DelayedScaling, Float8CurrentScaling,
   Float8BlockScaling, MXFP8 and NVFP4 (the last two are emulated by bf16 GEMMs
-  on Hopper, for information).
+  on Hopper, for information); and ``te_jax.nnx.LayerNormMLP`` ("te nnx
+  delayed", "te nnx current"), the same layer in Flax NNX form, stepped by
+  ``te_jax.nnx.value_and_grad``.
 * ``lndense``: LayerNormDenseGeneral 8192 -> 28672 at T=8192 (flax: LayerNorm + Dense).
 * ``dense``: DenseGeneral 8192 -> 28672 at T=8192.
 
@@ -53,6 +55,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -78,6 +81,7 @@ RECIPES = {
 FLAX_FP8 = {"flax fp8 (Fp8DotGeneral)": "direct", "flax fp8 (Fp8DotGeneralOp, qdq)": "qdq"}
 FLAX_FP8_COLLECTION = nn.fp8_ops.OVERWRITE_WITH_GRADIENT  # flax's FP8 state; its "gradient" is the new state
 # The targets of issue 5 (H200): (section, row, at most ms or None, at least this many times faster than flax fp8).
+NNX_RECIPES = {"te nnx delayed": R.DelayedScaling(), "te nnx current": R.Float8CurrentScaling()}
 TARGETS = [("mlp", "te delayed", 15.5, 1.14), ("mlp", "te current", None, 1.0), ("mlp", "te block", None, 1.0),
            ("lndense", "te delayed", None, 1.0), ("lndense", "te current", None, 1.0),
            ("dense", "te delayed", None, 1.0), ("dense", "te current", None, 1.0)]
@@ -118,6 +122,41 @@ def te_layer(section: str, h: int, n: int, bias: bool) -> nn.Module:
     return tf.DenseGeneral(n, **kw)
 
 
+class _WithInput(nnx.Module):
+    """An NNX layer and its input as a parameter, so that the step also computes the input's gradient."""
+
+    def __init__(self, layer: nnx.Module, x: jax.Array):
+        self.layer, self.x = layer, nnx.Param(x)
+
+
+def make_nnx_step(model: nnx.Module, recipe) -> CompiledStep:
+    """The NNX form of ``make_step``: the step returns ``(loss, {"grads": ..., "state": the layer's new state})``."""
+    graphdef, state = nnx.split(model)
+
+    def step(state, x, c, key):
+        del key  # per-tensor recipes draw no random numbers
+        holder = _WithInput(nnx.merge(graphdef, state), x)
+
+        def loss_fn(h):
+            return jnp.sum(h.layer(h.x.value).astype(jnp.float32) * c)
+
+        with te_jax.autocast(recipe=recipe):
+            loss, grads = te_jax.nnx.value_and_grad(loss_fn)(holder)
+        return loss, {"grads": grads, "state": nnx.state(holder.layer)}
+
+    return CompiledStep(step, state, jax.random.key(123), next_variables=lambda variables, out: out["state"])
+
+
+def _next_linen_variables(variables, grads):
+    """Linen variables with the FP8 state (te_jax's and flax's) replaced by the step's update."""
+    variables = dict(variables)
+    if FP8_COLLECTION in variables:
+        variables[FP8_COLLECTION] = apply_fp8_update(variables[FP8_COLLECTION], grads[FP8_COLLECTION])
+    if FLAX_FP8_COLLECTION in variables:
+        variables[FLAX_FP8_COLLECTION] = grads[FLAX_FP8_COLLECTION]
+    return variables
+
+
 def make_step(model, variables, recipe):
     """A jitted fwd+bwd step ``(variables, x, c) -> (loss, grads)``; grads include x's (and fp8_meta's)."""
 
@@ -138,8 +177,9 @@ class CompiledStep:
     """``step(variables, x, c, key)`` with its variables and key bound, compiled ahead of time on the
     first call (or by ``compile``), so the compile's time can be told apart from the step's."""
 
-    def __init__(self, step, variables, key):
+    def __init__(self, step, variables, key, next_variables: Callable = _next_linen_variables):
         self.step, self.variables, self.key, self.compiled = step, variables, key, None
+        self.next_variables = next_variables  # (variables, the step's second output) -> the next variables
 
     def compile(self, x, c) -> float:
         """Compiles for ``x``, ``c``; returns the seconds it took."""
@@ -160,13 +200,8 @@ class CompiledStep:
         mostly subnormal or zero FP8 codes (and the GEMMs on them draw less power).
         """
         for i in range(steps):
-            _, grads = self(*sets[i % len(sets)])
-            variables = dict(self.variables)
-            if FP8_COLLECTION in variables:
-                variables[FP8_COLLECTION] = apply_fp8_update(variables[FP8_COLLECTION], grads[FP8_COLLECTION])
-            if FLAX_FP8_COLLECTION in variables:
-                variables[FLAX_FP8_COLLECTION] = grads[FLAX_FP8_COLLECTION]
-            self.variables = jax.block_until_ready(variables)
+            _, out = self(*sets[i % len(sets)])
+            self.variables = jax.block_until_ready(self.next_variables(self.variables, out))
 
 
 # ---- GEMM-only steps (the breakdown) --------------------------------------------------------
@@ -221,7 +256,8 @@ def _variants(section: str, only: str) -> list[tuple[str, str, object]]:
     """The section's variants as (name, "flax" or "te", flax FP8 kind or recipe), those matching ``only``."""
     variants = [("bf16 flax", "flax", None), *((name, "flax", kind) for name, kind in FLAX_FP8.items()),
                 *((name, "te", r) for name, r in RECIPES.items()
-                  if section == "mlp" or name.startswith(("te delayed", "te current")))]
+                  if section == "mlp" or name.startswith(("te delayed", "te current"))),
+                *((name, "nnx", r) for name, r in NNX_RECIPES.items() if section == "mlp")]
     return selected(variants, only)
 
 
@@ -244,13 +280,21 @@ def _build_step(row: dict, section: str, h: int, n: int, impl: str, arg, sets, a
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             variables = jax.jit(model.init)(jax.random.key(1), x0)
+    elif impl == "nnx":
+        with te_jax.autocast(recipe=arg):
+            model = te_jax.nnx.LayerNormMLP(h, n, activation="gelu", use_bias=args.bias, dtype=BF16,
+                                            param_dtype=BF16, rngs=nnx.Rngs(1))
     else:
         model, recipe = te_layer(section, h, n, args.bias), arg
         with te_jax.autocast(recipe=recipe):
             variables = jax.jit(model.init)(jax.random.key(1), x0)
-    jax.block_until_ready(variables)
-    init_s = time.perf_counter() - start
-    step = make_step(model, variables, recipe)
+    if impl == "nnx":
+        init_s = time.perf_counter() - start
+        step = make_nnx_step(model, arg)
+    else:
+        jax.block_until_ready(variables)
+        init_s = time.perf_counter() - start
+        step = make_step(model, variables, recipe)
     if args.verbose:
         print(f"    {name}: init {init_s:.1f} s", flush=True)
     compile_s = step.compile(*sets[0])
