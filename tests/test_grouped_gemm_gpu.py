@@ -296,7 +296,7 @@ def _dense_run(q, state, x, w, b, c, backend):
     return (y, *grads)
 
 
-@pytest.mark.parametrize("x_dtype, w_dtype", [(F32, F32), (BF16, BF16), (BF16, F32)])
+@pytest.mark.parametrize("x_dtype, w_dtype", [(F32, F32), (BF16, BF16)])
 @pytest.mark.parametrize("name", [*PER_TENSOR, "block", "block_w1", "mxfp8", "nvfp4"])
 def test_grouped_dense_matches_reference(name, x_dtype, w_dtype):
     q = DenseQuantizers.from_recipe(_recipe(name))

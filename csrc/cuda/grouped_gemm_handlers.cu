@@ -139,10 +139,10 @@ ffi::Error Dispatch(const GroupedFp8Call& c, cudaStream_t stream) {
 }
 
 ffi::Error DispatchBlock(const GroupedFp8Call& c, cudaStream_t stream) {
-#define TE_JAX_RUN(ka, kb, ko, rows, axis)                                                                        \
+#define TE_JAX_RUN(ka, kb, ko, rows, group_axis)                                                                  \
   if (c.a_kind == Fp8Kind::ka && c.b_kind == Fp8Kind::kb && c.out_kind == OutKind::ko && c.b_scale_rows == rows && \
-      c.axis == axis)                                                                                               \
-    return RunGroupedFp8Block<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, rows, axis>(c, stream);
+      c.axis == group_axis)                                                                                         \
+    return RunGroupedFp8Block<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, rows, group_axis>(c, stream);
   TE_JAX_GROUPED_FP8_BLOCK_KERNELS(TE_JAX_RUN)
 #undef TE_JAX_RUN
   return Invalid(c.target,
