@@ -389,3 +389,40 @@ def test_groups_sharded_with_their_experts():
             assert case["collectives"]["all-reduce"] == 1 and case["spec"] == "P()", case
         else:
             assert case["collectives"]["all-reduce"] == 0 and case["spec"] == "P('ep', None, None)", case
+
+
+@pytest.mark.parametrize("group_axis", [0, 1])
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_gpu_emulation_matches_reference(mode, group_axis):
+    """The MXFP8 / NVFP4 emulation a GPU lowering runs (bfloat16 operands, ragged dot), run here on XLA:CPU."""
+    rng = np.random.default_rng(11)
+    sizes = [37, 0, 60, 20]
+    gs = jnp.asarray(sizes, jnp.int32)
+    m, k = (128, 128) if group_axis == 0 else (64, 160)
+    b_rows = (len(sizes), 64) if group_axis == 0 else (48,)
+    if mode == "mxfp8":
+        def operand(rows):
+            return (jnp.asarray(rng.standard_normal((*rows, k)) * 2, jnp.float32).astype(E4),
+                    jnp.asarray(rng.integers(122, 132, size=(*rows, k // 32)), jnp.uint8))
+        (a, a_s), (b, b_s) = operand((m,)), operand(b_rows)
+        roles, values, align, pack, block = ("a", "a_s", "b", "b_s"), (a, a_s, b, b_s), 32, 1, 32
+        op = GG.grouped_gemm_mxfp8
+    else:
+        def operand(rows):
+            return (jnp.asarray(rng.integers(0, 256, size=(*rows, k // 2)), jnp.uint8),
+                    jnp.asarray(rng.uniform(0.5, 8.0, size=(*rows, k // 16)), jnp.float32).astype(E4))
+        (a, a_s), (b, b_s) = operand((m,)), operand(b_rows)
+        amax_a, amax_b = jnp.asarray([3.0], jnp.float32), jnp.asarray([5.0], jnp.float32)
+        roles, values = ("a", "a_s", "a_t", "b", "b_s", "b_t"), (a, a_s, amax_a, b, b_s, amax_b)
+        align, pack, block, op = 32, 2, 16, GG.grouped_gemm_nvfp4
+    if group_axis == 1:  # zeros between the spans (a packed byte only where both its elements are in a group)
+        member = GG.grouped_positions(gs, k, align)[2]
+        keep = member if pack == 1 else member[0::2] & member[1::2]
+        values = tuple(jnp.where(keep, t, jnp.zeros((), t.dtype)) if r in ("a", "b") else t
+                       for r, t in zip(roles, values))
+    lay = GG.GroupedLayout(GG.ScalingMode.MXFP8 if mode == "mxfp8" else GG.ScalingMode.NVFP4, "", roles, group_axis,
+                           align, out_dtype=jnp.dtype(jnp.float32), pack=pack, k_block=block)
+    got = GG._emulate(lay, *values, gs, jnp.zeros((0,), jnp.float32))
+    want = op(*values, gs, group_axis=group_axis, align=align, out_dtype=jnp.float32, backend="reference")
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert got.shape == want.shape and rel < (1e-6 if mode == "mxfp8" else 2**-7), rel
