@@ -350,8 +350,9 @@ def test_cuda_lowering():
     the MXFP8 emulation with its warning."""
     gs = jnp.asarray([32, 32], jnp.int32)
     one = jnp.ones((1,), jnp.float32)
-    hlo = _cuda_hlo(lambda a, b: GG.grouped_gemm_fp8(a, b, one, one, gs, jnp.zeros((2, 128), jnp.bfloat16),
-                                                     backend="ffi"), jnp.zeros((64, 128), E4), jnp.zeros((2, 128, 128), E5))
+    bias = jnp.zeros((2, 128), jnp.bfloat16)
+    hlo = _cuda_hlo(lambda a, b: GG.grouped_gemm_fp8(a, b, one, one, gs, bias, backend="ffi"),
+                    jnp.zeros((64, 128), E4), jnp.zeros((2, 128, 128), E5))
     assert "@te_jax_grouped_gemm_fp8(" in hlo and "fast_accum = false" in hlo
     assert "-> tensor<64x128xbf16>" in hlo and "tensor<2x128xf32>" in hlo  # result cast, bias given as float32
     a, s = jnp.zeros((128, 256), E4), jnp.ones((128, 2), jnp.float32)

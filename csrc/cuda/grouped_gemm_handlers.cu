@@ -348,13 +348,17 @@ ffi::Error NotOnCuda(const char* target, const char* why) {
 ffi::Error GroupedGemmMxfp8(cudaStream_t, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                             ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>, ffi::Result<ffi::AnyBuffer>,
                             int64_t, int64_t, bool) {
-  return NotOnCuda("te_jax_grouped_gemm_mxfp8", "the MXFP8 grouped GEMM has no CUDA kernel or emulation yet");
+  return NotOnCuda("te_jax_grouped_gemm_mxfp8",
+                   "the MXFP8 grouped GEMM has no CUDA kernel; te_jax.ops.grouped_gemm lowers it to its emulation "
+                   "on a GPU");
 }
 
 ffi::Error GroupedGemmNvfp4(cudaStream_t, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                             ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                             ffi::Result<ffi::AnyBuffer>, ffi::Result<ffi::AnyBuffer>, int64_t, int64_t, bool) {
-  return NotOnCuda("te_jax_grouped_gemm_nvfp4", "the NVFP4 grouped GEMM has no CUDA kernel or emulation yet");
+  return NotOnCuda("te_jax_grouped_gemm_nvfp4",
+                   "the NVFP4 grouped GEMM has no CUDA kernel; te_jax.ops.grouped_gemm lowers it to its emulation "
+                   "on a GPU");
 }
 
 }  // namespace

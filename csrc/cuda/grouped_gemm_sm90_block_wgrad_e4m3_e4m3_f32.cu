@@ -1,4 +1,5 @@
-// One instantiation of the sm_90a block-scaled (group_axis 1, K-block-major scales) grouped FP8 GEMM (grouped_gemm_sm90.cuh).
+// One instantiation of the sm_90a block-scaled grouped FP8 GEMM (grouped_gemm_sm90.cuh):
+// group_axis 1, K-block-major scales.
 #include "grouped_gemm_sm90.cuh"
 
 namespace te_jax {
