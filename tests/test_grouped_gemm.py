@@ -21,6 +21,7 @@ import pytest
 from qtest_util import run_on_fake_devices
 
 from te_jax.ops import gemm as dense_gemm
+from te_jax.ops.gemm_call import GemmEmulationWarning
 from te_jax.ops import grouped_gemm as GG
 from te_jax.quantize import CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
 
@@ -304,12 +305,64 @@ def test_cuda_checks():
     GG._check_cuda(lay, (48, 32), (G, 64, 32))
     with pytest.raises(ValueError, match="multiples of 16"):
         GG._check_cuda(lay, (48, 40), (G, 64, 40))
-    mx = GG.GroupedLayout(GG.ScalingMode.MXFP8, "te_jax_grouped_gemm_mxfp8", ("a", "a_s", "b", "b_s"), 0, 32)
-    with pytest.raises(NotImplementedError, match="no CUDA kernel"):
-        GG._check_cuda(mx, (48, 64), (G, 64, 64))
     wg = GG.GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 1, 1)
     with pytest.raises(ValueError, match="align to be a multiple of 16"):
         GG._check_cuda(wg, (64, 64), (32, 64))
+
+
+@pytest.mark.parametrize("a_dt, b_dt", [(E4, E4), (E5, E4), (E4, E5)])  # forward / E4M3 grads, HYBRID dgrad, wgrad
+def test_every_per_tensor_combination_has_a_cuda_kernel(a_dt, b_dt):
+    """Each out dtype and fast_accum grouped_dense can ask for runs a kernel: the direct one, or the float32 one
+    then a cast, never with less exact accumulation than asked."""
+    for out in (jnp.bfloat16, jnp.float32, jnp.float16):
+        for fast in (True, False):
+            lay = GG.GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 0,
+                                   16, attrs=(("fast_accum", fast),), out_dtype=jnp.dtype(out))
+            run = GG._cuda_kernel(lay, a_dt, b_dt)
+            run_fast = dict(run.attrs)["fast_accum"]
+            assert (jnp.dtype(a_dt), jnp.dtype(b_dt), run.out_dtype, run_fast) in GG._CUDA_FP8_KERNELS
+            assert run.out_dtype in (jnp.dtype(out), jnp.dtype(jnp.float32)) and run_fast in (fast, False)
+
+
+def test_block_cuda_kernels():
+    """The Float8 block recipe's GEMMs (1x128 activations and gradients) run a kernel; the rest is refused."""
+    def lay(axis, out, a2=False, b2=False):
+        return GG.GroupedLayout(GG.ScalingMode.FP8_BLOCK, "te_jax_grouped_gemm_fp8_block", ("a", "a_s", "b", "b_s"),
+                                axis, 128, attrs=(("a_block_2d", a2), ("b_block_2d", b2)), out_dtype=jnp.dtype(out))
+    for out in (jnp.bfloat16, jnp.float32):
+        for axis, b2 in ((0, True), (0, False), (1, False)):
+            run = GG._cuda_kernel(lay(axis, out, b2=b2), E4, E4)
+            assert (jnp.dtype(E4), jnp.dtype(E4), run.out_dtype, b2, axis) in GG._CUDA_BLOCK_KERNELS
+    with pytest.raises(ValueError, match="fp8_format=Format.E4M3"):
+        GG._cuda_kernel(lay(0, jnp.bfloat16, b2=True), E5, E4)
+    with pytest.raises(ValueError, match="x_block_scaling_dim=1"):
+        GG._cuda_kernel(lay(0, jnp.bfloat16, a2=True), E4, E4)
+    with pytest.raises(ValueError, match="both operands"):
+        GG._cuda_kernel(lay(1, jnp.float32, b2=True), E4, E4)
+
+
+def _cuda_hlo(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_cuda_lowering():
+    """Lowered for a GPU (no GPU needed): the float32 kernel then a cast, the K-block-major block wgrad scales,
+    the MXFP8 emulation with its warning."""
+    gs = jnp.asarray([32, 32], jnp.int32)
+    one = jnp.ones((1,), jnp.float32)
+    bias = jnp.zeros((2, 128), jnp.bfloat16)
+    hlo = _cuda_hlo(lambda a, b: GG.grouped_gemm_fp8(a, b, one, one, gs, bias, backend="ffi"),
+                    jnp.zeros((64, 128), E4), jnp.zeros((2, 128, 128), E5))
+    assert "@te_jax_grouped_gemm_fp8(" in hlo and "fast_accum = false" in hlo
+    assert "-> tensor<64x128xbf16>" in hlo and "tensor<2x128xf32>" in hlo  # result cast, bias given as float32
+    a, s = jnp.zeros((128, 256), E4), jnp.ones((128, 2), jnp.float32)
+    hlo = _cuda_hlo(lambda a, s: GG.grouped_gemm_fp8_block(a, s, a, s, gs, group_axis=1, backend="ffi"), a, s)
+    assert "stablehlo.transpose" in hlo and "@te_jax_grouped_gemm_fp8_block(" in hlo
+    mx = (jnp.zeros((64, 128), E4), jnp.full((64, 4), 127, jnp.uint8), jnp.zeros((2, 128, 128), E4),
+          jnp.full((2, 128, 4), 127, jnp.uint8))
+    with pytest.warns(GemmEmulationWarning, match="emulation"):
+        hlo = _cuda_hlo(lambda *x: GG.grouped_gemm_mxfp8(*x, gs, backend="ffi"), *mx)
+    assert "ragged_dot" in hlo and "custom_call" not in hlo
 
 
 def test_grouped_positions():
@@ -337,3 +390,40 @@ def test_groups_sharded_with_their_experts():
             assert case["collectives"]["all-reduce"] == 1 and case["spec"] == "P()", case
         else:
             assert case["collectives"]["all-reduce"] == 0 and case["spec"] == "P('ep', None, None)", case
+
+
+@pytest.mark.parametrize("group_axis", [0, 1])
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_gpu_emulation_matches_reference(mode, group_axis):
+    """The MXFP8 / NVFP4 emulation a GPU lowering runs (bfloat16 operands, ragged dot), run here on XLA:CPU."""
+    rng = np.random.default_rng(11)
+    sizes = [37, 0, 60, 20]
+    gs = jnp.asarray(sizes, jnp.int32)
+    m, k = (128, 128) if group_axis == 0 else (64, 160)
+    b_rows = (len(sizes), 64) if group_axis == 0 else (48,)
+    if mode == "mxfp8":
+        def operand(rows):
+            return (jnp.asarray(rng.standard_normal((*rows, k)) * 2, jnp.float32).astype(E4),
+                    jnp.asarray(rng.integers(122, 132, size=(*rows, k // 32)), jnp.uint8))
+        (a, a_s), (b, b_s) = operand((m,)), operand(b_rows)
+        roles, values, align, pack, block = ("a", "a_s", "b", "b_s"), (a, a_s, b, b_s), 32, 1, 32
+        op = GG.grouped_gemm_mxfp8
+    else:
+        def operand(rows):
+            return (jnp.asarray(rng.integers(0, 256, size=(*rows, k // 2)), jnp.uint8),
+                    jnp.asarray(rng.uniform(0.5, 8.0, size=(*rows, k // 16)), jnp.float32).astype(E4))
+        (a, a_s), (b, b_s) = operand((m,)), operand(b_rows)
+        amax_a, amax_b = jnp.asarray([3.0], jnp.float32), jnp.asarray([5.0], jnp.float32)
+        roles, values = ("a", "a_s", "a_t", "b", "b_s", "b_t"), (a, a_s, amax_a, b, b_s, amax_b)
+        align, pack, block, op = 32, 2, 16, GG.grouped_gemm_nvfp4
+    if group_axis == 1:  # zeros between the spans (a packed byte only where both its elements are in a group)
+        member = GG.grouped_positions(gs, k, align)[2]
+        keep = member if pack == 1 else member[0::2] & member[1::2]
+        values = tuple(jnp.where(keep, t, jnp.zeros((), t.dtype)) if r in ("a", "b") else t
+                       for r, t in zip(roles, values))
+    lay = GG.GroupedLayout(GG.ScalingMode.MXFP8 if mode == "mxfp8" else GG.ScalingMode.NVFP4, "", roles, group_axis,
+                           align, out_dtype=jnp.dtype(jnp.float32), pack=pack, k_block=block)
+    got = GG._emulate(lay, *values, gs, jnp.zeros((0,), jnp.float32))
+    want = op(*values, gs, group_axis=group_axis, align=align, out_dtype=jnp.float32, backend="reference")
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert got.shape == want.shape and rel < (1e-6 if mode == "mxfp8" else 2**-7), rel

@@ -1,9 +1,8 @@
-"""The CUDA grouped FP8 GEMM (te_jax_grouped_gemm_fp8) on a GPU, against a float32 per-group reference.
+"""The grouped GEMMs on a GPU against their reference twin (te_jax.ops.grouped_gemm, backend="reference").
 
-The target is called through ``jax.ffi.ffi_call`` with the grouped GEMM contract's operands and attributes.
-The reference dequantizes each operand (FP8 value x its scale_inv, per tensor or per group) and multiplies group
-by group in float64, then rounds to the out dtype. TODO(te_jax.ops.grouped_gemm): once the op and its reference
-twin exist, call the op and compare with its twin instead of ``_call`` and ``_reference``.
+Every (operand dtypes, out dtype, fast_accum, group_axis) that te_jax.grouped_dense issues for the per-tensor
+recipes, the Float8 block kernels (both group axes), the MXFP8 / NVFP4 emulation, the trace-time refusals, and
+te_jax.grouped_dense forward and backward for every recipe with backend "ffi" against backend "reference".
 """
 
 from __future__ import annotations
@@ -14,8 +13,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import te_jax  # noqa: F401  (registers the FFI targets)
+import te_jax
 from te_jax import _ffi
+from te_jax import recipe as R
+from te_jax.dense import DenseQuantizers
+from te_jax.grouped_dense import grouped_dense, init_state
+from te_jax.ops import grouped_gemm as GG
+from te_jax.ops.gemm_call import GemmEmulationWarning
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,100 +28,44 @@ pytestmark = [
 ]
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-
-
-def _workspace_bytes(groups: int) -> int:
-    return 32 * 2**20 + 1024 * groups
-
-
-def _ffi(target, operands, out_shape, out_dtype, groups, workspace_bytes=None, **attrs):
-    results = (jax.ShapeDtypeStruct(out_shape, out_dtype),
-               jax.ShapeDtypeStruct((workspace_bytes or _workspace_bytes(groups),), jnp.uint8))
-    out, _ = jax.ffi.ffi_call(target, results)(*operands, **attrs)
-    return out
-
-
-def _out_shape(a, b, groups, group_axis):
-    return (a.shape[0], b.shape[1]) if group_axis == 0 else (groups, a.shape[0], b.shape[0])
-
-
-def _call(a, b, a_si, b_si, sizes, *, group_axis, out_dtype, fast_accum, align=16, bias=None,
-          workspace_bytes=None):
-    """te_jax_grouped_gemm_fp8."""
-    groups = sizes.shape[0]
-    bias_arg = jnp.zeros((0,), out_dtype) if bias is None else bias
-    return _ffi("te_jax_grouped_gemm_fp8", (a, b, a_si, b_si, sizes, bias_arg), _out_shape(a, b, groups, group_axis),
-                out_dtype, groups, workspace_bytes, group_axis=np.int64(group_axis), align=np.int64(align),
-                fast_accum=bool(fast_accum), has_bias=bias is not None)
-
-
-def _call_block(a, a_s, b, b_s, sizes, *, group_axis, out_dtype, b_block_2d, align=128):
-    """te_jax_grouped_gemm_fp8_block (1x128 blocks of a)."""
-    groups = sizes.shape[0]
-    return _ffi("te_jax_grouped_gemm_fp8_block", (a, a_s, b, b_s, sizes, jnp.zeros((0,), out_dtype)),
-                _out_shape(a, b, groups, group_axis), out_dtype, groups, group_axis=np.int64(group_axis),
-                align=np.int64(align), a_block_2d=False, b_block_2d=bool(b_block_2d), has_bias=False)
+F32, BF16 = jnp.float32, jnp.bfloat16
+ROW_SIZES, ROWS = [37, 0, 200, 91], 400  # an empty group, rows past the sum
+SPAN_SIZES = [50, 0, 130, 17]
 
 
 def _fp8(rng, shape, dtype):
     return jnp.asarray((rng.standard_normal(shape) * 2).astype(np.float32)).astype(dtype)
 
 
-def _scales(rng, count):
-    return jnp.asarray(rng.uniform(0.25, 2.0, size=(count,)).astype(np.float32))
+def _positive(rng, shape):
+    return jnp.asarray(rng.uniform(0.25, 2.0, size=shape).astype(np.float32))
 
 
-def _deq(x, scale_inv, per_group_index=None):
-    v = np.asarray(x.astype(jnp.float32), np.float64)
-    s = np.asarray(scale_inv, np.float64)
-    return v * (s[0] if s.size == 1 else s[per_group_index])
+def _spans(rng, rows, sizes, align, dtype):
+    """[rows, Kc] with each group's columns in an aligned span, the padding zero, some unused columns at the end."""
+    kc = int(sum(-(-s // align) * align for s in sizes)) + align
+    x = np.zeros((rows, kc), np.float32)
+    start = 0
+    for s in sizes:
+        x[:, start:start + s] = rng.standard_normal((rows, s)) * 2
+        start += -(-s // align) * align
+    return jnp.asarray(x).astype(dtype)
 
 
-def _deq_block(x, s, rows):
-    """x * its float32 1/scale per (rows x 128) block along the last two axes."""
-    v = np.asarray(x.astype(jnp.float32), np.float64)
-    s = np.repeat(np.repeat(np.asarray(s, np.float64), 128, axis=-1), rows, axis=-2)
-    return v * s[..., : v.shape[-2], : v.shape[-1]]
+def _row_parts(sizes, m):
+    """Each group's rows (cut at m), then the rows past the groups' sum."""
+    parts, start = [], 0
+    for s in sizes:
+        parts.append(slice(min(start, m), min(start + s, m)))
+        start += s
+    return parts + [slice(min(start, m), m)]
 
 
-def _reference(a_deq, b_deq, sizes, *, group_axis, out_dtype, align=16, bias=None):
-    """The contract's product in float64, rounded to out_dtype; a_deq(g) / b_deq(g): the operands under group g's scales."""
-    sizes = np.maximum(np.asarray(sizes), 0)
-    groups = sizes.size
-    if group_axis == 0:
-        a0, b0 = a_deq(0), b_deq(0)
-        m, n = a0.shape[0], b0.shape[1]
-        out = np.zeros((m, n))
-        start = 0
-        for g in range(groups):
-            rows = slice(min(start, m), min(start + sizes[g], m))
-            out[rows] = a_deq(g)[rows] @ b_deq(g)[g].T
-            if bias is not None and rows.stop > rows.start:
-                out[rows] += np.asarray(bias[g].astype(jnp.float32), np.float64)
-            start += sizes[g]
-    else:
-        a0, b0 = a_deq(0), b_deq(0)
-        out = np.zeros((groups, a0.shape[0], b0.shape[0]))
-        start = 0
-        for g in range(groups):
-            cols = slice(start, start + sizes[g])
-            out[g] = a_deq(g)[:, cols] @ b_deq(g)[:, cols].T
-            start += -(-sizes[g] // align) * align
-    return np.asarray(jnp.asarray(out.astype(np.float32)).astype(out_dtype).astype(jnp.float32))
-
-
-def _tensor_reference(a, b, a_si, b_si, sizes, **kw):
-    return _reference(lambda g: _deq(a, a_si, g), lambda g: _deq(b, b_si, g), sizes, **kw)
-
-
-def _assert_close(out, ref, out_dtype, fast_accum, parts):
-    """Each part (a group's rows or matrix) within the dense GEMM's bound (docs/gemm_ffi.md, "Accuracy").
-
-    Relative error = Frobenius norm of the difference over that of the reference: <= 1e-2 with fast accumulation,
-    1e-3 with split accumulation, plus one rounding to the out dtype. A part whose reference is zero must be zero.
-    """
-    out = np.asarray(jnp.asarray(out).astype(jnp.float32), np.float64)
-    tol = (1e-2 if fast_accum else 1e-3) + {jnp.bfloat16: 2**-8, jnp.float16: 2**-11, jnp.float32: 0.0}[out_dtype]
+def _assert_close(out, ref, out_dtype, tol, parts):
+    """Each part within ``tol`` (relative Frobenius norm) plus one rounding to out_dtype; a zero part stays zero."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    out, ref = (np.asarray(jnp.asarray(t).astype(F32), np.float64) for t in (out, ref))
+    tol += {BF16: 2**-8, F32: 0.0}[out_dtype]
     for part in parts:
         o, r = out[part], ref[part]
         if not r.any():
@@ -127,57 +75,49 @@ def _assert_close(out, ref, out_dtype, fast_accum, parts):
         assert rel <= tol, f"part {part}: relative error {rel:.3g} > {tol:.3g}"
 
 
-def _row_parts(sizes, m):
-    """The row slices of each group (cut at m) and of the rows past the groups' sum."""
-    parts, start = [], 0
-    for s in np.maximum(np.asarray(sizes), 0):
-        parts.append(slice(min(start, m), min(start + s, m)))
-        start += s
-    return parts + [slice(min(start, m), m)]
+def _both(fn, *args):
+    """fn(*args, backend) jitted for "ffi" and for "reference"."""
+    return tuple(jax.jit(lambda *xs, b=b: fn(*xs, backend=b))(*args) for b in ("ffi", "reference"))
 
 
-def _spans(rng, rows, sizes, align, dtype):
-    """[rows, Kc] FP8 with each group's columns in an aligned span, the spans' padding zero."""
-    kc = int(sum(-(-s // align) * align for s in sizes))
-    kc = -(-max(kc, align) // 16) * 16 + 16  # some unused columns at the end
-    x = np.zeros((rows, kc), np.float32)
-    start = 0
-    for s in sizes:
-        x[:, start:start + s] = rng.standard_normal((rows, s)) * 2
-        start += -(-s // align) * align
-    return jnp.asarray(x).astype(dtype)
+# ---- per-tensor FP8: every combination grouped_dense issues --------------------------------------------
+
+PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]  # forward (and E4M3 grads), HYBRID dgrad, HYBRID wgrad
 
 
-ROW_CASES = [
-    # (a dtype, b dtype, out dtype, fast_accum, sizes, M, per-group scales)
-    (E4M3, E4M3, jnp.bfloat16, True, [37, 0, 200, 91], 400, True),     # forward; tail rows zero
-    (E4M3, E4M3, jnp.bfloat16, True, [300, 250], 400, False),          # sum > M: group 1 is cut
-    (E5M2, E4M3, jnp.bfloat16, False, [0, 0, 128, 1, 255], 384, True),  # dgrad-like; empty groups
-]
+@pytest.mark.parametrize("group_axis", [0, 1])
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+@pytest.mark.parametrize("a_dt, b_dt", PAIRS)
+def test_fp8_every_combination(a_dt, b_dt, out_dtype, fast, group_axis):
+    rng = np.random.default_rng(group_axis * 10 + fast)
+    if group_axis == 0:
+        sizes, n, k = ROW_SIZES, 272, 384
+        a, b = _fp8(rng, (ROWS, k), a_dt), _fp8(rng, (len(sizes), n, k), b_dt)
+        parts = _row_parts(sizes, ROWS)
+    else:
+        sizes = SPAN_SIZES
+        a, b = _spans(rng, 192, sizes, 16, a_dt), _spans(rng, 256, sizes, 16, b_dt)
+        parts = range(len(sizes))
+    a_si, b_si = _positive(rng, (len(sizes),)), _positive(rng, (1,))
+    gs = jnp.asarray(sizes, jnp.int32)
+    out, ref = _both(lambda *xs, backend: GG.grouped_gemm_fp8(*xs, group_axis=group_axis, out_dtype=out_dtype,
+                                                              fast_accum=fast, backend=backend), a, b, a_si, b_si, gs)
+    _assert_close(out, ref, out_dtype, 1e-2 if fast else 1e-3, parts)
 
 
-@pytest.mark.parametrize("a_dt, b_dt, out_dt, fast, sizes, m, per_group", ROW_CASES)
-def test_rows_match_reference(a_dt, b_dt, out_dt, fast, sizes, m, per_group):
-    rng = np.random.default_rng(len(sizes) * 7 + m)
-    groups, n, k = len(sizes), 272, 384
-    a, b = _fp8(rng, (m, k), a_dt), _fp8(rng, (groups, n, k), b_dt)
-    a_si, b_si = _scales(rng, groups if per_group else 1), _scales(rng, groups)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    out = jax.jit(lambda *xs: _call(*xs, group_axis=0, out_dtype=out_dt, fast_accum=fast))(a, b, a_si, b_si, sizes)
-    ref = _tensor_reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=out_dt)
-    _assert_close(out, ref, out_dt, fast, _row_parts(sizes, m))  # the last part: rows past the sum, zero
-
-
-def test_rows_with_bias():
+@pytest.mark.parametrize("a_dt, b_dt, out_dtype", [(E4M3, E4M3, BF16), (E4M3, E5M2, BF16), (E4M3, E4M3, F32)])
+def test_fp8_rows_with_bias(a_dt, b_dt, out_dtype):
+    """A bias of the out dtype, on the direct and on the float32-and-cast kernels."""
     rng = np.random.default_rng(3)
     sizes, m, n, k = [64, 0, 100], 200, 128, 256
-    a, b = _fp8(rng, (m, k), E4M3), _fp8(rng, (len(sizes), n, k), E4M3)
-    a_si, b_si = _scales(rng, 1), _scales(rng, 1)
-    bias = jnp.asarray(rng.standard_normal((len(sizes), n)).astype(np.float32))
-    sizes = jnp.asarray(sizes, jnp.int32)
-    out = _call(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16, fast_accum=True, bias=bias)
-    ref = _tensor_reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16, bias=bias)
-    _assert_close(out, ref, jnp.bfloat16, True, _row_parts(sizes, m))
+    a, b = _fp8(rng, (m, k), a_dt), _fp8(rng, (len(sizes), n, k), b_dt)
+    one = jnp.ones((1,), F32)
+    bias = jnp.asarray(rng.standard_normal((len(sizes), n)), out_dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out, ref = _both(lambda *xs, backend: GG.grouped_gemm_fp8(*xs, group_axis=0, out_dtype=out_dtype, backend=backend),
+                     a, b, one, one, gs, bias)
+    _assert_close(out, ref, out_dtype, 1e-2, _row_parts(sizes, m))
 
 
 def test_one_compilation_serves_any_group_sizes():
@@ -185,72 +125,185 @@ def test_one_compilation_serves_any_group_sizes():
     rng = np.random.default_rng(5)
     m, n, k, groups = 512, 256, 256, 4
     a, b = _fp8(rng, (m, k), E4M3), _fp8(rng, (groups, n, k), E4M3)
-    a_si, b_si = _scales(rng, 1), _scales(rng, groups)
-    f = jax.jit(lambda *xs: _call(*xs, group_axis=0, out_dtype=jnp.bfloat16, fast_accum=True))
+    a_si, b_si = _positive(rng, (1,)), _positive(rng, (groups,))
+    f = jax.jit(lambda *xs: GG.grouped_gemm_fp8(*xs, backend="ffi"))
     for sizes in ([128, 128, 128, 128], [512, 0, 0, 0], [0, 0, 0, 500], [1, 2, 3, 4]):
-        sizes = jnp.asarray(sizes, jnp.int32)
-        ref = _tensor_reference(a, b, a_si, b_si, sizes, group_axis=0, out_dtype=jnp.bfloat16)
-        _assert_close(f(a, b, a_si, b_si, sizes), ref, jnp.bfloat16, True, _row_parts(sizes, m))
+        gs = jnp.asarray(sizes, jnp.int32)
+        ref = GG.grouped_gemm_fp8(a, b, a_si, b_si, gs, backend="reference")
+        _assert_close(f(a, b, a_si, b_si, gs), ref, BF16, 1e-2, _row_parts(sizes, m))
     assert f._cache_size() == 1
 
 
-@pytest.mark.parametrize("sizes", [[50, 0, 130, 17], [0, 0], [256]])
-def test_contraction_matches_reference(sizes):
-    rng = np.random.default_rng(sum(sizes) + len(sizes))
-    p, q, align = 192, 256, 16
-    a, b = _spans(rng, p, sizes, align, E4M3), _spans(rng, q, sizes, align, E5M2)
-    a_si, b_si = _scales(rng, len(sizes)), _scales(rng, 1)
-    sizes = jnp.asarray(sizes, jnp.int32)
-    out = _call(a, b, a_si, b_si, sizes, group_axis=1, out_dtype=jnp.float32, fast_accum=False, align=align)
-    ref = _tensor_reference(a, b, a_si, b_si, sizes, group_axis=1, out_dtype=jnp.float32, align=align)
-    _assert_close(out, ref, jnp.float32, False, range(len(sizes)))  # an empty group's matrix: zero
+# ---- Float8 block ---------------------------------------------------------------------------------------
 
 
-def _block_scales(rng, shape):
-    return jnp.asarray(rng.uniform(0.25, 2.0, size=shape).astype(np.float32))
-
-
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
 @pytest.mark.parametrize("sizes, m, n, b_block_2d", [
     ([37, 0, 200, 91], 400, 256, True),   # 1x128 blocks of a x 128x128 blocks of each group's weight
     ([300, 250], 512, 256, True),         # sum > M: group 1 is cut
-    ([100, 0, 156], 320, 144, False),     # 1x128 blocks of the weight
+    ([100, 0, 156], 320, 256, False),     # 1x128 blocks of the weight
 ])
-def test_block_rows_match_reference(sizes, m, n, b_block_2d):
+def test_block_rows(sizes, m, n, b_block_2d, out_dtype):
     rng = np.random.default_rng(len(sizes) + m)
     groups, k, rows = len(sizes), 384, (128 if b_block_2d else 1)
     a, b = _fp8(rng, (m, k), E4M3), _fp8(rng, (groups, n, k), E4M3)
-    a_s, b_s = _block_scales(rng, (m, k // 128)), _block_scales(rng, (groups, n // rows, k // 128))
-    sizes = jnp.asarray(sizes, jnp.int32)
-    out = _call_block(a, a_s, b, b_s, sizes, group_axis=0, out_dtype=jnp.bfloat16, b_block_2d=b_block_2d)
-    ref = _reference(lambda g: _deq_block(a, a_s, 1), lambda g: _deq_block(b, b_s, rows), sizes, group_axis=0,
-                     out_dtype=jnp.bfloat16)
+    a_s, b_s = _positive(rng, (m, k // 128)), _positive(rng, (groups, n // rows, k // 128))
+    gs = jnp.asarray(sizes, jnp.int32)
+    out, ref = _both(lambda *xs, backend: GG.grouped_gemm_fp8_block(*xs, b_block_2d=b_block_2d, out_dtype=out_dtype,
+                                                                    backend=backend), a, a_s, b, b_s, gs)
     # The block-scaled kernels promote every 128-long K block: the split-accumulation bound.
-    _assert_close(out, ref, jnp.bfloat16, False, _row_parts(sizes, m))
+    _assert_close(out, ref, out_dtype, 1e-3, _row_parts(sizes, m))
 
 
-def test_block_contraction_is_an_error():
-    """group_axis 1 of the block mode has no CUDA kernel: an error, never a wrong result."""
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+@pytest.mark.parametrize("sizes", [[50, 0, 300, 17], [0, 0], [256]])
+def test_block_wgrad(sizes, out_dtype):
+    """group_axis 1: [P, Kc/128] scales (the custom call takes them K-block-major), aligned 128-column spans."""
+    rng = np.random.default_rng(sum(sizes))
+    p, q = 256, 384
+    a, b = _spans(rng, p, sizes, 128, E4M3), _spans(rng, q, sizes, 128, E4M3)
+    kc = a.shape[1]
+    a_s, b_s = _positive(rng, (p, kc // 128)), _positive(rng, (q, kc // 128))
+    gs = jnp.asarray(sizes, jnp.int32)
+    out, ref = _both(lambda *xs, backend: GG.grouped_gemm_fp8_block(*xs, group_axis=1, out_dtype=out_dtype,
+                                                                    backend=backend), a, a_s, b, b_s, gs)
+    _assert_close(out, ref, out_dtype, 1e-3, range(len(sizes)))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(a_dt=E5M2), "E4M3 x E4M3 kernels only"),
+    (dict(a_block_2d=True), "1x128 blocks for the left operand"),
+    (dict(group_axis=1, b_block_2d=True), "1x128 blocks for both"),
+])
+def test_block_without_kernel_raises_at_trace_time(kw, match):
+    kw = dict(kw)
     rng = np.random.default_rng(0)
-    a, b = _fp8(rng, (128, 256), E4M3), _fp8(rng, (128, 256), E4M3)
-    s = jnp.ones((128, 2), jnp.float32)
-    with pytest.raises(Exception, match="te_jax_grouped_gemm_fp8_block.*group_axis 1"):
-        jax.block_until_ready(_call_block(a, s, b, s, jnp.asarray([128, 0], jnp.int32), group_axis=1,
-                                          out_dtype=jnp.float32, b_block_2d=False))
+    a_dt, group_axis, a2, b2 = kw.get("a_dt", E4M3), kw.get("group_axis", 0), kw.get("a_block_2d"), kw.get("b_block_2d")
+    if group_axis == 0:
+        a, b = _fp8(rng, (256, 256), a_dt), _fp8(rng, (2, 128, 256), E4M3)
+        a_s = _positive(rng, (2, 2) if a2 else (256, 2))
+        b_s = _positive(rng, (2, 128, 2))
+    else:
+        a, b = _fp8(rng, (128, 256), a_dt), _fp8(rng, (128, 256), E4M3)
+        a_s, b_s = _positive(rng, (128, 2)), _positive(rng, (1, 2) if b2 else (128, 2))
+    f = jax.jit(lambda *xs: GG.grouped_gemm_fp8_block(*xs, group_axis=group_axis, a_block_2d=bool(a2),
+                                                      b_block_2d=bool(b2), backend="ffi"))
+    with pytest.raises(ValueError, match=match):
+        f.lower(a, a_s, b, b_s, jnp.asarray([128, 0], jnp.int32))
 
 
-def test_unsupported_combination_is_an_error_naming_the_target():
+# ---- MXFP8 / NVFP4: the emulation -----------------------------------------------------------------------
+
+
+def _mxfp8(rng, shape):
+    data = _fp8(rng, shape, E4M3)
+    scales = jnp.asarray(rng.integers(122, 132, size=(*shape[:-1], shape[-1] // 32)), jnp.uint8)
+    return data, scales
+
+
+def _nvfp4(rng, shape):
+    data = jnp.asarray(rng.integers(0, 256, size=(*shape[:-1], shape[-1] // 2)), jnp.uint8)
+    scales = jnp.asarray(rng.uniform(0.5, 8.0, size=(*shape[:-1], shape[-1] // 16)).astype(ml_dtypes.float8_e4m3fn))
+    return data, scales
+
+
+@pytest.mark.parametrize("group_axis", [0, 1])
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_emulation(mode, group_axis):
+    rng = np.random.default_rng(7)
+    sizes = ROW_SIZES if group_axis == 0 else SPAN_SIZES
+    gs = jnp.asarray(sizes, jnp.int32)
+    if group_axis == 0:
+        a_shape, b_shape, parts = (ROWS, 256), (len(sizes), 128, 256), _row_parts(sizes, ROWS)
+    else:
+        kc = int(sum(-(-s // 32) * 32 for s in sizes)) + 32
+        a_shape, b_shape, parts = (128, kc), (96, kc), range(len(sizes))
+    make = _mxfp8 if mode == "mxfp8" else _nvfp4
+    (a, a_s), (b, b_s) = make(rng, a_shape), make(rng, b_shape)
+    if mode == "mxfp8":
+        op, args = GG.grouped_gemm_mxfp8, (a, a_s, b, b_s, gs)
+    else:
+        op, args = GG.grouped_gemm_nvfp4, (a, a_s, jnp.asarray([3.0], F32), b, b_s, jnp.asarray([5.0], F32), gs)
+    if group_axis == 1:  # the contract: zero columns between the spans
+        _, _, member = GG.grouped_positions(gs, a_shape[1], 32)
+        keep = member if mode == "mxfp8" else member[0::2] & member[1::2]  # a byte holds two elements
+        args = tuple(jnp.where(keep, t, jnp.zeros((), t.dtype)) if i in (0, 3 if mode == "nvfp4" else 2) else t
+                     for i, t in enumerate(args))
+    with pytest.warns(GemmEmulationWarning, match="emulation"):
+        out, ref = _both(lambda *xs, backend: op(*xs, group_axis=group_axis, out_dtype=F32, backend=backend), *args)
+    # MXFP8 dequantizes exactly to bfloat16; NVFP4's global decode scale rounds once per element.
+    _assert_close(out, ref, F32, 1e-5 if mode == "mxfp8" else 2**-7, parts)
+
+
+# ---- the custom call's own errors -------------------------------------------------------------------------
+
+
+def _raw_fp8_call(out_dtype, workspace_bytes):
     rng = np.random.default_rng(0)
     a, b = _fp8(rng, (64, 128), E4M3), _fp8(rng, (2, 128, 128), E4M3)
-    one = jnp.ones((1,), jnp.float32)
+    one = jnp.ones((1,), F32)
+    results = (jax.ShapeDtypeStruct((64, 128), out_dtype), jax.ShapeDtypeStruct((workspace_bytes,), jnp.uint8))
+    out, _ = jax.ffi.ffi_call("te_jax_grouped_gemm_fp8", results)(
+        a, b, one, one, jnp.asarray([32, 32], jnp.int32), jnp.zeros((0,), out_dtype), group_axis=np.int64(0),
+        align=np.int64(16), has_bias=False, fast_accum=True)
+    return jax.block_until_ready(out)
+
+
+def test_handler_without_kernel_is_an_error_naming_the_target():
+    """Called directly (not through te_jax.ops.grouped_gemm, which casts), float16 out has no kernel."""
     with pytest.raises(Exception, match="te_jax_grouped_gemm_fp8.*no kernel"):
-        jax.block_until_ready(_call(a, b, one, one, jnp.asarray([32, 32], jnp.int32), group_axis=0,
-                                    out_dtype=jnp.float16, fast_accum=True))
+        _raw_fp8_call(jnp.float16, GG.grouped_workspace_bytes(2))
 
 
 def test_small_workspace_is_an_error():
-    rng = np.random.default_rng(0)
-    a, b = _fp8(rng, (64, 128), E4M3), _fp8(rng, (2, 128, 128), E4M3)
-    one = jnp.ones((1,), jnp.float32)
     with pytest.raises(Exception, match="te_jax_grouped_gemm_fp8.*workspace"):
-        jax.block_until_ready(_call(a, b, one, one, jnp.asarray([32, 32], jnp.int32), group_axis=0,
-                                    out_dtype=jnp.bfloat16, fast_accum=True, workspace_bytes=256))
+        _raw_fp8_call(BF16, 256)
+
+
+# ---- grouped_dense, every recipe: backend "ffi" against "reference" ---------------------------------------
+
+DG, DM, DK, DN = 4, 192, 128, 256
+DENSE_SIZES = [70, 0, 90, 20]
+PER_TENSOR = {f"{kind}_{fmt.name}_{fast}": (kind, fmt, fast) for kind in ("delayed", "current")
+              for fmt in (R.Format.HYBRID, R.Format.E4M3) for fast in ("fwd_fast", "bwd_fast")}
+
+
+def _recipe(name):
+    if name in PER_TENSOR:
+        kind, fmt, fast = PER_TENSOR[name]
+        cls = R.DelayedScaling if kind == "delayed" else R.Float8CurrentScaling
+        return cls(fp8_format=fmt, fast_accumulation=fast == "fwd_fast", backward_fast_accumulation=fast == "bwd_fast")
+    return {"block": R.Float8BlockScaling, "block_w1": lambda: R.Float8BlockScaling(w_block_scaling_dim=1),
+            "mxfp8": R.MXFP8BlockScaling, "nvfp4": R.NVFP4BlockScaling}[name]()
+
+
+def _dense_run(q, state, x, w, b, c, backend):
+    gs = jnp.asarray(DENSE_SIZES, jnp.int32)
+
+    def loss(x, w, b):
+        y = grouped_dense(x, w, gs, b, quantizers=q, state=state, key=jax.random.key(3))[0]
+        return jnp.sum(y.astype(F32) * c), y
+
+    with te_jax.backend.use(backend):
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, w, b)
+    return (y, *grads)
+
+
+@pytest.mark.parametrize("x_dtype, w_dtype", [(F32, F32), (BF16, BF16)])
+@pytest.mark.parametrize("name", [*PER_TENSOR, "block", "block_w1", "mxfp8", "nvfp4"])
+def test_grouped_dense_matches_reference(name, x_dtype, w_dtype):
+    q = DenseQuantizers.from_recipe(_recipe(name))
+    keys = jax.random.split(jax.random.key(1), 4)
+    x = (jax.random.normal(keys[0], (DM, DK)) * 2).astype(x_dtype)
+    w = (jax.random.normal(keys[1], (DG, DK, DN)) / 8).astype(w_dtype)
+    b = jax.random.normal(keys[2], (DG, DN)).astype(w_dtype)
+    c = jax.random.normal(keys[3], (DM, DN))
+    state = init_state(q, DG)
+    with te_jax.train.fp8_state_updates(), jax.default_matmul_precision("highest"):
+        got = _dense_run(q, state, x, w, b, c, "ffi")
+        want = _dense_run(q, state, x, w, b, c, "reference")
+    for what, u, v in zip(("y", "dx", "dw", "db"), got, want):
+        assert u.shape == v.shape and u.dtype == v.dtype, what
+        u, v = np.asarray(u.astype(F32), np.float64), np.asarray(v.astype(F32), np.float64)
+        rel = np.linalg.norm(u - v) / max(np.linalg.norm(v), 1e-30)
+        assert rel < 2e-2, (what, rel)

@@ -183,6 +183,18 @@ ffi::Error CheckScales(std::string_view target, const GroupedShape& s, const ffi
   return CheckBlockScales(target, b_s, "b_s", b, s.k, b_rows, block);
 }
 
+// The Float8 block scales of group_axis 1: float32 [k_blocks, row_blocks] (one row per K block).
+ffi::Error CheckKBlockMajorScales(std::string_view target, const ffi::AnyBuffer& x_s, std::string_view name,
+                                  int64_t k_blocks, int64_t row_blocks) {
+  TE_RETURN_IF_ERROR(CheckDtype(target, x_s, ffi::DataType::F32, name, "float32"));
+  const auto d = x_s.dimensions();
+  if (d.size() != 2 || d[0] != k_blocks || d[1] != row_blocks) {
+    return Fail(target, std::string(name) + " of group_axis 1 must be K-block-major [" + std::to_string(k_blocks) +
+                            ", " + std::to_string(row_blocks) + "] (one row per 128 columns of Kc)");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error GroupedGemmFp8(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv, ffi::AnyBuffer b_scale_inv,
                           ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                           ffi::Result<ffi::AnyBuffer> workspace, int64_t group_axis, int64_t align, bool has_bias,
@@ -222,9 +234,20 @@ ffi::Error GroupedGemmFp8Block(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuf
   if (s_or.has_error()) return s_or.error();
   const GroupedShape& s = s_or.value();
   const int64_t ra = a_block_2d ? kFp8Block : 1, rb = b_block_2d ? kFp8Block : 1;
-  TE_RETURN_IF_ERROR(CheckScales(kTarget, s, a, a_s, b, b_s, ffi::DataType::F32, "float32", kFp8Block, ra, rb));
   const auto* as = static_cast<const float*>(a_s.untyped_data());
   const auto* bs = static_cast<const float*>(b_s.untyped_data());
+  if (group_axis == 1) {  // K-block-major scales [Kc/128, rows/row_block]: read transposed
+    TE_RETURN_IF_ERROR(CheckKBlockMajorScales(kTarget, a_s, "a_s", s.k / kFp8Block, s.a_rows / ra));
+    TE_RETURN_IF_ERROR(CheckKBlockMajorScales(kTarget, b_s, "b_s", s.k / kFp8Block, s.b_rows / rb));
+    const int64_t kb = s.k / kFp8Block, a_blocks = s.a_rows / ra, b_blocks = s.b_rows / rb;
+    const auto av = DequantizeFp8Blocks(a, fa, s.a_rows, s.k, ra, kFp8Block,
+                                        [as, kb, a_blocks](int64_t i) { return as[(i % kb) * a_blocks + i / kb]; });
+    const auto bv = DequantizeFp8Blocks(b, fb, s.b_rows, s.k, rb, kFp8Block,
+                                        [bs, kb, b_blocks](int64_t i) { return bs[(i % kb) * b_blocks + i / kb]; });
+    Multiply(s, av, bv, bias, *out);
+    return ffi::Error::Success();
+  }
+  TE_RETURN_IF_ERROR(CheckScales(kTarget, s, a, a_s, b, b_s, ffi::DataType::F32, "float32", kFp8Block, ra, rb));
   const auto av = DequantizeFp8Blocks(a, fa, s.a_rows, s.k, ra, kFp8Block, [as](int64_t i) { return as[i]; });
   const auto bv = DequantizeFp8Blocks(b, fb, s.b_rows, s.k, rb, kFp8Block, [bs](int64_t i) { return bs[i]; });
   Multiply(s, av, bv, bias, *out);

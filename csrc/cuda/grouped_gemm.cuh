@@ -66,25 +66,36 @@ ffi::Error RunGroupedFp8(const GroupedFp8Call& call, cudaStream_t stream);
 
 // The same for the block mode (1x128 A scales, b_scale_rows x 128 B scales),
 // defined in grouped_gemm_sm90_block_*.cu for the entries of
-// TE_JAX_GROUPED_FP8_BLOCK_KERNELS.
-template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, int kBScaleRows>
+// TE_JAX_GROUPED_FP8_BLOCK_KERNELS. kAxis kRows: K-major scales (a row's K
+// blocks contiguous); kContraction: K-block-major scales [K/128, rows] (one
+// row per K block), so each group's span is a compact slice.
+template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, int kBScaleRows, GroupAxis kAxis>
 ffi::Error RunGroupedFp8Block(const GroupedFp8Call& call, cudaStream_t stream);
 
-// The instantiated kernels, X(a kind, b kind, out kind, fast_accum): the
-// forward (E4M3 x E4M3), dgrad (E5M2 gradient x E4M3 weight) and wgrad
-// (E4M3 activation x E5M2 gradient) products. Each is one source file
-// grouped_gemm_sm90_<a>_<b>_<out>_<accum>.cu.
+// The instantiated kernels, X(a kind, b kind, out kind, fast_accum). Each is
+// one source file grouped_gemm_sm90_<a>_<b>_<out>_<accum>.cu. The bfloat16
+// ones serve the hot forward (E4M3 x E4M3, fast) and dgrad (E5M2 x E4M3,
+// split) products directly; every other combination of te_jax's recipes runs
+// the float32 kernel of its dtype pair (split accumulation, which is at least
+// as exact as fast) and the lowering casts the result (te_jax/ops/grouped_gemm.py
+// keeps the same table in _CUDA_FP8_KERNELS).
 #define TE_JAX_GROUPED_FP8_KERNELS(X) \
   X(kE4M3, kE4M3, kBf16, true)        \
   X(kE5M2, kE4M3, kBf16, false)       \
+  X(kE4M3, kE4M3, kF32, false)        \
+  X(kE5M2, kE4M3, kF32, false)        \
   X(kE4M3, kE5M2, kF32, false)
 
-// The block mode's kernels, X(a kind, b kind, out kind, B scale rows): the
-// forward and dgrad products (group_axis 0) with 128x128 or 1x128 weight
-// blocks, bfloat16 out.
-#define TE_JAX_GROUPED_FP8_BLOCK_KERNELS(X) \
-  X(kE4M3, kE4M3, kBf16, 128)               \
-  X(kE4M3, kE4M3, kBf16, 1)
+// The block mode's kernels, X(a kind, b kind, out kind, B scale rows, group
+// axis): the forward and dgrad products (kRows) with 128x128 weight blocks to
+// bfloat16 (hot) or float32, with 1x128 weight blocks to float32, and the
+// wgrad product (kContraction, 1x128 blocks of both) to float32. Other out
+// dtypes are float32 and a cast (_CUDA_BLOCK_KERNELS in te_jax/ops/grouped_gemm.py).
+#define TE_JAX_GROUPED_FP8_BLOCK_KERNELS(X)        \
+  X(kE4M3, kE4M3, kBf16, 128, GroupAxis::kRows)    \
+  X(kE4M3, kE4M3, kF32, 128, GroupAxis::kRows)     \
+  X(kE4M3, kE4M3, kF32, 1, GroupAxis::kRows)       \
+  X(kE4M3, kE4M3, kF32, 1, GroupAxis::kContraction)
 
 }  // namespace grouped
 }  // namespace te_jax

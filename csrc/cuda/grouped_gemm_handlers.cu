@@ -2,9 +2,9 @@
 // te_jax/ops/grouped_gemm.py):
 //   te_jax_grouped_gemm_fp8        -> GroupedGemmFp8Cuda       per-tensor FP8, CUTLASS sm_90a (grouped_gemm.cuh)
 //   te_jax_grouped_gemm_fp8_block  -> GroupedGemmFp8BlockCuda  1x128 A x 128x128 or 1x128 B scales, CUTLASS sm_90a
-//                                                              (group_axis 0 only: group_axis 1 is an error)
-//   te_jax_grouped_gemm_mxfp8      -> GroupedGemmMxfp8Cuda     no emulation yet: an error
-//   te_jax_grouped_gemm_nvfp4      -> GroupedGemmNvfp4Cuda     no emulation yet: an error
+//                                                              (group_axis 1: K-block-major scales)
+//   te_jax_grouped_gemm_mxfp8      -> GroupedGemmMxfp8Cuda     an error: the Python side emulates these on sm_90
+//   te_jax_grouped_gemm_nvfp4      -> GroupedGemmNvfp4Cuda     an error: the Python side emulates these on sm_90
 //
 // Each FP8 handler: check the call, then the grouped GEMM (setup kernel + one
 // CUTLASS launch), the zeroing kernel for what no group writes, and the bias
@@ -134,19 +134,21 @@ ffi::Error Dispatch(const GroupedFp8Call& c, cudaStream_t stream) {
 #undef TE_JAX_RUN
   return Invalid(c.target,
                  "the CUDA grouped GEMM has no kernel for this combination of operand dtypes, output dtype and "
-                 "fast_accum (it has E4M3 x E4M3 -> bfloat16 with fast_accum, E5M2 x E4M3 -> bfloat16 and "
-                 "E4M3 x E5M2 -> float32 without)");
+                 "fast_accum (it has E4M3 x E4M3 -> bfloat16 with fast_accum, E5M2 x E4M3 -> bfloat16 without, "
+                 "and every pair -> float32 without; te_jax.ops.grouped_gemm picks one and casts)");
 }
 
 ffi::Error DispatchBlock(const GroupedFp8Call& c, cudaStream_t stream) {
-#define TE_JAX_RUN(ka, kb, ko, rows)                                                                              \
-  if (c.a_kind == Fp8Kind::ka && c.b_kind == Fp8Kind::kb && c.out_kind == OutKind::ko && c.b_scale_rows == rows) \
-    return RunGroupedFp8Block<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, rows>(c, stream);
+#define TE_JAX_RUN(ka, kb, ko, rows, group_axis)                                                                  \
+  if (c.a_kind == Fp8Kind::ka && c.b_kind == Fp8Kind::kb && c.out_kind == OutKind::ko && c.b_scale_rows == rows && \
+      c.axis == group_axis)                                                                                         \
+    return RunGroupedFp8Block<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, rows, group_axis>(c, stream);
   TE_JAX_GROUPED_FP8_BLOCK_KERNELS(TE_JAX_RUN)
 #undef TE_JAX_RUN
   return Invalid(c.target,
                  "the CUDA grouped GEMM has no kernel for this combination of operand dtypes, output dtype and B "
-                 "blocks (it has E4M3 x E4M3 with 128x128 or 1x128 B blocks -> bfloat16)");
+                 "blocks (it has E4M3 x E4M3: group_axis 0 with 128x128 B blocks -> bfloat16 or float32, with 1x128 "
+                 "B blocks -> float32; group_axis 1 with 1x128 blocks -> float32; te_jax.ops.grouped_gemm casts)");
 }
 
 // Checks the operands, group sizes, output and bias against the contract and
@@ -326,11 +328,12 @@ ffi::Error GroupedGemmFp8Block(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBu
     TE_RETURN_IF_ERROR(b_block_2d ? CheckScales(t, "b_s", b_s, {c.groups, c.n / 128, c.k / 128})
                                   : CheckScales(t, "b_s", b_s, {c.groups, c.n, c.k / 128}));
   } else {
-    // CUTLASS's grouped blockwise kernel derives each group's scale layout
-    // from its problem shape (a row's K blocks compact), while a span of
-    // [P, Kc/128] scales has a row stride of Kc/128.
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string(t) + ": group_axis 1 (the wgrad form) has no CUDA kernel yet");
+    // K-block-major, so a group's span is a compact slice (CUTLASS derives
+    // each group's scale layout from its problem shape).
+    if (b_block_2d) return Invalid(t, "the CUDA grouped GEMM takes 1x128 blocks for b with group_axis 1");
+    if (c.m % 128 != 0) return Invalid(t, "the block-scaled group_axis 1 GEMM needs P to be a multiple of 128");
+    TE_RETURN_IF_ERROR(CheckScales(t, "a_s", a_s, {c.k / 128, c.m}));
+    TE_RETURN_IF_ERROR(CheckScales(t, "b_s", b_s, {c.k / 128, c.n}));
   }
   c.a_s = static_cast<const float*>(a_s.untyped_data());
   c.b_s = static_cast<const float*>(b_s.untyped_data());
@@ -345,13 +348,17 @@ ffi::Error NotOnCuda(const char* target, const char* why) {
 ffi::Error GroupedGemmMxfp8(cudaStream_t, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                             ffi::AnyBuffer, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>, ffi::Result<ffi::AnyBuffer>,
                             int64_t, int64_t, bool) {
-  return NotOnCuda("te_jax_grouped_gemm_mxfp8", "the MXFP8 grouped GEMM has no CUDA kernel or emulation yet");
+  return NotOnCuda("te_jax_grouped_gemm_mxfp8",
+                   "the MXFP8 grouped GEMM has no CUDA kernel; te_jax.ops.grouped_gemm lowers it to its emulation "
+                   "on a GPU");
 }
 
 ffi::Error GroupedGemmNvfp4(cudaStream_t, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                             ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer, ffi::AnyBuffer,
                             ffi::Result<ffi::AnyBuffer>, ffi::Result<ffi::AnyBuffer>, int64_t, int64_t, bool) {
-  return NotOnCuda("te_jax_grouped_gemm_nvfp4", "the NVFP4 grouped GEMM has no CUDA kernel or emulation yet");
+  return NotOnCuda("te_jax_grouped_gemm_nvfp4",
+                   "the NVFP4 grouped GEMM has no CUDA kernel; te_jax.ops.grouped_gemm lowers it to its emulation "
+                   "on a GPU");
 }
 
 }  // namespace

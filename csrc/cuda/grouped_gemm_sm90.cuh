@@ -66,10 +66,11 @@ __device__ inline GroupGeometry GeometryOf(const GroupedFp8Call& c, int64_t g, i
     geo.ld_sf = c.k / 128;
   } else {
     // start: the sum of the earlier groups' aligned spans. The span's padding
-    // columns are zero in both operands, so K rounds up to the 16 TMA needs.
-    // (Per-tensor scales only: the handler refuses the block mode here.)
+    // columns are zero in both operands, so K rounds up to the 16 TMA needs
+    // (to whole 128-column scale blocks in the block mode).
     const int64_t off = min(start, c.k);
-    const int64_t k16 = (static_cast<int64_t>(max(size, 0)) + 15) / 16 * 16;
+    const int64_t round = block ? 128 : 16;
+    const int64_t k16 = (static_cast<int64_t>(max(size, 0)) + round - 1) / round * round;
     const int64_t kg = min(k16, c.k - off);
     geo.m = kg > 0 ? static_cast<int>(c.m) : 0;
     geo.n = static_cast<int>(c.n);
@@ -80,6 +81,9 @@ __device__ inline GroupGeometry GeometryOf(const GroupedFp8Call& c, int64_t g, i
     geo.lda = c.k;
     geo.ldb = c.k;
     geo.ldd = c.n;
+    geo.sfa_offset = off / 128 * c.m;  // K-block-major scales [K/128, m], [K/128, n]
+    geo.sfb_offset = off / 128 * c.n;
+    geo.k = block && kg <= 0 ? 128 : geo.k;
   }
   return geo;
 }
@@ -166,12 +170,12 @@ struct Fp8GroupedKernel {
 };
 
 // The CUTLASS grouped GEMM with float32 block scales applied in the mainloop:
-// 1x128 blocks of A, kBScaleRows x 128 blocks of B, both K-major (a row's K
-// blocks contiguous, as te_jax's block quantizer writes them). The grouped
-// kernel derives each group's scale layout from its problem shape (compact:
-// a row stride of K/128), so the layouts written here must be those, and the
-// groups must be whole rows of the scale arrays (group_axis 0).
-template <class ElementA, class ElementB, class ElementD, int kBScaleRows>
+// 1x128 blocks of A, kBScaleRows x 128 blocks of B. The grouped kernel derives
+// each group's scale layout from its problem shape (compact), so the groups'
+// scales must be compact slices: group_axis 0 takes K-major scales (a row's
+// K blocks contiguous, a group is whole rows), group_axis 1 K-block-major
+// scales [K/128, rows] (a group's span is whole rows of those).
+template <class ElementA, class ElementB, class ElementD, int kBScaleRows, GroupAxis kAxis>
 struct Fp8BlockGroupedKernel {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using LayoutA = cutlass::layout::RowMajor;
@@ -181,8 +185,8 @@ struct Fp8BlockGroupedKernel {
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
   using TileShape = Shape<_128, _128, _128>;
   using ClusterShape = Shape<_1, _2, _1>;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBScaleRows, 128, cute::GMMA::Major::K,
-                                                                cute::GMMA::Major::K>;
+  static constexpr auto kScaleMajor = kAxis == GroupAxis::kRows ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBScaleRows, 128, kScaleMajor, kScaleMajor>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
@@ -236,12 +240,20 @@ struct Fp8BlockGroupedKernel {
     arrays.sfa[g] = c.a_s + geo.sfa_offset;
     arrays.sfb[g] = c.b_s + geo.sfb_offset;
     const int32_t k_blocks = (geo.k + 127) / 128, ld = static_cast<int32_t>(geo.ld_sf);
-    arrays.layout_sfa[g] = LayoutSFA(
-        make_shape(make_shape(Int<1>{}, geo.m), make_shape(Int<128>{}, k_blocks), 1),
-        make_stride(make_stride(_0{}, ld), make_stride(_0{}, _1{}), 0));
-    arrays.layout_sfb[g] = LayoutSFB(
-        make_shape(make_shape(Int<kBScaleRows>{}, (geo.n + kBScaleRows - 1) / kBScaleRows), make_shape(Int<128>{}, k_blocks), 1),
-        make_stride(make_stride(_0{}, ld), make_stride(_0{}, _1{}), 0));
+    const int32_t n_blocks = (geo.n + kBScaleRows - 1) / kBScaleRows;
+    if constexpr (kAxis == GroupAxis::kRows) {
+      arrays.layout_sfa[g] = LayoutSFA(make_shape(make_shape(Int<1>{}, geo.m), make_shape(Int<128>{}, k_blocks), 1),
+                                       make_stride(make_stride(_0{}, ld), make_stride(_0{}, _1{}), 0));
+      arrays.layout_sfb[g] = LayoutSFB(
+          make_shape(make_shape(Int<kBScaleRows>{}, n_blocks), make_shape(Int<128>{}, k_blocks), 1),
+          make_stride(make_stride(_0{}, ld), make_stride(_0{}, _1{}), 0));
+    } else {  // K-block-major: one row of m (n) scales per K block
+      arrays.layout_sfa[g] = LayoutSFA(make_shape(make_shape(Int<1>{}, geo.m), make_shape(Int<128>{}, k_blocks), 1),
+                                       make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, geo.m), 0));
+      arrays.layout_sfb[g] = LayoutSFB(
+          make_shape(make_shape(Int<kBScaleRows>{}, n_blocks), make_shape(Int<128>{}, k_blocks), 1),
+          make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, n_blocks), 0));
+    }
   }
 
   static auto MainloopArguments(const Arrays& a) {
@@ -381,10 +393,10 @@ ffi::Error RunGroupedFp8(const GroupedFp8Call& c, cudaStream_t stream) {
   return sm90::Run<K>(c, stream);
 }
 
-template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, int kBScaleRows>
+template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, int kBScaleRows, GroupAxis kAxis>
 ffi::Error RunGroupedFp8Block(const GroupedFp8Call& c, cudaStream_t stream) {
   using K = sm90::Fp8BlockGroupedKernel<typename sm90::Fp8Element<kA>::type, typename sm90::Fp8Element<kB>::type,
-                                        typename sm90::OutElement<kOut>::type, kBScaleRows>;
+                                        typename sm90::OutElement<kOut>::type, kBScaleRows, kAxis>;
   return sm90::Run<K>(c, stream);
 }
 
@@ -393,8 +405,9 @@ ffi::Error RunGroupedFp8Block(const GroupedFp8Call& c, cudaStream_t stream) {
   template ffi::Error RunGroupedFp8<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, fast>(const GroupedFp8Call&, cudaStream_t);
 
 // Instantiates RunGroupedFp8Block for one entry of TE_JAX_GROUPED_FP8_BLOCK_KERNELS.
-#define TE_JAX_INSTANTIATE_GROUPED_FP8_BLOCK(ka, kb, ko, rows) \
-  template ffi::Error RunGroupedFp8Block<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, rows>(const GroupedFp8Call&, cudaStream_t);
+#define TE_JAX_INSTANTIATE_GROUPED_FP8_BLOCK(ka, kb, ko, rows, axis)                                       \
+  template ffi::Error RunGroupedFp8Block<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, rows, axis>(const GroupedFp8Call&, \
+                                                                                           cudaStream_t);
 
 }  // namespace grouped
 }  // namespace te_jax

@@ -25,6 +25,14 @@ pure-JAX twin (dequantize as ``te_jax.quantize.reference``, float32 product
 per group at HIGHEST precision, bias in float32, cast). ``grouped_gemm``
 multiplies ScaledTensors, picking the rowwise or columnwise copy of each.
 
+On a GPU, per-tensor FP8 and Float8 block run the CUTLASS sm_90a kernels
+(docs/grouped_gemm_cuda.md): where no kernel writes the requested out dtype
+(or fast accumulation) directly, the float32 split-accumulation kernel of the
+dtype pair runs and the lowering casts its result; what no kernel can run is
+refused at trace time with what to change. MXFP8, NVFP4 and every mode on a
+GPU other than sm_90 run the emulation (``GemmEmulationWarning``): operands
+dequantized to bfloat16, XLA's ragged dot accumulating in float32.
+
 Sharding (``custom_partitioning``): the groups may be sharded with their
 experts, that is B's G axis (and the bias's, and ``[G]`` per-tensor values)
 for ``group_axis=0`` and ``group_sizes`` (with out's G) for ``group_axis=1``;
@@ -40,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +63,7 @@ import te_jax._ffi  # noqa: F401  (registers the FFI targets)
 from te_jax import backend as backend_lib
 from te_jax.ops.gemm import (CUBLAS_WORKSPACE_BYTES, check_block_scales, check_flag, check_operand_dtypes,
                              check_out_dtype)
+from te_jax.ops.gemm_call import GemmEmulationWarning, _cuda_compute_capability
 from te_jax.ops.partition import AxisClaims, device_local
 from te_jax.quantize import modes
 from te_jax.quantize import reference as ref
@@ -68,8 +78,17 @@ GROUP_ALIGN = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMo
 # What the CUDA kernels tile: K and N (group_axis 0), P, Q and Kc (group_axis 1) multiples of these.
 _CUDA_MULTIPLE = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMode.MXFP8: 32,
                   ScalingMode.NVFP4: 32}
-# The grouped modes with CUDA kernels (the others raise when lowered for a GPU).
+# The grouped modes with CUDA kernels (sm_90); the others run the emulation (``_emulate``) on a GPU.
 _CUDA_MODES = (ScalingMode.FP8_TENSOR, ScalingMode.FP8_BLOCK)
+_CUDA_CAPABILITY = 9.0  # the CUTLASS kernels are built for sm_90a alone
+_E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+_F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+# The CUDA kernels (TE_JAX_GROUPED_FP8_KERNELS in csrc/cuda/grouped_gemm.cuh): (a, b, out, fast_accum).
+_CUDA_FP8_KERNELS = frozenset({(_E4M3, _E4M3, _BF16, True), (_E5M2, _E4M3, _BF16, False),
+                               (_E4M3, _E4M3, _F32, False), (_E5M2, _E4M3, _F32, False), (_E4M3, _E5M2, _F32, False)})
+# TE_JAX_GROUPED_FP8_BLOCK_KERNELS: (a, b, out, b_block_2d, group_axis); a always 1x128 blocks.
+_CUDA_BLOCK_KERNELS = frozenset({(_E4M3, _E4M3, _BF16, True, 0), (_E4M3, _E4M3, _F32, True, 0),
+                                 (_E4M3, _E4M3, _F32, False, 0), (_E4M3, _E4M3, _F32, False, 1)})
 
 
 def grouped_workspace_bytes(num_groups: int) -> int:
@@ -198,6 +217,52 @@ def _reference(da, db, group_sizes, group_axis: int, align: int, bias, out_dtype
     return out.astype(out_dtype)
 
 
+def _dequantize(lay: "GroupedLayout", args, group_sizes):
+    """Both operands of the custom call's ``args`` (in ``lay.roles`` order) dequantized to float32.
+
+    The block mode's scales of group_axis 1 arrive K-block-major (``[Kc/128, rows]``) and are read back.
+    """
+    x = dict(zip(lay.roles, args))
+    a, b = x["a"], x["b"]
+    k = a.shape[-1] * lay.pack
+    if lay.mode is ScalingMode.FP8_TENSOR:
+        return _deq_groups(group_sizes, lay.group_axis, lay.align, a.shape, k,
+                           lambda v: ref.dequantize_fp8_tensor(a, v), lambda v: ref.dequantize_fp8_tensor(b, v),
+                           x["a_t"], x["b_t"])
+    if lay.mode is ScalingMode.FP8_BLOCK:
+        a_s, b_s = (x["a_s"].T, x["b_s"].T) if lay.group_axis == 1 else (x["a_s"], x["b_s"])
+        attrs = dict(lay.attrs)
+        return (ref.dequantize_fp8_block(a, a_s, block_2d=attrs["a_block_2d"]),
+                ref.dequantize_fp8_block(b, b_s, block_2d=attrs["b_block_2d"]))
+    if lay.mode is ScalingMode.MXFP8:
+        return ref.dequantize_mxfp8(a, x["a_s"]), ref.dequantize_mxfp8(b, x["b_s"])
+    return _deq_groups(group_sizes, lay.group_axis, lay.align, a.shape, k,
+                       lambda v: ref.dequantize_nvfp4(a, x["a_s"], v), lambda v: ref.dequantize_nvfp4(b, x["b_s"], v),
+                       x["a_t"], x["b_t"])
+
+
+def _emulate(lay: "GroupedLayout", *args):
+    """The GPU emulation: operands dequantized to bfloat16, XLA's ragged dot accumulating in float32, bias, cast."""
+    group_sizes, bias = args[len(lay.roles)], args[-1]
+    da, db = (t.astype(jnp.bfloat16) for t in _dequantize(lay, args[:len(lay.roles)], group_sizes))
+    sizes = jnp.maximum(group_sizes, 0)
+    if lay.group_axis == 0:
+        ends = jnp.minimum(jnp.cumsum(sizes), da.shape[0])  # groups past M are cut
+        out = lax.ragged_dot(da, jnp.swapaxes(db, 1, 2), jnp.diff(ends, prepend=0),
+                             preferred_element_type=jnp.float32)
+        group, _, member = grouped_positions(group_sizes, da.shape[0])
+        if lay.has_bias:
+            out = out + bias.astype(jnp.float32)[group]
+        out = jnp.where(member[:, None], out, 0.0)
+    else:
+        spans = (sizes + lay.align - 1) // lay.align * lay.align
+        ends = jnp.minimum(jnp.cumsum(spans), da.shape[-1])  # spans past Kc are cut
+        numbers = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
+                                                lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
+        out = lax.ragged_dot_general(da, db, jnp.diff(ends, prepend=0), numbers, preferred_element_type=jnp.float32)
+    return out.astype(lay.out_dtype)
+
+
 # ---- the custom call ---------------------------------------------------------------------
 
 
@@ -227,11 +292,6 @@ class GroupedLayout:
 
 
 def _check_cuda(lay: GroupedLayout, a_shape, b_shape) -> None:
-    mode = modes.mode_spec(lay.mode)
-    if lay.mode not in _CUDA_MODES:
-        raise NotImplementedError(
-            f"te_jax: {lay.target} has no CUDA kernel yet: grouped {mode.label} GEMMs run on CPU only; on a GPU use "
-            "a per-tensor FP8 or Float8 block recipe for the experts")
     multiple = _CUDA_MULTIPLE[lay.mode]
     if lay.group_axis == 0:
         dims = {"K": a_shape[-1] * lay.pack, "N": b_shape[-2]}
@@ -246,16 +306,74 @@ def _check_cuda(lay: GroupedLayout, a_shape, b_shape) -> None:
                          f"{lay.align}")
 
 
+def _cuda_kernel(lay: GroupedLayout, a_dtype, b_dtype) -> GroupedLayout:
+    """The layout of the CUDA kernel that runs ``lay`` (its ``out_dtype`` may be float32, cast afterwards).
+
+    A direct kernel when one exists; else, for a fast_accum request, the split-accumulation one (at least as
+    exact); else the float32 kernel of the dtype pair. Raises, saying what to change, when none fits.
+    """
+    a_dtype, b_dtype, out = jnp.dtype(a_dtype), jnp.dtype(b_dtype), jnp.dtype(lay.out_dtype)
+    attrs = dict(lay.attrs)
+    if lay.mode is ScalingMode.FP8_TENSOR:
+        for cand_out, fast in ((out, attrs["fast_accum"]), (out, False), (_F32, False)):
+            if (a_dtype, b_dtype, cand_out, fast) in _CUDA_FP8_KERNELS:
+                return dataclasses.replace(lay, out_dtype=cand_out, attrs=(("fast_accum", fast),))
+        raise ValueError(f"te_jax: {lay.target} on CUDA has no kernel for {a_dtype.name} x {b_dtype.name}; use "
+                         "E4M3 or E5M2 operands, not both E5M2")
+    if attrs["a_block_2d"]:
+        raise ValueError(f"te_jax: {lay.target} on CUDA needs 1x128 blocks for the left operand (activations and "
+                         "gradients); use Float8BlockScaling(x_block_scaling_dim=1, grad_block_scaling_dim=1)")
+    if lay.group_axis == 1 and attrs["b_block_2d"]:
+        raise ValueError(f"te_jax: {lay.target} on CUDA (group_axis=1, wgrad) needs 1x128 blocks for both operands; "
+                         "use Float8BlockScaling(x_block_scaling_dim=1, grad_block_scaling_dim=1)")
+    for cand_out in (out, _F32):
+        if (a_dtype, b_dtype, cand_out, attrs["b_block_2d"], lay.group_axis) in _CUDA_BLOCK_KERNELS:
+            return dataclasses.replace(lay, out_dtype=cand_out)
+    raise ValueError(f"te_jax: {lay.target} on CUDA has E4M3 x E4M3 kernels only, got {a_dtype.name} x "
+                     f"{b_dtype.name}; use Float8BlockScaling(fp8_format=Format.E4M3) for the experts")
+
+
+def _emulation_message(lay: GroupedLayout, capability: float | None) -> str:
+    label = modes.mode_spec(lay.mode).label
+    where = "this GPU" if capability is None else f"a GPU of compute capability {capability:.1f}"
+    return (f"te_jax: grouped {label} GEMMs ({lay.target}) on {where} run the documented emulation: each operand "
+            "is dequantized to bfloat16, then multiplied by XLA's bfloat16 ragged dot accumulating in float32 "
+            "(docs/grouped_gemm_cuda.md), without the FP8 speed-up. Native grouped kernels: per-tensor FP8 and "
+            "Float8 block on compute capability 9.0. Silence with "
+            "warnings.filterwarnings('ignore', category=GemmEmulationWarning).")
+
+
+def _cast(ctx, value, aval_in, aval_out):
+    """Lowers ``value`` (of ``aval_in``) cast to ``aval_out``'s dtype."""
+    cast = mlir.lower_fun(lambda v: v.astype(aval_out.dtype), multiple_results=False)
+    return cast(ctx.replace(avals_in=[aval_in], avals_out=[aval_out]), value)[0]
+
+
 def _lower(platform: str, ctx, *args, lay: GroupedLayout):
     a, b = ctx.avals_in[lay.roles.index("a")], ctx.avals_in[lay.roles.index("b")]
     size = 0
+    out_aval = ctx.avals_out[0]
+    run = lay
     if platform == "cuda":
+        capability = _cuda_compute_capability()
+        if lay.mode not in _CUDA_MODES or (capability is not None and capability != _CUDA_CAPABILITY):
+            warnings.warn(_emulation_message(lay, capability), GemmEmulationWarning, stacklevel=2)
+            return mlir.lower_fun(functools.partial(_emulate, lay), multiple_results=False)(ctx, *args)
         _check_cuda(lay, a.shape, b.shape)
+        run = _cuda_kernel(lay, a.dtype, b.dtype)
         size = grouped_workspace_bytes(ctx.avals_in[len(lay.roles)].shape[0])
-    ctx = ctx.replace(avals_out=[*ctx.avals_out, jax.core.ShapedArray((size,), jnp.uint8)])
-    attrs = {"group_axis": np.int64(lay.group_axis), "align": np.int64(lay.align), "has_bias": lay.has_bias,
-             **dict(lay.attrs)}
-    return jax.ffi.ffi_lowering(lay.target)(ctx, *args, **attrs)[:1]
+    kernel_aval = out_aval.update(dtype=run.out_dtype)
+    bias_aval = ctx.avals_in[-1]
+    if run.has_bias and bias_aval.dtype not in (_F32, kernel_aval.dtype):  # the float32 kernel takes a float32 bias
+        args = (*args[:-1], _cast(ctx, args[-1], bias_aval, bias_aval.update(dtype=_F32)))
+        ctx = ctx.replace(avals_in=[*ctx.avals_in[:-1], bias_aval.update(dtype=_F32)])
+    call_ctx = ctx.replace(avals_out=[kernel_aval, jax.core.ShapedArray((size,), jnp.uint8)])
+    attrs = {"group_axis": np.int64(run.group_axis), "align": np.int64(run.align), "has_bias": run.has_bias,
+             **dict(run.attrs)}
+    out = jax.ffi.ffi_lowering(run.target)(call_ctx, *args, **attrs)[0]
+    if kernel_aval.dtype != out_aval.dtype:
+        out = _cast(ctx, out, kernel_aval, out_aval)
+    return [out]
 
 
 def _abstract_eval(*avals, lay: GroupedLayout):
@@ -341,7 +459,8 @@ def _partition(lay: GroupedLayout, mesh, arg_shapes, result_shape):
                 if role in ("a", "b", "a_s", "b_s"):
                     i = lay.roles.index(role)
                     per = lay.pack if role in ("a", "b") else lay.k_block
-                    args[i] = jnp.roll(args[i], -(start // per), axis=-1)
+                    k_block_major = role in ("a_s", "b_s") and lay.mode is ScalingMode.FP8_BLOCK
+                    args[i] = jnp.roll(args[i], -(start // per), axis=0 if k_block_major else -1)
         args[len(lay.roles)] = mine
         out = _ffi_call(lay, *args)
         if lay.group_axis == 0:
@@ -377,14 +496,14 @@ _partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_i
 # ---- the four ops ------------------------------------------------------------------------
 
 
-def _run(lay: GroupedLayout, args: tuple, group_sizes, dequantize, bias, out_dtype, backend):
+def _run(lay: GroupedLayout, args: tuple, group_sizes, bias, out_dtype, backend):
     """Checks out_dtype and bias, then runs the custom call or its reference twin."""
     out_dtype = check_out_dtype(out_dtype)
     num_groups = group_sizes.shape[0]
     b = args[lay.roles.index("b")]
     bias = _check_bias(bias, lay.group_axis, num_groups, b.shape[-2], out_dtype)
     if backend_lib.resolve(backend) == "reference":
-        da, db = dequantize()
+        da, db = _dequantize(lay, args, group_sizes)
         return _reference(da, db, group_sizes, lay.group_axis, lay.align, bias, out_dtype)
     lay = dataclasses.replace(lay, out_dtype=out_dtype, has_bias=bias is not None)
     return _partitioned(lay, *args, group_sizes, jnp.zeros((0,), out_dtype) if bias is None else bias)
@@ -426,15 +545,12 @@ def grouped_gemm_fp8(a, b, a_scale_inv, b_scale_inv, group_sizes, bias=None, *, 
     """
     mode = modes.FP8_TENSOR
     check_operand_dtypes(a, b, mode.label)
-    num_groups, k = _layout_args(group_sizes, a, b, group_axis, align, mode)
+    num_groups, _ = _layout_args(group_sizes, a, b, group_axis, align, mode)
     a_scale_inv = _group_value(a_scale_inv, num_groups, "a_scale_inv")
     b_scale_inv = _group_value(b_scale_inv, num_groups, "b_scale_inv")
-    deq = lambda: _deq_groups(  # noqa: E731
-        group_sizes, group_axis, align, a.shape, k, lambda v: ref.dequantize_fp8_tensor(a, v),
-        lambda v: ref.dequantize_fp8_tensor(b, v), a_scale_inv, b_scale_inv)
     lay = GroupedLayout(ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), group_axis,
                         int(align), attrs=(("fast_accum", check_flag("fast_accum", fast_accum)),))
-    return _run(lay, (a, b, a_scale_inv, b_scale_inv), group_sizes, deq, bias, out_dtype, backend)
+    return _run(lay, (a, b, a_scale_inv, b_scale_inv), group_sizes, bias, out_dtype, backend)
 
 
 def grouped_gemm_fp8_block(a, a_s, b, b_s, group_sizes, bias=None, *, a_block_2d=False, b_block_2d=False,
@@ -444,7 +560,9 @@ def grouped_gemm_fp8_block(a, a_s, b, b_s, group_sizes, bias=None, *, a_block_2d
 
     ``a_s`` is ``[M, K/128]`` (2D: ``[M/128, K/128]``), ``b_s`` ``[G, N, K/128]``
     (2D: ``[G, N/128, K/128]``); with group_axis 1 ``[P, Kc/128]`` and
-    ``[Q, Kc/128]`` (align a multiple of 128). Other args as ``grouped_gemm_fp8``.
+    ``[Q, Kc/128]`` (align a multiple of 128), which the custom call takes
+    transposed, K-block-major (``[Kc/128, P]``, ``[Kc/128, Q]``). Other args as
+    ``grouped_gemm_fp8``.
     """
     mode = modes.FP8_BLOCK
     check_operand_dtypes(a, b, mode.label)
@@ -459,34 +577,34 @@ def grouped_gemm_fp8_block(a, a_s, b, b_s, group_sizes, bias=None, *, a_block_2d
                              f"multiple of {block}; use 1x128 blocks for it (Float8BlockQuantizer(block_2d=False))")
     a_s = check_block_scales(a_s, a, k, block if a_block_2d else 1, block, mode.scale_dtype, "a_s")
     b_s = check_block_scales(b_s, b, k, block if b_block_2d else 1, block, mode.scale_dtype, "b_s")
-    deq = lambda: (ref.dequantize_fp8_block(a, a_s, block_2d=a_block_2d),  # noqa: E731
-                   ref.dequantize_fp8_block(b, b_s, block_2d=b_block_2d))
+    if group_axis == 1:  # the custom call takes them K-block-major: each group's span is whole rows
+        a_s, b_s = a_s.T, b_s.T
     lay = GroupedLayout(ScalingMode.FP8_BLOCK, "te_jax_grouped_gemm_fp8_block", ("a", "a_s", "b", "b_s"), group_axis,
                         int(align), attrs=(("a_block_2d", bool(a_block_2d)), ("b_block_2d", bool(b_block_2d))),
                         k_block=block)
-    return _run(lay, (a, a_s, b, b_s), group_sizes, deq, bias, out_dtype, backend)
+    return _run(lay, (a, a_s, b, b_s), group_sizes, bias, out_dtype, backend)
 
 
 def grouped_gemm_mxfp8(a, a_s, b, b_s, group_sizes, bias=None, *, group_axis: int = 0,
                        align: int = GROUP_ALIGN[ScalingMode.MXFP8], out_dtype=jnp.bfloat16, backend=None):
     """MXFP8 grouped GEMM: uint8 E8M0 scales ``a_s [M, K/32]``, ``b_s [G, N, K/32]`` (group_axis 1: ``[P, Kc/32]``,
-    ``[Q, Kc/32]``). Other args as ``grouped_gemm_fp8``; CPU only for now (no CUDA kernel)."""
+    ``[Q, Kc/32]``). Other args as ``grouped_gemm_fp8``; on a GPU the emulation runs (``GemmEmulationWarning``)."""
     mode = modes.MXFP8
     check_operand_dtypes(a, b, mode.label)
     _, k = _layout_args(group_sizes, a, b, group_axis, align, mode)
     a_s = check_block_scales(a_s, a, k, 1, mode.block_cols, mode.scale_dtype, "a_s")
     b_s = check_block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
-    deq = lambda: (ref.dequantize_mxfp8(a, a_s), ref.dequantize_mxfp8(b, b_s))  # noqa: E731
     lay = GroupedLayout(ScalingMode.MXFP8, "te_jax_grouped_gemm_mxfp8", ("a", "a_s", "b", "b_s"), group_axis,
                         int(align), k_block=mode.block_cols)
-    return _run(lay, (a, a_s, b, b_s), group_sizes, deq, bias, out_dtype, backend)
+    return _run(lay, (a, a_s, b, b_s), group_sizes, bias, out_dtype, backend)
 
 
 def grouped_gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, group_sizes, bias=None, *, group_axis: int = 0,
                        align: int = GROUP_ALIGN[ScalingMode.NVFP4], out_dtype=jnp.bfloat16, backend=None):
     """NVFP4 grouped GEMM: packed E2M1 operands (uint8, K/2 columns), E4M3 scales per 1x16 block, amax ``[1]`` or
     ``[G]``. Each operand decodes as ``e2m1 * s_b * S_dec`` (``te_jax.ops.gemm.gemm_nvfp4``), with its group's
-    amax when there is one per group. Other args as ``grouped_gemm_fp8``; CPU only for now (no CUDA kernel)."""
+    amax when there is one per group. Other args as ``grouped_gemm_fp8``; on a GPU the emulation runs
+    (``GemmEmulationWarning``)."""
     mode = modes.NVFP4
     check_operand_dtypes(a, b, mode.label)
     num_groups, k = _layout_args(group_sizes, a, b, group_axis, align, mode)
@@ -494,12 +612,9 @@ def grouped_gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, group_sizes, bias=None, *
     b_s = check_block_scales(b_s, b, k, 1, mode.block_cols, mode.scale_dtype, "b_s")
     a_amax = _group_value(a_amax, num_groups, "a_amax")
     b_amax = _group_value(b_amax, num_groups, "b_amax")
-    deq = lambda: _deq_groups(  # noqa: E731
-        group_sizes, group_axis, align, a.shape, k, lambda v: ref.dequantize_nvfp4(a, a_s, v),
-        lambda v: ref.dequantize_nvfp4(b, b_s, v), a_amax, b_amax)
     lay = GroupedLayout(ScalingMode.NVFP4, "te_jax_grouped_gemm_nvfp4", ("a", "a_s", "a_t", "b", "b_s", "b_t"),
                         group_axis, int(align), pack=mode.pack, k_block=mode.block_cols)
-    return _run(lay, (a, a_s, a_amax, b, b_s, b_amax), group_sizes, deq, bias, out_dtype, backend)
+    return _run(lay, (a, a_s, a_amax, b, b_s, b_amax), group_sizes, bias, out_dtype, backend)
 
 
 # ---- ScaledTensors -----------------------------------------------------------------------

@@ -3,6 +3,6 @@
 
 namespace te_jax {
 namespace grouped {
-TE_JAX_INSTANTIATE_GROUPED_FP8_BLOCK(kE4M3, kE4M3, kBf16, 1)
+TE_JAX_INSTANTIATE_GROUPED_FP8_BLOCK(kE4M3, kE4M3, kF32, 1, GroupAxis::kRows)
 }  // namespace grouped
 }  // namespace te_jax
