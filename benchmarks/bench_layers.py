@@ -138,7 +138,7 @@ def make_nnx_step(model: nnx.Module, recipe) -> CompiledStep:
         holder = _WithInput(nnx.merge(graphdef, state), x)
 
         def loss_fn(h):
-            return jnp.sum(h.layer(h.x.value).astype(jnp.float32) * c)
+            return jnp.sum(h.layer(h.x[...]).astype(jnp.float32) * c)
 
         with te_jax.autocast(recipe=recipe):
             loss, grads = te_jax.nnx.value_and_grad(loss_fn)(holder)
