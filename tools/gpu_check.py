@@ -20,6 +20,7 @@ Examples:
   python3 tools/gpu_check.py --wheel new.whl --baseline-wheel old.whl --rounds 2 \\
       --bench layers --bench-args layers="--sections mlp --trials 5"
   python3 tools/gpu_check.py --train delayed@125m:200,bf16@125m:200
+  python3 tools/gpu_check.py --train delayed@125m:200 --graphs   # tokens/s with te_jax's calls out of / in CUDA graphs
   python3 tools/gpu_check.py --tests --bench gemm --dry-run    # print the jobs, run nothing
 """
 
@@ -50,6 +51,9 @@ BENCH_ESTIMATE_S = 120
 TESTS_ESTIMATE_S = 300
 MESH_ESTIMATE_S = 200
 TEST_WORKERS = 8
+# examples/gpt/train.py --command-buffers choices; --graphs alone compares te_jax's calls outside and inside.
+COMMAND_BUFFER_MODES = ("xla", "no-custom-calls", "off")
+GRAPHS_DEFAULT = "no-custom-calls,xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra arguments for one benchmark, e.g. layers=\"--sections mlp\" (repeatable)")
     p.add_argument("--train", action="append", default=[], metavar="RECIPE[@PRESET[:STEPS]][,...]",
                    help="examples/gpt/train.py runs, one GPU each (default preset 125m)")
+    p.add_argument("--graphs", nargs="?", const=GRAPHS_DEFAULT, metavar="MODE[,MODE]",
+                   help="run every --train run once per examples/gpt/train.py --command-buffers MODE (xla: XLA's "
+                        "CUDA graphs with te_jax's calls inside; no-custom-calls: te_jax's calls between the "
+                        f"graphs; off: no graphs), job names ending _graphs-MODE; alone: {GRAPHS_DEFAULT}")
     p.add_argument("--multi-gpu", action="store_true",
                    help="the layer mesh check over two GPUs (tests/mesh_multidevice.py --check)")
     p.add_argument("--deadline", type=float, default=570, help="seconds from the start by which every job ends")
@@ -193,13 +201,20 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
             [python, "mesh_multidevice.py", "--meshes", "dp2,tp2",
              "--recipes", "delayed,current,delayed_split,current_split", "--check"],
             cwd=str(ROOT / "tests"), env=new_env))
+    graph_modes = split_names([args.graphs]) if args.graphs is not None else [None]
+    unknown = sorted(set(graph_modes) - {None, *COMMAND_BUFFER_MODES})
+    if unknown or (args.graphs is not None and not args.train):
+        raise SystemExit(f"gpu_check: --graphs takes {', '.join(COMMAND_BUFFER_MODES)} (comma-separated) and "
+                         f"applies to --train runs; got {args.graphs!r}" + ("" if args.train else " without --train"))
     for run in split_names(args.train):
         recipe, preset, steps = parse_train_run(run)
-        job_name = f"train_{recipe}_{preset}" + (f"_{steps}" if steps else "")
-        argv = [python, str(ROOT / "examples" / "gpt" / "train.py"), "--preset", preset, "--recipe", recipe,
-                "--no-progress", "--log-every", "100", "--json", str(layout.out / f"{job_name}.json")]
-        jobs.append(gpu_jobs.Job(job_name, train_estimate_s(recipe, preset, steps), 1,
-                                 argv + (["--steps", str(steps)] if steps else []), env=new_env))
+        for mode in graph_modes:
+            job_name = (f"train_{recipe}_{preset}" + (f"_{steps}" if steps else "")
+                        + (f"_graphs-{mode}" if mode else ""))
+            argv = [python, str(ROOT / "examples" / "gpt" / "train.py"), "--preset", preset, "--recipe", recipe,
+                    "--no-progress", "--log-every", "100", "--json", str(layout.out / f"{job_name}.json")]
+            argv += (["--steps", str(steps)] if steps else []) + (["--command-buffers", mode] if mode else [])
+            jobs.append(gpu_jobs.Job(job_name, train_estimate_s(recipe, preset, steps), 1, argv, env=new_env))
     names = [job.name for job in jobs]
     if len(set(names)) != len(names):
         raise SystemExit(f"gpu_check: a job is listed twice: {names}")
