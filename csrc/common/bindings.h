@@ -37,6 +37,12 @@
 // builds in its initialize stage (docs/gemm_ffi.md, "CUDA graphs").
 #define TE_JAX_CUDA_TRAITS {::xla::ffi::Traits::kCmdBufferCompatible}
 #define TE_JAX_CUDA_HANDLER(stem, fn) TE_JAX_DEFINE_HANDLER(stem, Cuda, fn, TE_JAX_CUDA_BINDER, TE_JAX_CUDA_TRAITS)
+// The same for a handler that also takes XLA's device ordinal of the call
+// (int32_t, after the stream): a stream's device cannot be queried while it
+// is being captured.
+#define TE_JAX_CUDA_DEVICE_BINDER TE_JAX_CUDA_BINDER.Ctx<::xla::ffi::DeviceOrdinal>()
+#define TE_JAX_CUDA_DEVICE_HANDLER(stem, fn) \
+  TE_JAX_DEFINE_HANDLER(stem, Cuda, fn, TE_JAX_CUDA_DEVICE_BINDER, TE_JAX_CUDA_TRAITS)
 #define TE_JAX_CPU_ENTRY(stem, run) \
   TE_JAX_DEFINE_HANDLER(stem, Cpu, (::te_jax::stem##Entry<&run>::Call), ::xla::ffi::Ffi::Bind())
 #define TE_JAX_CUDA_ENTRY(stem, run)                                                                   \

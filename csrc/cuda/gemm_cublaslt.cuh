@@ -120,6 +120,7 @@ class DeviceGuard {
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
   ffi::Error Enter(int device);
+  int device() const { return device_; }
 
  private:
   int device_ = 0;

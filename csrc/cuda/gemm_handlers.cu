@@ -453,15 +453,11 @@ ffi::Error GemmNvfp4(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi:
 
 // <stem>InitializeCuda and <stem>Cuda: the bundle's initialize and execute
 // stages (module.cc registers them together), both given XLA's device ordinal.
-#define TE_JAX_GEMM_BINDER(stage)                            \
-  ::xla::ffi::Ffi::Bind<::xla::ffi::ExecutionStage::stage>() \
-      .Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()       \
-      .Ctx<::xla::ffi::DeviceOrdinal>()
-#define TE_JAX_GEMM_HANDLERS(stem)                                                                     \
-  TE_JAX_DEFINE_HANDLER(stem, InitializeCuda, gemm::stem<gemm::Stage::kInitialize>,                    \
-                        TE_JAX_GEMM_BINDER(kInitialize));                                              \
-  TE_JAX_DEFINE_HANDLER(stem, Cuda, gemm::stem<gemm::Stage::kExecute>, TE_JAX_GEMM_BINDER(kExecute), \
-                        TE_JAX_CUDA_TRAITS)
+#define TE_JAX_GEMM_INITIALIZE_BINDER \
+  ::xla::ffi::Ffi::BindInitialize().Ctx<::xla::ffi::PlatformStream<cudaStream_t>>().Ctx<::xla::ffi::DeviceOrdinal>()
+#define TE_JAX_GEMM_HANDLERS(stem)                                                                                 \
+  TE_JAX_DEFINE_HANDLER(stem, InitializeCuda, gemm::stem<gemm::Stage::kInitialize>, TE_JAX_GEMM_INITIALIZE_BINDER); \
+  TE_JAX_CUDA_DEVICE_HANDLER(stem, gemm::stem<gemm::Stage::kExecute>)
 
 TE_JAX_GEMM_HANDLERS(GemmFp8);
 TE_JAX_GEMM_HANDLERS(GemmFp8Block);
