@@ -20,6 +20,7 @@ test: it trains the step and writes what it computed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -92,75 +93,30 @@ def train(recipe_name: str, out: Path) -> None:
     np.savez(out, **arrays)
 
 
-# ---- reading XLA's dump --------------------------------------------------------------------------
+# ---- reading XLA's dump: tools/xla_dump.py ---------------------------------------------------------
 
 
-def te_jax_call_count(hlo: str) -> int:
-    """The te_jax custom calls of an optimized HLO module's text."""
-    return len(re.findall(r'custom_call_target="te_jax_\w+"', hlo))
+def _load_xla_dump():
+    spec = importlib.util.spec_from_file_location("xla_dump", Path(__file__).resolve().parents[1] / "tools" /
+                                                  "xla_dump.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def custom_call_thunks(thunks: str) -> tuple[int, int]:
-    """(inside, outside) a command buffer: the kCustomCall thunks of a thunk-sequence dump.
-
-    Each line of the dump names one thunk kind, indented under the thunk that holds it (a
-    kCommandBuffer's commands are indented under it).
-    """
-    inside = outside = 0
-    holders: list[tuple[int, str]] = []  # (indent, kind) of the thunks enclosing the current line
-    for line in thunks.splitlines():
-        match = re.match(r"^(\s*)(?:\d+:\s*)?(k[A-Z]\w*)", line)
-        if not match:
-            continue
-        indent, kind = len(match.group(1)), match.group(2)
-        while holders and holders[-1][0] >= indent:
-            holders.pop()
-        if kind == "kCustomCall":
-            if any(k == "kCommandBuffer" for _, k in holders):
-                inside += 1
-            else:
-                outside += 1
-        holders.append((indent, kind))
-    return inside, outside
+xla_dump = _load_xla_dump()
 
 
-def hlo_te_jax_calls_in_command_buffers(hlo: str) -> tuple[int, int]:
-    """(inside, outside): te_jax custom calls in HLO computations named command_buffer* (an XLA that forms
-    command buffers as HLO computations rather than over its thunks)."""
-    inside = outside = 0
-    computation = ""
-    for line in hlo.splitlines():
-        header = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-        if header and not line.startswith(" "):
-            computation = header.group(1)
-        elif re.search(r'custom_call_target="te_jax_\w+"', line):
-            if computation.startswith("command_buffer"):
-                inside += 1
-            else:
-                outside += 1
-    return inside, outside
-
-
-def one_file(dump: Path, suffix: str) -> Path | None:
-    found = sorted(dump.glob(f"*jit_{STEP_NAME}*{suffix}"))
-    assert len(found) <= 1, f"several dumps end with {suffix}: {found}"
-    return found[0] if found else None
-
-
-def command_buffer_placement(dump: Path) -> dict:
-    """How many te_jax custom calls the step has, and how many custom calls XLA put inside / outside
-    command buffers, read from the thunk sequence after XLA's thunk passes (else the HLO)."""
-    hlo = one_file(dump, "after_optimizations.txt")
-    assert hlo is not None, f"no optimized HLO of jit_{STEP_NAME} in {sorted(p.name for p in dump.iterdir())}"
-    text = hlo.read_text()
-    thunks = one_file(dump, "thunk_sequence_after_thunk_passes.txt") or one_file(dump, "thunk_sequence.txt")
-    if thunks is not None:
-        inside, outside = custom_call_thunks(thunks.read_text())
-        source = thunks.name
-    else:
-        inside, outside = hlo_te_jax_calls_in_command_buffers(text)
-        source = hlo.name
-    return {"te_jax_calls": te_jax_call_count(text), "inside": inside, "outside": outside, "source": source}
+def gemm_output_copied(hlo: str, target: str) -> bool:
+    """Whether the entry computation of an optimized HLO module copies the output of its one ``target`` call
+    (else the call writes the program's result buffer itself)."""
+    entry = hlo[hlo.index("\nENTRY"):].splitlines()
+    name_of = lambda line: re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = ", line).group(1)  # noqa: E731
+    (call,) = [name_of(line) for line in entry if f'custom_call_target="{target}"' in line]
+    outs = [name_of(line) for line in entry
+            if re.search(rf"get-tuple-element\((?:.*\s)?%?{re.escape(call)}\), index=0", line)]
+    assert outs, f"no get-tuple-element of {call}"
+    return any(re.search(rf"\bcopy\((?:.*\s)?%?{re.escape(out)}\)", line) for line in entry for out in outs)
 
 
 # ---- the tests ------------------------------------------------------------------------------------
@@ -174,21 +130,32 @@ def _run_child(recipe: str, which: str, tmp_path: Path) -> tuple[dict, dict]:
     assert run.returncode == 0, run.stderr[-4000:]
     with np.load(out) as saved:
         arrays = {name: saved[name] for name in saved.files}
-    return command_buffer_placement(dump), arrays
+    (placement,) = xla_dump.placements(dump, f"jit_{STEP_NAME}")
+    return placement, arrays
 
 
-def test_dump_readers():
-    """The readers above on dumps in the forms XLA writes: thunks with or without ids, HLO command buffers."""
+def test_dump_readers(tmp_path):
+    """tools/xla_dump.py on dumps in the forms XLA writes (thunks with or without ids, HLO command buffers),
+    and the copy finder below."""
     numbered = ("000: kKernel        \t\n001: kCommandBuffer \t\n    002: kKernel\t\n    003: kCustomCall\t\n"
                 "004: kCustomCall    \t\n005: kWhile         \t\n  condition:\n    006: kKernel\t\n  body:\n"
                 "    007: kCommandBuffer\t\n        008: kCustomCall\t\n    009: kCustomCall\t\n")
-    assert custom_call_thunks(numbered) == (2, 2)
+    assert xla_dump.custom_call_thunks(numbered) == (2, 2)
     plain = "kCommandBuffer\t\n    kCustomCall\t\n    kKernel\t\nkCustomCall\t\nkGemm\t\n"
-    assert custom_call_thunks(plain) == (1, 1)
+    assert xla_dump.custom_call_thunks(plain) == (1, 1)
     hlo = ('%command_buffer (p: f32[16]) -> f32[16] {\n  %a = f32[16] custom-call(%p), custom_call_target="te_jax_x"\n'
            '}\n\nENTRY %main (p: f32[16]) -> f32[16] {\n  %b = f32[16] call(%p), to_apply=%command_buffer\n'
            '  ROOT %c = f32[16] custom-call(%b), custom_call_target="te_jax_y"\n}\n')
-    assert hlo_te_jax_calls_in_command_buffers(hlo) == (1, 1) and te_jax_call_count(hlo) == 2
+    assert xla_dump.hlo_te_jax_calls_in_command_buffers(hlo) == (1, 1) and xla_dump.te_jax_call_count(hlo) == 2
+    (tmp_path / "module_0007.jit_step.sm_9.0_gpu_after_optimizations.txt").write_text(hlo)
+    assert xla_dump.placements(tmp_path, "jit_step") == [
+        {"module": "module_0007.jit_step", "te_jax_calls": 2, "custom_calls_inside": 1, "custom_calls_outside": 1,
+         "source": "module_0007.jit_step.sm_9.0_gpu_after_optimizations.txt"}]
+    (tmp_path / "module_0007.jit_step.thunk_sequence.txt").write_text(plain + "kCustomCall\t\n")
+    (tmp_path / "module_0007.jit_step.thunk_sequence_after_thunk_passes.txt").write_text(numbered)
+    assert xla_dump.placements(tmp_path, "jit_step")[0]["custom_calls_inside"] == 2
+    (tmp_path / "module_0007.jit_step.thunk_sequence_after_thunk_passes.txt").unlink()
+    assert xla_dump.placements(tmp_path, "jit_step")[0]["custom_calls_outside"] == 2
     call = '\nENTRY %main {\n  %g = (bf16[4]{0}, u8[0]{0}) custom-call(%x), custom_call_target="te_jax_gemm_fp8"\n'
     assert not gemm_output_copied(call + "  ROOT %o = bf16[4]{0} get-tuple-element(%g), index=0\n}\n",
                                   "te_jax_gemm_fp8")
@@ -203,24 +170,14 @@ def test_te_jax_calls_run_inside_command_buffers_with_the_same_bits(recipe, tmp_
     plain, plain_arrays = _run_child(recipe, "plain", tmp_path)
     report = json.dumps({"graphs": graphs, "plain": plain})
     assert graphs["te_jax_calls"] >= 8, report  # norm, activation, quantize and GEMM calls, both directions
-    assert graphs["outside"] == 0 and graphs["inside"] >= graphs["te_jax_calls"], report
-    assert plain["inside"] == 0 and plain["outside"] >= plain["te_jax_calls"] == graphs["te_jax_calls"], report
+    assert graphs["custom_calls_outside"] == 0, report
+    assert graphs["custom_calls_inside"] >= graphs["te_jax_calls"], report
+    assert plain["custom_calls_inside"] == 0, report
+    assert plain["custom_calls_outside"] >= plain["te_jax_calls"] == graphs["te_jax_calls"], report
     assert graph_arrays.keys() == plain_arrays.keys()
     assert np.isfinite(plain_arrays["losses"]).all(), plain_arrays["losses"]
     for name, want in plain_arrays.items():
         np.testing.assert_array_equal(graph_arrays[name], want, err_msg=name)
-
-
-def gemm_output_copied(hlo: str, target: str) -> bool:
-    """Whether the entry computation of an optimized HLO module copies the output of its one ``target`` call
-    (else the call writes the program's result buffer itself)."""
-    entry = hlo[hlo.index("\nENTRY"):].splitlines()
-    name_of = lambda line: re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = ", line).group(1)  # noqa: E731
-    (call,) = [name_of(line) for line in entry if f'custom_call_target="{target}"' in line]
-    outs = [name_of(line) for line in entry
-            if re.search(rf"get-tuple-element\((?:.*\s)?%?{re.escape(call)}\), index=0", line)]
-    assert outs, f"no get-tuple-element of {call}"
-    return any(re.search(rf"\bcopy\((?:.*\s)?%?{re.escape(out)}\)", line) for line in entry for out in outs)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
