@@ -70,6 +70,7 @@ def train(recipe_name: str, out: Path) -> None:
     with te_jax.autocast(recipe=recipe):
         variables = jax.jit(model.init)({"params": keys[2], "quantize": keys[3]}, x)
     state = TrainState.create(apply_fn=model.apply, params=variables, tx=optax.adam(1e-3))
+    state = state.replace(step=jnp.asarray(0, jnp.int32))  # the step's type stays the same: one compilation
 
     def graphs_train_step(state, x, target):
         def loss_fn(variables):
