@@ -80,7 +80,8 @@ def test_train_runs(tmp_path):
     assert "--steps" not in jobs[1].argv
 
 
-def test_graphs_run_each_train_run_once_per_command_buffer_mode(tmp_path):
+def test_graphs_run_each_train_run_once_per_command_buffer_mode(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
     jobs, layout = _jobs(["--train", "delayed@125m:100,bf16@tiny", "--graphs"], tmp_path)
     assert [j.name for j in jobs] == [
         "train_delayed_125m_100_graphs-no-custom-calls", "train_delayed_125m_100_graphs-xla",
@@ -89,7 +90,8 @@ def test_graphs_run_each_train_run_once_per_command_buffer_mode(tmp_path):
         mode = job.name.rsplit("_graphs-", 1)[1]
         assert job.argv[job.argv.index("--command-buffers") + 1] == mode
         assert job.argv[job.argv.index("--json") + 1] == str(layout.out / f"{job.name}.json")
-        assert job.env["XLA_FLAGS"] == f"--xla_dump_to={layout.dump(job.name)} --xla_dump_hlo_module_re=jit_train_step"
+        assert job.env["XLA_FLAGS"] == (f"--xla_gpu_autotune_level=0 --xla_dump_to={layout.dump(job.name)} "
+                                        "--xla_dump_hlo_module_re=jit_train_step")
     jobs, _ = _jobs(["--train", "delayed", "--graphs", "off"], tmp_path)
     assert [j.name for j in jobs] == ["train_delayed_125m_graphs-off"]
     plain = _jobs(["--train", "delayed"], tmp_path)[0][0]

@@ -222,7 +222,8 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
                     "--no-progress", "--log-every", "100", "--json", str(layout.out / f"{job_name}.json")]
             argv += (["--steps", str(steps)] if steps else []) + (["--command-buffers", mode] if mode else [])
             # With --graphs, XLA dumps the train step, to show where te_jax's calls went (command_buffer_rows).
-            dump = {"XLA_FLAGS": f"--xla_dump_to={layout.dump(job_name)} --xla_dump_hlo_module_re={TRAIN_MODULE}"}
+            dump_flags = f"--xla_dump_to={layout.dump(job_name)} --xla_dump_hlo_module_re={TRAIN_MODULE}"
+            dump = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {dump_flags}".strip()}
             jobs.append(gpu_jobs.Job(job_name, train_estimate_s(recipe, preset, steps), 1, argv,
                                      env=new_env | (dump if mode else {})))
     names = [job.name for job in jobs]
