@@ -29,8 +29,10 @@ except ImportError as _err:  # built without CUDA, or libcublasLt not loadable
 else:
     CUDA_BUILT = True
     _cuda_import_error = ""
-    for _name, _capsule in _te_jax_cuda.registrations().items():
-        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+    # A GEMM target's value is a handler bundle {"initialize": ..., "execute": ...}: its initialize stage builds
+    # the cuBLASLt plans outside any CUDA-graph capture (docs/gemm_ffi.md, "CUDA graphs").
+    for _name, _handler in _te_jax_cuda.registrations().items():
+        jax.ffi.register_ffi_target(_name, _handler, platform="CUDA")
 
 REBUILD_HINT = (
     "rebuild te_jax on a machine with nvcc and cuBLASLt: "

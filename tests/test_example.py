@@ -184,6 +184,29 @@ def test_unknown_recipe_lists_the_names_the_cli_takes_in_a_fresh_process():
     assert train_lib.make_recipe("bf16") is None and train_lib.make_recipe("flax-fp8") is None
 
 
+def test_command_buffers_flag_reaches_xla_only_before_the_backend_starts(tmp_path):
+    """--command-buffers no-custom-calls: XLA's debug options (dumped) list its default command-buffer types
+    without CUSTOM_CALL; once jax has started its backend, a second choice is refused (XLA would ignore it)."""
+    child = ("import json, os, sys; sys.path.insert(0, sys.argv[1]); from examples.gpt import train; "
+             "train.use_command_buffers('xla'); unchanged = os.environ['XLA_FLAGS']; "
+             "train.use_command_buffers('no-custom-calls'); import jax, jax.numpy as jnp; "
+             "jax.jit(lambda x: x + 1)(jnp.ones(2)).block_until_ready(); refused = None\n"
+             "try:\n  train.use_command_buffers('off')\nexcept ValueError as err:\n  refused = str(err)\n"
+             "print(json.dumps({'unchanged': unchanged, 'flags': os.environ['XLA_FLAGS'], 'refused': refused}))")
+    dump = tmp_path / "dump"
+    run = subprocess.run([sys.executable, "-c", child, str(ROOT)], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={dump}"})
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got["unchanged"] == f"--xla_dump_to={dump}"
+    assert got["flags"] == f"--xla_dump_to={dump} --xla_gpu_enable_command_buffer=-CUSTOM_CALL"
+    assert got["refused"] == ("--command-buffers off: jax has started its backend already; XLA reads XLA_FLAGS "
+                              "once, before that")
+    (options,) = dump.glob("*jit__lambda*.debug_options")
+    types = re.findall(r"xla_gpu_enable_command_buffer: (\w+)", options.read_text())
+    assert "FUSION" in types and "CUSTOM_CALL" not in types, types
+
+
 def test_mesh_parse():
     with pytest.raises(ValueError, match="dp=2"):
         parallel.parse_mesh("dp=two")

@@ -80,6 +80,45 @@ def test_train_runs(tmp_path):
     assert "--steps" not in jobs[1].argv
 
 
+def test_graphs_run_each_train_run_once_per_command_buffer_mode(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
+    jobs, layout = _jobs(["--train", "delayed@125m:100,bf16@tiny", "--graphs"], tmp_path)
+    assert [j.name for j in jobs] == [
+        "train_delayed_125m_100_graphs-no-custom-calls", "train_delayed_125m_100_graphs-xla",
+        "train_bf16_tiny_graphs-no-custom-calls", "train_bf16_tiny_graphs-xla"]
+    for job in jobs:
+        mode = job.name.rsplit("_graphs-", 1)[1]
+        assert job.argv[job.argv.index("--command-buffers") + 1] == mode
+        assert job.argv[job.argv.index("--json") + 1] == str(layout.out / f"{job.name}.json")
+        assert job.env["XLA_FLAGS"] == (f"--xla_gpu_autotune_level=0 --xla_dump_to={layout.dump(job.name)} "
+                                        "--xla_dump_hlo_module_re=jit_train_step")
+    jobs, _ = _jobs(["--train", "delayed", "--graphs", "off"], tmp_path)
+    assert [j.name for j in jobs] == ["train_delayed_125m_graphs-off"]
+    plain = _jobs(["--train", "delayed"], tmp_path)[0][0]
+    assert "--command-buffers" not in plain.argv and "XLA_FLAGS" not in plain.env
+
+
+def test_command_buffer_rows_read_each_graphs_jobs_dump(tmp_path):
+    jobs, layout = _jobs(["--train", "delayed", "--graphs"], tmp_path)
+    hlo = 'ENTRY %main {\n  %a = f32[4] custom-call(%p), custom_call_target="te_jax_gemm_fp8"\n}\n'
+    for job, thunks in zip(jobs, ["kCustomCall\t\n", "kCommandBuffer\t\n  kCustomCall\t\n"]):
+        dump = layout.dump(job.name)
+        dump.mkdir(parents=True)
+        (dump / "module_0003.jit_train_step.sm_9.0_gpu_after_optimizations.txt").write_text(hlo)
+        (dump / "module_0003.jit_train_step.thunk_sequence_after_thunk_passes.txt").write_text(thunks)
+    rows = gpu_check.command_buffer_rows(layout, jobs)
+    assert [(r["job"], r["te_jax_calls"], r["custom_calls_inside"], r["custom_calls_outside"]) for r in rows] == [
+        ("train_delayed_125m_graphs-no-custom-calls", 1, 0, 1), ("train_delayed_125m_graphs-xla", 1, 1, 0)]
+
+
+def test_graphs_modes_are_the_examples_choices(monkeypatch):
+    monkeypatch.syspath_prepend(str(TOOLS.parent))
+    from examples.gpt import train as train_lib
+
+    assert set(gpu_check.COMMAND_BUFFER_MODES) == set(train_lib.COMMAND_BUFFER_FLAGS)
+    assert set(gpu_check.GRAPHS_DEFAULT.split(",")) <= set(train_lib.COMMAND_BUFFER_FLAGS)
+
+
 def test_estimates_match_by_name_prefix_the_longest_winning(tmp_path):
     jobs, _ = _jobs(["--tests", "--bench", "layers,gemm", "--train", "delayed", "--estimate", "bench=60",
                      "--estimate", "bench_layers=540", "--estimate", "tests=340"], tmp_path)
@@ -103,6 +142,8 @@ def test_multi_gpu_holds_two_gpus(tmp_path):
     (["--bench", "gemm", "--rounds", "2"], "only with --baseline-wheel"),
     (["--bench", "gemm", "--estimate", "bench=soon"], "NAME=SECONDS"),
     (["--bench", "gemm", "--baseline-wheel", "old.whl", "--rounds", "0"], "--rounds takes a number >= 1"),
+    (["--train", "delayed", "--graphs", "sometimes"], "--graphs takes xla, no-custom-calls, off"),
+    (["--bench", "gemm", "--graphs"], "applies to --train runs"),
 ])
 def test_bad_arguments_say_what_to_do(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("(", r"\(")):

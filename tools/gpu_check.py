@@ -9,7 +9,8 @@ package is modified. A before/after comparison (--baseline-wheel) installs the s
 second folder and runs each benchmark with the two in turns.
 
 Writes under --out: summary.md and summary.json (tests, benchmarks, base/new ratios, training,
-jobs), jobs.log (one JSON line per job), logs.tgz (the build log and every job's output) and the
+jobs; with --graphs, where XLA put te_jax's calls in each training job's train step, read from its
+XLA dump by tools/xla_dump.py), jobs.log (one JSON line per job), logs.tgz (the build log and every job's output) and the
 wheel it built (pass it back with --wheel to skip the build). A job starts only when its time
 estimate still fits before --deadline (counted from the start, build included); --estimate
 NAME=SECONDS corrects the estimate of the jobs it names.
@@ -20,6 +21,7 @@ Examples:
   python3 tools/gpu_check.py --wheel new.whl --baseline-wheel old.whl --rounds 2 \\
       --bench layers --bench-args layers="--sections mlp --trials 5"
   python3 tools/gpu_check.py --train delayed@125m:200,bf16@125m:200
+  python3 tools/gpu_check.py --train delayed@125m:200 --graphs   # tokens/s with te_jax's calls out of / in CUDA graphs
   python3 tools/gpu_check.py --tests --bench gemm --dry-run    # print the jobs, run nothing
 """
 
@@ -43,6 +45,7 @@ import zipfile
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpu_jobs  # noqa: E402  (a sibling module of this script)
 import gpu_summary  # noqa: E402
+import xla_dump  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PRESET_STEPS = {"tiny": 200, "125m": 500, "1.3b": 500}  # examples/gpt/presets.py, for time estimates only
@@ -51,6 +54,10 @@ BENCH_ESTIMATE_S = 120
 TESTS_ESTIMATE_S = 300
 MESH_ESTIMATE_S = 200
 TEST_WORKERS = 8
+# examples/gpt/train.py --command-buffers choices; --graphs alone compares te_jax's calls outside and inside.
+COMMAND_BUFFER_MODES = ("xla", "no-custom-calls", "off")
+GRAPHS_DEFAULT = "no-custom-calls,xla"
+TRAIN_MODULE = "jit_train_step"  # examples/gpt/train.py's jitted step, as XLA names its module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +79,10 @@ class Layout:
     def site(self, which: str) -> pathlib.Path:
         """The folder a wheel is installed into: "new" (the wheel under test) or "base"."""
         return self.work / f"site_{which}"
+
+    def dump(self, job_name: str) -> pathlib.Path:
+        """The folder a --graphs training job's XLA dump goes to."""
+        return self.work / "dumps" / job_name
 
 
 def parse_bench_args(items: list[str]) -> dict[str, list[str]]:
@@ -144,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra arguments for one benchmark, e.g. layers=\"--sections mlp\" (repeatable)")
     p.add_argument("--train", action="append", default=[], metavar="RECIPE[@PRESET[:STEPS]][,...]",
                    help="examples/gpt/train.py runs, one GPU each (default preset 125m)")
+    p.add_argument("--graphs", nargs="?", const=GRAPHS_DEFAULT, metavar="MODE[,MODE]",
+                   help="run every --train run once per examples/gpt/train.py --command-buffers MODE (xla: XLA's "
+                        "CUDA graphs with te_jax's calls inside; no-custom-calls: te_jax's calls between the "
+                        f"graphs; off: no graphs), job names ending _graphs-MODE; alone: {GRAPHS_DEFAULT}")
     p.add_argument("--multi-gpu", action="store_true",
                    help="the layer mesh check over two GPUs (tests/mesh_multidevice.py --check)")
     p.add_argument("--deadline", type=float, default=570, help="seconds from the start by which every job ends")
@@ -198,13 +213,24 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
             [python, "mesh_multidevice.py", "--meshes", "dp2,tp2",
              "--recipes", "delayed,current,delayed_split,current_split", "--check"],
             cwd=str(ROOT / "tests"), env=new_env))
+    graph_modes = split_names([args.graphs]) if args.graphs is not None else [None]
+    unknown = sorted(set(graph_modes) - {None, *COMMAND_BUFFER_MODES})
+    if unknown or (args.graphs is not None and not args.train):
+        raise SystemExit(f"gpu_check: --graphs takes {', '.join(COMMAND_BUFFER_MODES)} (comma-separated) and "
+                         f"applies to --train runs; got {args.graphs!r}" + ("" if args.train else " without --train"))
     for run in split_names(args.train):
         recipe, preset, steps = parse_train_run(run)
-        job_name = f"train_{recipe}_{preset}" + (f"_{steps}" if steps else "")
-        argv = [python, str(ROOT / "examples" / "gpt" / "train.py"), "--preset", preset, "--recipe", recipe,
-                "--no-progress", "--log-every", "100", "--json", str(layout.out / f"{job_name}.json")]
-        jobs.append(gpu_jobs.Job(job_name, train_estimate_s(recipe, preset, steps), 1,
-                                 argv + (["--steps", str(steps)] if steps else []), env=new_env))
+        for mode in graph_modes:
+            job_name = (f"train_{recipe}_{preset}" + (f"_{steps}" if steps else "")
+                        + (f"_graphs-{mode}" if mode else ""))
+            argv = [python, str(ROOT / "examples" / "gpt" / "train.py"), "--preset", preset, "--recipe", recipe,
+                    "--no-progress", "--log-every", "100", "--json", str(layout.out / f"{job_name}.json")]
+            argv += (["--steps", str(steps)] if steps else []) + (["--command-buffers", mode] if mode else [])
+            # With --graphs, XLA dumps the train step, to show where te_jax's calls went (command_buffer_rows).
+            dump_flags = f"--xla_dump_to={layout.dump(job_name)} --xla_dump_hlo_module_re={TRAIN_MODULE}"
+            dump = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {dump_flags}".strip()}
+            jobs.append(gpu_jobs.Job(job_name, train_estimate_s(recipe, preset, steps), 1, argv,
+                                     env=new_env | (dump if mode else {})))
     names = [job.name for job in jobs]
     if len(set(names)) != len(names):
         raise SystemExit(f"gpu_check: a job is listed twice: {names}")
@@ -248,6 +274,16 @@ def ratio_rows(out: pathlib.Path, bench_stems: list[str], rounds: int) -> list[d
             if base_ms and new_ms:
                 b, n = statistics.median(base_ms), statistics.median(new_ms)
                 rows.append({"benchmark": stem, "timing": key, "base_ms": b, "new_ms": n, "base/new": b / n})
+    return rows
+
+
+def command_buffer_rows(layout: Layout, jobs: list[gpu_jobs.Job]) -> list[dict]:
+    """Per --graphs training job: te_jax's calls in its train step and the custom calls XLA put inside and
+    outside command buffers (tools/xla_dump.py)."""
+    rows = []
+    for job in jobs:
+        if "_graphs-" in job.name and layout.dump(job.name).exists():
+            rows += [{"job": job.name} | record for record in xla_dump.placements(layout.dump(job.name), TRAIN_MODULE)]
     return rows
 
 
@@ -390,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
         (layout.out / "multi_gpu.log").write_text(
             "".join(line + "\n" for line in mesh_log.read_text().splitlines() if line.startswith("{")))
     extra = {"clocks": (None, clock_summary(clocks_csv))}
+    if args.graphs is not None:
+        rows = command_buffer_rows(layout, jobs)
+        extra["command buffers"] = (rows, gpu_summary.table(
+            rows, ["job", "te_jax_calls", "custom_calls_inside", "custom_calls_outside", "source"]))
     if args.baseline_wheel:
         stems = sorted({job.name.rsplit("_", 1)[0] for job in jobs if job.name.startswith("bench_")})
         rows = ratio_rows(layout.out, stems, args.rounds)

@@ -1,18 +1,20 @@
 // The FFI binding (operands, results, attributes, in order) of every target in
 // targets.h, written once and used by both platform modules:
 //
-//   CPU:  TE_JAX_CPU_HANDLER(GemmFp8, GemmFp8);
-//   CUDA: TE_JAX_CUDA_HANDLER(GemmFp8, gemm::GemmFp8);
+//   CPU:  TE_JAX_CPU_HANDLER(QuantizeFp8Tensor, QuantizeFp8Tensor);
+//   CUDA: TE_JAX_CUDA_HANDLER(QuantizeFp8Tensor, cuda::QuantizeFp8Tensor);
 //
-// define the exported symbols GemmFp8Cpu / GemmFp8Cuda with BindGemmFp8 (the
-// CUDA one on a binder that already holds the stream context), so the CPU
-// handlers, which CI runs, check the same contract the CUDA ones are compiled
-// against. Each Bind<Stem> appends the target's operands, results and
-// attributes to the binder it is given; the comments name the handler
-// parameter each one binds. The norm/activation targets decode their
-// attributes into one typed struct each (norm_act.h), and their handlers are
-// the shared entries of norm_act_checks.h, which check the call and hand it to
-// the platform's `Run(ctx..., call)`:
+// define the exported symbols QuantizeFp8TensorCpu / QuantizeFp8TensorCuda
+// with BindQuantizeFp8Tensor (the CUDA one on a binder that already holds the
+// stream context), so the CPU handlers, which CI runs, check the same contract
+// the CUDA ones are compiled against. (The CUDA GEMM targets bind the same
+// Bind<Stem> twice, for their initialize and execute stages: gemm_handlers.cu.)
+// Each Bind<Stem> appends the target's operands, results and attributes to the
+// binder it is given; the comments name the handler parameter each one binds.
+// The norm/activation targets decode their attributes into one typed struct
+// each (norm_act.h), and their handlers are the shared entries of
+// norm_act_checks.h, which check the call and hand it to the platform's
+// `Run(ctx..., call)`:
 //
 //   TE_JAX_CPU_ENTRY(NormFwd, NormFwd);  TE_JAX_CUDA_ENTRY(NormFwd, cuda::NormFwd);
 //
@@ -25,15 +27,27 @@
 #include "ffi_common.h"
 #include "norm_act.h"
 
-#define TE_JAX_DEFINE_HANDLER(stem, suffix, fn, binder) \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(stem##suffix, fn, ::te_jax::Bind##stem(binder))
+#define TE_JAX_DEFINE_HANDLER(stem, suffix, fn, binder, ...) \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(stem##suffix, fn, ::te_jax::Bind##stem(binder), ##__VA_ARGS__)
 #define TE_JAX_CPU_HANDLER(stem, fn) TE_JAX_DEFINE_HANDLER(stem, Cpu, fn, ::xla::ffi::Ffi::Bind())
 #define TE_JAX_CUDA_BINDER ::xla::ffi::Ffi::Bind().Ctx<::xla::ffi::PlatformStream<cudaStream_t>>()
-#define TE_JAX_CUDA_HANDLER(stem, fn) TE_JAX_DEFINE_HANDLER(stem, Cuda, fn, TE_JAX_CUDA_BINDER)
+// Every CUDA execute handler may be captured into a CUDA graph (an XLA command
+// buffer) from its first call: it only enqueues work on its stream, and
+// whatever it must prepare outside capture (the GEMM's cuBLASLt plans) it
+// builds in its initialize stage (docs/gemm_ffi.md, "CUDA graphs").
+#define TE_JAX_CUDA_TRAITS {::xla::ffi::Traits::kCmdBufferCompatible}
+#define TE_JAX_CUDA_HANDLER(stem, fn) TE_JAX_DEFINE_HANDLER(stem, Cuda, fn, TE_JAX_CUDA_BINDER, TE_JAX_CUDA_TRAITS)
+// The same for a handler that also takes XLA's device ordinal of the call
+// (int32_t, after the stream): a stream's device cannot be queried while it
+// is being captured.
+#define TE_JAX_CUDA_DEVICE_BINDER TE_JAX_CUDA_BINDER.Ctx<::xla::ffi::DeviceOrdinal>()
+#define TE_JAX_CUDA_DEVICE_HANDLER(stem, fn) \
+  TE_JAX_DEFINE_HANDLER(stem, Cuda, fn, TE_JAX_CUDA_DEVICE_BINDER, TE_JAX_CUDA_TRAITS)
 #define TE_JAX_CPU_ENTRY(stem, run) \
   TE_JAX_DEFINE_HANDLER(stem, Cpu, (::te_jax::stem##Entry<&run>::Call), ::xla::ffi::Ffi::Bind())
-#define TE_JAX_CUDA_ENTRY(stem, run) \
-  TE_JAX_DEFINE_HANDLER(stem, Cuda, (::te_jax::stem##Entry<&run, cudaStream_t>::Call), TE_JAX_CUDA_BINDER)
+#define TE_JAX_CUDA_ENTRY(stem, run)                                                                   \
+  TE_JAX_DEFINE_HANDLER(stem, Cuda, (::te_jax::stem##Entry<&run, cudaStream_t>::Call), TE_JAX_CUDA_BINDER, \
+                        TE_JAX_CUDA_TRAITS)
 
 namespace te_jax {
 

@@ -42,6 +42,29 @@ inline ffi::Error CudaError(cudaError_t e, const char* what) {
 // Checks the launch just made (bad configuration, missing kernel image, ...).
 inline ffi::Error LaunchError(const char* kernel) { return CudaError(cudaGetLastError(), kernel); }
 
+// The calling thread's stream-capture mode relaxed for the guard's lifetime,
+// so that host-side work a handler may do while XLA captures it into a CUDA
+// graph (setting a kernel attribute, building a GEMM plan) is not refused as
+// unsafe during capture.
+class RelaxedCapture {
+ public:
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+  RelaxedCapture(const RelaxedCapture&) = delete;
+  RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+// Raises `kernel`'s dynamic shared memory limit to `bytes` (needed above 48 KiB).
+template <typename Kernel>
+inline ffi::Error AllowDynamicSmem(Kernel kernel, int bytes) {
+  RelaxedCapture relaxed;
+  return CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+                   "cudaFuncSetAttribute");
+}
+
 inline bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

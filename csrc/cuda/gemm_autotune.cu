@@ -3,44 +3,48 @@
 //
 // Autotuning
 // ----------
-// When a plan is built, cublasLtMatmulAlgoGetHeuristic is asked for up to
-// kMaxCandidates algorithms that fit the workspace. When the GEMM asks for
-// autotuning (the `autotune` attribute, MatmulSpec::autotune; off by default,
-// so a configuration always gets the heuristic's first algorithm), more than
-// one candidate is usable and the call's stream is not being captured into a
-// CUDA graph (cudaStreamIsCapturing), the candidates are timed on the call's own
-// stream (TimeCandidates: each candidate's second call sizes its samples;
-// a warm-up of kWarmMs brings the GPU to its power cap, unless this device
-// finished a long enough autotuning less than kStillWarmSeconds ago; then
-// kRounds rounds of samples of back-to-back calls, the median sample per
-// candidate), with the call's real operands, scales, bias and alpha, writing
-// the first matmul's D and the cuBLASLt workspace: both belong to this GEMM
-// (its output or staging buffer, its scratch), and the real matmuls are
-// enqueued afterwards, so they overwrite whatever the candidates wrote; the
-// scratch regions the handlers filled before (converted scales, dequantized
-// operands) are never touched. The host waits after each sizing call and
-// each round (a one-time stall of the stream's host-side dispatch per
-// configuration). The
-// heuristic's order wins ties within kMargin, so timing noise on small
-// problems does not flip the choice between runs. Candidates that
-// cuBLASLt refuses are skipped (if all are refused, the first one's error is
-// returned).
+// Plans are built in the GEMM handlers' FFI initialize stage (PlanMatmuls),
+// before the execution runs: the buffers have their real addresses, but the
+// operands are not computed yet and the handler's own kernels (scale
+// conversions, dequantization, the NVFP4 alpha) have not run. When a plan is
+// built, cublasLtMatmulAlgoGetHeuristic is asked for up to kMaxCandidates
+// algorithms that fit the workspace. When the GEMM asks for autotuning (the
+// `autotune` attribute, MatmulSpec::autotune; off by default, so a
+// configuration always gets the heuristic's first algorithm), more than one
+// candidate is usable and the stream is not being captured into a CUDA graph
+// (cudaStreamIsCapturing), the candidates are timed on the stream
+// (TimeCandidates: each candidate's second call sizes its samples; a warm-up
+// of kWarmMs brings the GPU to its power cap, unless this device finished a
+// long enough autotuning less than kStillWarmSeconds ago; then kRounds rounds
+// of samples of back-to-back calls, the median sample per candidate) with the
+// call's pointers. Timing speed does not depend on the bytes the operands and
+// scales hold; device alpha/beta (NVFP4) are set to 1 and 0 first, so no
+// candidate reads C. The candidates write the first matmul's D and the
+// cuBLASLt workspace. The workspace is scratch of this GEMM, but D may be an
+// output XLA placed in a donated input's buffer, which the program has not
+// read yet: D's bytes are therefore copied to the host before the timing and
+// written back after it (SavedBytes). The host waits after each sizing call
+// and each round (a one-time stall per configuration). The heuristic's order
+// wins ties within kMargin, so timing noise on small problems does not flip
+// the choice between runs. Candidates that cuBLASLt refuses are skipped (if
+// all are refused, the first one's error is returned).
 //
-// CUDA graphs: while the stream is being captured, nothing is timed (recording
-// events and running candidates would become graph nodes, and synchronising
-// on them is illegal); the plan takes the heuristic's first algorithm and
-// keeps it for the process, like every plan keeps its algorithm, so a
-// configuration never changes algorithm (and result bits) once chosen. The
-// steady state (a built plan) neither allocates nor synchronises.
+// A stream being captured (a caller capturing XLA's whole execution) is never
+// timed on (events and candidate runs would become graph nodes, and
+// synchronising on them is illegal): the plan takes the heuristic's first
+// algorithm. Every plan keeps its algorithm for the process, so a
+// configuration never changes algorithm (and result bits) once chosen.
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <vector>
 
+#include "../common/ffi_common.h"
 #include "gemm_autotune.cuh"
 
 namespace te_jax {
@@ -117,6 +121,48 @@ float ElapsedMs(cudaEvent_t start, cudaEvent_t stop) {
     return std::numeric_limits<float>::infinity();
   }
   return t;
+}
+
+// Bytes of device memory kept on the host and written back (see "Autotuning").
+class SavedBytes {
+ public:
+  ffi::Error Save(void* device, size_t bytes, cudaStream_t stream, const MatmulSpec& s) {
+    device_ = device;
+    host_.resize(bytes);
+    return Copied(cudaMemcpyAsync(host_.data(), device_, bytes, cudaMemcpyDeviceToHost, stream), stream,
+                  "saving D across GEMM autotuning", s);
+  }
+  ffi::Error Restore(cudaStream_t stream, const MatmulSpec& s) {
+    return Copied(cudaMemcpyAsync(device_, host_.data(), host_.size(), cudaMemcpyHostToDevice, stream), stream,
+                  "restoring D after GEMM autotuning", s);
+  }
+
+ private:
+  // Waits for the copy: the host buffer must outlive it.
+  static ffi::Error Copied(cudaError_t status, cudaStream_t stream, const char* what, const MatmulSpec& s) {
+    if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
+    if (status != cudaSuccess) {
+      cudaGetLastError();
+      return CudaError(what, status, ShapeString(s));
+    }
+    return ffi::Error::Success();
+  }
+
+  void* device_ = nullptr;
+  std::vector<uint8_t> host_;
+};
+
+// The first call's device alpha and beta set to 1 and 0 (they are scratch the
+// execute stage computes; a garbage beta would make candidates read C).
+ffi::Error SetAlphaBeta(const MatmulPointers& p, cudaStream_t stream, const MatmulSpec& s) {
+  static const float kOne = 1.0f, kZero = 0.0f;
+  cudaError_t status = cudaMemcpyAsync(p.alpha, &kOne, sizeof(float), cudaMemcpyHostToDevice, stream);
+  if (status == cudaSuccess) status = cudaMemcpyAsync(p.beta, &kZero, sizeof(float), cudaMemcpyHostToDevice, stream);
+  if (status != cudaSuccess) {
+    cudaGetLastError();
+    return CudaError("setting alpha and beta for GEMM autotuning", status, ShapeString(s));
+  }
+  return ffi::Error::Success();
 }
 
 // Times every candidate on `stream` (the pointer attributes are set) and
@@ -234,7 +280,13 @@ ffi::ErrorOr<size_t> ChooseCandidate(const Plan& plan, const MatmulSpec& s, cons
     capture = cudaStreamCaptureStatusInvalidated;  // unknown: do not time
   }
   if (capture != cudaStreamCaptureStatusNone) return size_t{0};
-  return TimeCandidates(plan, s, p, candidates, stream);
+  const size_t d_bytes = static_cast<size_t>(s.batch * s.m * s.n * (s.d_type == CUDA_R_32F ? 4 : 2));
+  SavedBytes saved_d;
+  TE_RETURN_IF_ERROR_OR(saved_d.Save(p.d, d_bytes, stream, s));
+  if (s.device_alpha) TE_RETURN_IF_ERROR_OR(SetAlphaBeta(p, stream, s));
+  auto best = TimeCandidates(plan, s, p, candidates, stream);
+  TE_RETURN_IF_ERROR_OR(saved_d.Restore(stream, s));
+  return best;
 }
 
 }  // namespace gemm

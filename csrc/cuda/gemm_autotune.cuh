@@ -33,7 +33,8 @@ cublasStatus_t Enqueue(const Plan& plan, const MatmulSpec& s, const MatmulPointe
 // The index in `candidates` (the heuristic's algorithms, in its order, at
 // least one) of the algorithm `plan` keeps: 0 when s.autotune is off, there
 // is only one, or `stream` is being captured; else the fastest on `stream`
-// with the call's real pointers (set in the descriptor).
+// with the call's pointers (set in the descriptor), timed with device alpha
+// and beta set to 1 and 0, and with p.d's bytes written back afterwards.
 ffi::ErrorOr<size_t> ChooseCandidate(const Plan& plan, const MatmulSpec& s, const MatmulPointers& p,
                                      const std::vector<cublasLtMatmulAlgo_t>& candidates, cudaStream_t stream);
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../common/ffi_common.h"
+#include "cuda_common.cuh"
 #include "gemm_autotune.cuh"
 #include "gemm_cublaslt.cuh"
 
@@ -276,15 +277,15 @@ ffi::Error BuildPlan(Plan& plan, const MatmulSpec& s, const Alignments& al, cons
   return ffi::Error::Success();
 }
 
-// Restores the thread's stream-capture mode on scope exit.
-class RelaxedCapture {
- public:
-  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
-  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
-
- private:
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-};
+// RunMatmuls without a plan: the handler's initialize stage did not run for
+// these buffers (or failed, and XLA reported that error first).
+ffi::Error MissingPlan(const MatmulSpec& s) {
+  return ffi::Error::Internal(
+      "te_jax GEMM: no cuBLASLt plan for " + ShapeString(s) +
+      ": plans are built in the custom call's FFI initialize stage, which XLA runs before every execution with "
+      "the same buffers; this execution did not run it for these buffers. A custom call wrapped by "
+      "--xla_gpu_enable_dynamic_slice_fusion=true is one known case: leave that flag at its default (false)");
+}
 
 // The plan for `key`, created empty (not ready) if new.
 Plan* PlanSlot(const PlanKey& key) {
@@ -294,18 +295,29 @@ Plan* PlanSlot(const PlanKey& key) {
   return slot.get();
 }
 
+// The plan for `key`, or null if PlanSlot never created it.
+Plan* FindPlan(const PlanKey& key) {
+  std::lock_guard<std::mutex> lock(CacheMutex());
+  auto it = Plans().find(key);
+  return it == Plans().end() ? nullptr : it->second.get();
+}
+
+// `p` advanced by i * step bytes (null stays null).
+template <typename T>
+T* Stepped(T* p, int64_t i, int64_t step) {
+  if (p == nullptr) return nullptr;
+  return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(i * step));
+}
+
 MatmulPointers Advance(const MatmulPointers& first, const MatmulSteps& st, int64_t i) {
-  auto at = [i](const void* p, int64_t step) -> const void* {
-    return p == nullptr ? nullptr : static_cast<const uint8_t*>(p) + i * step;
-  };
   MatmulPointers p = first;
-  p.a = at(first.a, st.a);
-  p.b = at(first.b, st.b);
-  p.d = const_cast<void*>(at(first.d, st.d));
-  p.a_scale = at(first.a_scale, st.a_scale);
-  p.b_scale = at(first.b_scale, st.b_scale);
-  p.alpha = static_cast<const float*>(at(first.alpha, st.alpha));
-  p.beta = static_cast<const float*>(at(first.beta, st.alpha));
+  p.a = Stepped(first.a, i, st.a);
+  p.b = Stepped(first.b, i, st.b);
+  p.d = Stepped(first.d, i, st.d);
+  p.a_scale = Stepped(first.a_scale, i, st.a_scale);
+  p.b_scale = Stepped(first.b_scale, i, st.b_scale);
+  p.alpha = Stepped(first.alpha, i, st.alpha);
+  p.beta = Stepped(first.beta, i, st.alpha);
   return p;
 }
 
@@ -321,21 +333,31 @@ cublasStatus_t Enqueue(const Plan& plan, const MatmulSpec& s, const MatmulPointe
                         plan.lt_d, &algo, p.workspace, s.workspace_bytes, stream);
 }
 
-ffi::Error RunMatmuls(const MatmulSpec& spec, const MatmulPointers& first, const MatmulSteps& steps,
-                      cudaStream_t stream) {
+ffi::Error PlanMatmuls(const MatmulSpec& spec, const MatmulPointers& first, const MatmulSteps& steps,
+                       cudaStream_t stream) {
   if (steps.calls < 1) return ffi::Error::Success();
   const Alignments al = AlignmentsOf(spec, first, steps);
   Plan& plan = *PlanSlot(KeyOf(spec, al));
   std::lock_guard<std::mutex> lock(plan.mu);
-  if (!plan.ready) {
-    RelaxedCapture relaxed;  // one-time host work may allocate (cublasLtCreate, events)
-    ffi::Error err = BuildPlan(plan, spec, al, first, stream);
-    if (err.failure()) {
-      DestroyPartialPlan(plan);
-      return err;
-    }
-    plan.ready = true;
+  if (plan.ready) return ffi::Error::Success();
+  cuda::RelaxedCapture relaxed;  // one-time host work may allocate (cublasLtCreate, events)
+  ffi::Error err = BuildPlan(plan, spec, al, first, stream);
+  if (err.failure()) {
+    DestroyPartialPlan(plan);
+    return err;
   }
+  plan.ready = true;
+  return ffi::Error::Success();
+}
+
+ffi::Error RunMatmuls(const MatmulSpec& spec, const MatmulPointers& first, const MatmulSteps& steps,
+                      cudaStream_t stream) {
+  if (steps.calls < 1) return ffi::Error::Success();
+  Plan* found = FindPlan(KeyOf(spec, AlignmentsOf(spec, first, steps)));
+  if (found == nullptr) return MissingPlan(spec);
+  Plan& plan = *found;
+  std::lock_guard<std::mutex> lock(plan.mu);
+  if (!plan.ready) return MissingPlan(spec);
   for (int64_t i = 0; i < steps.calls; ++i) {
     const MatmulPointers p = Advance(first, steps, i);
     TE_RETURN_IF_ERROR(SetPointers(plan, spec, p));
@@ -370,15 +392,14 @@ DeviceGuard::~DeviceGuard() {
   if (previous_ >= 0) cudaSetDevice(previous_);
 }
 
-ffi::Error DeviceGuard::Enter(cudaStream_t stream) {
+ffi::Error DeviceGuard::Enter(int device) {
+  device_ = device;
   int current = 0;
   cudaError_t status = cudaGetDevice(&current);
-  if (status != cudaSuccess) return CudaError("cudaGetDevice", status, "the GEMM's stream");
-  status = cudaStreamGetDevice(stream, &device_);
-  if (status != cudaSuccess) return CudaError("cudaStreamGetDevice", status, "the GEMM's stream");
+  if (status != cudaSuccess) return CudaError("cudaGetDevice", status, "the GEMM's device");
   if (device_ != current) {
     status = cudaSetDevice(device_);
-    if (status != cudaSuccess) return CudaError("cudaSetDevice", status, "the GEMM's stream");
+    if (status != cudaSuccess) return CudaError("cudaSetDevice", status, "device " + std::to_string(device_));
     previous_ = current;
   }
   return ffi::Error::Success();

@@ -10,23 +10,25 @@
 // the "TN" layout that FP8 on Hopper requires. Hence cuBLAS's A_SCALE_* and
 // B_SCALE_* attributes carry *our B's* and *our A's* scales respectively.
 //
-// Plans (CUDA-graph safe): a plan is keyed by everything that selects a
+// Plans (CUDA graphs): a plan is keyed by everything that selects a
 // descriptor, layouts or algorithm (device, shapes, dtypes, scale modes,
-// fast_accum, autotune, bias, pointer mode, workspace size) and by the *guaranteed*
-// alignment of every pointer over all the matrices it will be used for (the
-// first pointer combined with the batch stride and the per-call step), so one
-// plan serves every matrix of a RunMatmuls call and its assumptions hold for
-// each. The first call for a key builds the plan under that plan's own mutex
-// (not the cache's, so other devices' threads never wait on it), with the
-// thread's stream-capture mode relaxed: the device's cuBLASLt handle, the
-// matmul descriptor, the layouts, up to kMaxCandidates heuristic algorithms,
-// and, when the spec asks for autotuning (and the stream is not being
-// captured), times each candidate on the call's own stream with the call's
-// real buffers and keeps the fastest (see gemm_autotune.cu, "Autotuning");
-// otherwise it keeps the heuristic's first algorithm. Every later call
-// only takes the plan's mutex, sets the pointer attributes (host-only, no
-// allocation) and enqueues cublasLtMatmul: nothing in the steady state
-// allocates, synchronises or creates a descriptor.
+// fast_accum, autotune, bias, pointer mode, workspace size) and by the
+// *guaranteed* alignment of every pointer over all the matrices it will be
+// used for (the first pointer combined with the batch stride and the per-call
+// step), so one plan serves every matrix of a RunMatmuls call and its
+// assumptions hold for each. Plans are built by PlanMatmuls, which the GEMM
+// handlers call in their FFI initialize stage (outside any stream capture,
+// with the execution's real buffer addresses): under the plan's own mutex
+// (not the cache's, so other devices' threads never wait on it), the
+// device's cuBLASLt handle, the matmul descriptor, the layouts, up to
+// kMaxCandidates heuristic algorithms and, when the spec asks for
+// autotuning, the fastest of them timed on the stream (gemm_autotune.cu,
+// "Autotuning"); otherwise the heuristic's first. RunMatmuls, the execute
+// stage, only looks the plan up (a missing plan is an error, never built
+// there), takes the plan's mutex, sets the pointer attributes (host-only, no
+// allocation) and enqueues cublasLtMatmul: it neither allocates,
+// synchronises nor creates a descriptor, so XLA may capture it into a CUDA
+// graph (command buffer) from its first call.
 #pragma once
 
 #include <cublasLt.h>
@@ -73,8 +75,10 @@ struct MatmulPointers {
   const void* a_scale = nullptr;
   const void* b_scale = nullptr;
   const void* bias = nullptr;
-  const float* alpha = nullptr;  // device pointers when spec.device_alpha, else unused (1, 0)
-  const float* beta = nullptr;
+  // Device floats in the GEMM's scratch when spec.device_alpha, else unused
+  // (1, 0). Autotuning sets the first call's to 1 and 0 while it times.
+  float* alpha = nullptr;
+  float* beta = nullptr;
   void* workspace = nullptr;     // 256-byte aligned, spec.workspace_bytes long
 };
 
@@ -87,27 +91,35 @@ struct MatmulSteps {
   int64_t alpha = 0;  // alpha and beta advance together
 };
 
+// Builds the plan RunMatmuls will need for these pointers, unless it exists
+// (the initialize stage; buffer contents may be undefined). With
+// spec.autotune and more than one candidate, the candidates are timed on
+// `stream` with these pointers: they write the first call's d and the
+// workspace; d's previous bytes are restored afterwards (d may be a donated
+// input the program has not read yet). The current device must be
+// spec.device (see DeviceGuard).
+ffi::Error PlanMatmuls(const MatmulSpec& spec, const MatmulPointers& first, const MatmulSteps& steps,
+                       cudaStream_t stream);
+
 // Enqueues the (strided-batched) matmul(s) on `stream`, back to back, all with
-// one plan. The current device must be spec.device (see DeviceGuard). With
-// spec.autotune, the first call for a plan times candidate algorithms on `stream`, writing
-// the d of the first call and the workspace (both are outputs/scratch of
-// this GEMM, and the real matmuls run after); it never does so while
-// `stream` is being captured into a CUDA graph.
+// the plan PlanMatmuls built for the same spec and pointer alignments (an
+// Internal error names the shape if there is none). Capturable.
 ffi::Error RunMatmuls(const MatmulSpec& spec, const MatmulPointers& first, const MatmulSteps& steps,
                       cudaStream_t stream);
 
 // "M=.. N=.. K=.. batch=.." for error messages.
 std::string ShapeString(const MatmulSpec& spec);
 
-// The device that owns `stream`, made current for the guard's lifetime (the
-// previous current device is restored on destruction).
+// Makes `device` (XLA's device ordinal of the call: a stream's device cannot
+// be queried while it is being captured) current for the guard's lifetime;
+// the previous current device is restored on destruction.
 class DeviceGuard {
  public:
   DeviceGuard() = default;
   ~DeviceGuard();
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
-  ffi::Error Enter(cudaStream_t stream);
+  ffi::Error Enter(int device);
   int device() const { return device_; }
 
  private:

@@ -270,13 +270,13 @@ ffi::Error Run(GroupedFp8Call& c, int device, int64_t out_bytes, const ffi::AnyB
   return ffi::Error::Success();
 }
 
-ffi::Error GroupedGemmFp8(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv,
+ffi::Error GroupedGemmFp8(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv,
                           ffi::AnyBuffer b_scale_inv, ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace, int64_t group_axis,
                           int64_t align, bool has_bias, bool fast_accum) {
   const char* t = "te_jax_grouped_gemm_fp8";
   gemm::DeviceGuard guard;
-  TE_RETURN_IF_ERROR(guard.Enter(stream));
+  TE_RETURN_IF_ERROR(guard.Enter(device));
   GroupedFp8Call c{};
   int64_t out_bytes = 0;
   TE_RETURN_IF_ERROR(Prepare(t, a, b, group_sizes, bias, *out, *workspace, group_axis, align, has_bias, &c, &out_bytes));
@@ -309,13 +309,13 @@ ffi::Error CheckScales(const char* t, const char* name, const ffi::AnyBuffer& s,
   return Invalid(t, std::string(name) + " must be float32 " + want + "], got " + ShapeOf(s));
 }
 
-ffi::Error GroupedGemmFp8Block(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer b,
+ffi::Error GroupedGemmFp8Block(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer b,
                                ffi::AnyBuffer b_s, ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                                int64_t group_axis, int64_t align, bool has_bias, bool a_block_2d, bool b_block_2d) {
   const char* t = "te_jax_grouped_gemm_fp8_block";
   gemm::DeviceGuard guard;
-  TE_RETURN_IF_ERROR(guard.Enter(stream));
+  TE_RETURN_IF_ERROR(guard.Enter(device));
   GroupedFp8Call c{};
   int64_t out_bytes = 0;
   TE_RETURN_IF_ERROR(Prepare(t, a, b, group_sizes, bias, *out, *workspace, group_axis, align, has_bias, &c, &out_bytes));
@@ -364,8 +364,8 @@ ffi::Error GroupedGemmNvfp4(cudaStream_t, ffi::AnyBuffer, ffi::AnyBuffer, ffi::A
 }  // namespace
 }  // namespace grouped
 
-TE_JAX_CUDA_HANDLER(GroupedGemmFp8, grouped::GroupedGemmFp8);
-TE_JAX_CUDA_HANDLER(GroupedGemmFp8Block, grouped::GroupedGemmFp8Block);
+TE_JAX_CUDA_DEVICE_HANDLER(GroupedGemmFp8, grouped::GroupedGemmFp8);
+TE_JAX_CUDA_DEVICE_HANDLER(GroupedGemmFp8Block, grouped::GroupedGemmFp8Block);
 TE_JAX_CUDA_HANDLER(GroupedGemmMxfp8, grouped::GroupedGemmMxfp8);
 TE_JAX_CUDA_HANDLER(GroupedGemmNvfp4, grouped::GroupedGemmNvfp4);
 

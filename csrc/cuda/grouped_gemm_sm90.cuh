@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <unordered_map>
 
+#include "cuda_common.cuh"
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -350,8 +351,13 @@ ffi::Error Run(const GroupedFp8Call& c, cudaStream_t stream) {
   }
   Gemm gemm;
   void* cutlass_workspace = static_cast<char*>(c.workspace) + setup_bytes;
-  if (cutlass::Status s = gemm.initialize(args, cutlass_workspace, stream); s != cutlass::Status::kSuccess) {
-    return CutlassError(c, s, "initialize");
+  {
+    // initialize() sets the kernel's shared-memory attribute (host work that
+    // stream capture, i.e. a command buffer, would otherwise refuse).
+    cuda::RelaxedCapture relaxed;
+    if (cutlass::Status s = gemm.initialize(args, cutlass_workspace, stream); s != cutlass::Status::kSuccess) {
+      return CutlassError(c, s, "initialize");
+    }
   }
   if (cutlass::Status s = gemm.run(stream); s != cutlass::Status::kSuccess) {
     return CutlassError(c, s, "run");

@@ -34,8 +34,7 @@ ffi::Error LaunchTile(cudaStream_t stream, const P& prod, CastArgs a, int64_t ba
   const int smem = TileSmemBytes<kMode>(a);
   auto kernel = CastTileKernel<P, kMode>;
   if (smem > 48 * 1024) {
-    TE_RETURN_IF_ERROR(CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                                 "cudaFuncSetAttribute"));
+    TE_RETURN_IF_ERROR(AllowDynamicSmem(kernel, smem));
   }
   kernel<<<grid, kThreads, smem, stream>>>(prod, a);
   return LaunchError("CastTileKernel");

@@ -345,8 +345,7 @@ ffi::Error LaunchRow(cudaStream_t stream, const BwdArgs& a, dim3 grid) {
   const int smem = static_cast<int>(std::max(kStages<T, kVec> * kStageBytes<T, kVec>, part));
   auto kernel = NormBwdRowKernel<T, kVec>;
   if (smem + kRowStaticSmem > 48 * 1024) {  // beyond the default limit, which counts static and dynamic
-    TE_RETURN_IF_ERROR(CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                                 "cudaFuncSetAttribute"));
+    TE_RETURN_IF_ERROR(AllowDynamicSmem(kernel, smem));
   }
   kernel<<<grid, kThreads, smem, stream>>>(a);
   return LaunchError("NormBwdRowKernel");

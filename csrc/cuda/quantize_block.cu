@@ -205,8 +205,7 @@ ffi::Error LaunchBlock1d(cudaStream_t stream, const MatrixBatch& mb, BlockArgs a
   const int smem = a.q_t ? C::kTM * C::kTN * static_cast<int>(sizeof(T)) : 0;
   auto kernel = BlockTileKernel<T, E5, kMx>;
   if (smem > 48 * 1024) {
-    TE_RETURN_IF_ERROR(CudaError(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                                 "cudaFuncSetAttribute"));
+    TE_RETURN_IF_ERROR(AllowDynamicSmem(kernel, smem));
   }
   kernel<<<grid, C::kThreads, smem, stream>>>(a);
   return LaunchError("BlockTileKernel");

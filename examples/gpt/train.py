@@ -28,6 +28,15 @@ come from ``te_jax.train.value_and_grad`` over the whole variables dict, and
 decay, gradient clipping) the parameters only; the fp8_meta state is
 replaced by its update, never clipped or decayed.
 
+``--command-buffers`` picks which work XLA records into CUDA graphs (its
+command buffers) on a GPU: ``xla`` (the default) leaves XLA's own choice,
+which in jax 0.10/0.11 includes custom calls, so te_jax's calls run inside
+the graphs with the fusions around them; ``no-custom-calls`` keeps every
+custom call out (te_jax's calls run between the graphs, as XLA runs handlers
+without the command-buffer trait); ``off`` records no graphs. It adds
+``--xla_gpu_enable_command_buffer=...`` to this process's ``XLA_FLAGS``
+before jax starts (docs/gemm_ffi.md, "CUDA graphs").
+
 ``--inspect [DIR]`` collects te_jax.inspect's per-layer quantization
 statistics at every evaluation (a second compiled step with
 ``autocast(..., inspect=True)``; the other steps run the plain one), writes
@@ -41,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax._src import xla_bridge
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -68,6 +79,12 @@ from te_jax import inspect as te_inspect
 from te_jax import recipe as R
 from te_jax.train import TrainState
 
+# --command-buffers: the XLA flag each choice adds ("-" removes a type from XLA's default list).
+COMMAND_BUFFER_FLAGS = {
+    "xla": "",
+    "no-custom-calls": "--xla_gpu_enable_command_buffer=-CUSTOM_CALL",
+    "off": "--xla_gpu_enable_command_buffer=",
+}
 TRAIN_LOSS_TAIL = 0.1  # the reported train loss: the mean over this last fraction of the steps
 TRAIN_LOSS_LABEL = f"train loss (mean of last {TRAIN_LOSS_TAIL:.0%})"
 
@@ -475,6 +492,21 @@ def inspect_overhead(train_step, inspect_step, state, shardings, tokens, iters: 
 # ---- command line -------------------------------------------------------------------------------
 
 
+def use_command_buffers(mode: str) -> None:
+    """Adds the XLA flag of ``--command-buffers mode`` to this process's ``XLA_FLAGS``.
+
+    Raises:
+      ValueError: jax has started a backend already, so XLA would not read the flag.
+    """
+    flag = COMMAND_BUFFER_FLAGS[mode]
+    if not flag:
+        return
+    if xla_bridge.backends_are_initialized():
+        raise ValueError(f"--command-buffers {mode}: jax has started its backend already; XLA reads XLA_FLAGS "
+                         "once, before that")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
 def format_table(results: list[dict]) -> str:
     """A plain-text table: recipe, train loss (``TRAIN_LOSS_LABEL``), final eval loss, tokens/s (and vs bf16)."""
     base = next((r["tokens_per_s"] for r in results if r["recipe"] == "bf16"), None)
@@ -520,6 +552,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", nargs="?", const="latest", help="resume from --ckpt-dir (latest, or a step)")
     p.add_argument("--tensorboard", metavar="DIR", help="write TensorBoard logs (needs tensorboardX or tensorflow)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="compute dtype (default bfloat16)")
+    p.add_argument("--command-buffers", choices=list(COMMAND_BUFFER_FLAGS), default="xla",
+                   help="what XLA records into CUDA graphs on a GPU: xla (its default; te_jax's calls included), "
+                        "no-custom-calls (te_jax's calls between the graphs), off (no graphs)")
     p.add_argument("--no-progress", action="store_true", help="log lines instead of a tqdm bar")
     p.add_argument("--plot", metavar="PNG", help="write a loss-curve plot comparing the recipes")
     p.add_argument("--json", metavar="FILE", help="write the results (histories included) as JSON")
@@ -552,6 +587,7 @@ def prepare(args: argparse.Namespace) -> tuple[list[RunConfig], data_lib.Corpus]
         raise ValueError("--inspect-every needs --inspect")
     if not args.distributed and any(v is not None for v in (args.coordinator, args.num_processes, args.process_id)):
         raise ValueError("--coordinator, --num-processes and --process-id need --distributed")
+    use_command_buffers(args.command_buffers)
     recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
     if not recipes:
         raise ValueError(f"--recipe {args.recipe!r} names no recipe")
@@ -598,7 +634,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"preset {args.preset}: {preset.model}")
     results = []
     for cfg in configs:
-        result = train(cfg, corpus)
+        result = train(cfg, corpus) | {"command_buffers": args.command_buffers}
         print(f"{result['recipe']}: {result['params'] / 1e6:.2f}M params, final train loss "
               f"{result['final_train_loss']:.4f}, eval loss {result['final_eval_loss']:.4f}, "
               f"{result['tokens_per_s']:,.0f} tokens/s (train loss: the mean of the last "
