@@ -42,8 +42,11 @@ def step_fn(recipe, mesh_resource):
 
     def step(variables, x, cotangent):
         with te_jax.autocast(enabled=recipe is not None, recipe=recipe, mesh_resource=mesh_resource):
-            value, (grads, dx) = value_and_grad(lambda vx: loss(vx[0], vx[1], cotangent))((variables, x))
-        return value, grads, dx
+            # x rides in the differentiated dict: te_jax.train.value_and_grad takes one argument
+            value, grads = value_and_grad(
+                lambda v: loss({c: w for c, w in v.items() if c != "inputs"}, v["inputs"], cotangent))(
+                    {**variables, "inputs": x})
+        return value, grads, grads["inputs"]
 
     return layer, step
 
@@ -100,11 +103,29 @@ def _forward(layer, recipe, variables, x):
         return layer.apply(variables, x)
 
 
+def trace_errors() -> dict:
+    """The trace-time errors of bad expert-parallel input on the ep8 mesh: name -> message (or "no error")."""
+    mesh = jax.make_mesh((8,), ("ep",), axis_types=(AxisType.Auto,))
+    bad = {"experts_not_divisible": (MoE(12, K_TOP, F), T), "tokens_not_divisible": (MoE(E, K_TOP, F), T - 4)}
+    out = {}
+    for name, (layer, tokens) in bad.items():
+        x = jnp.zeros((tokens, H))
+        variables = jax.eval_shape(layer.init, jax.random.key(0), x)
+        try:
+            with jax.set_mesh(mesh), te_jax.autocast(enabled=False, mesh_resource=te_jax.MeshResource(ep_resource="ep")):
+                jax.jit(layer.apply).lower(variables, x)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", default="ep8:none,dp2xep4:none,ep8:delayed,dp2xep4:delayed")
     args = parser.parse_args()
     assert jax.device_count() == 8, jax.devices()
+    print(json.dumps({"errors": trace_errors()}), flush=True)
     for spec in args.cases.split(","):
         mesh_name, recipe_name = spec.split(":")
         try:
