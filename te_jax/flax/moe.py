@@ -125,6 +125,13 @@ class MoE(nn.Module):
     ``fp8_meta/<path>/wi/<role>`` and ``.../wo/<role>``, the weights' with the
     experts' leading axis.
 
+    Expert parallelism: with ``ep_resource`` in the active autocast's
+    ``MeshResource`` (under ``jit`` with the mesh set) the experts and their
+    FP8 weight state are split over that axis and the tokens over it and the
+    data axes; rows go to their experts' devices and back with all-to-all
+    (``te_jax.moe.dispatch`` / ``combine``) inside ``jax.shard_map``. See
+    docs/moe.md.
+
     The load-balancing loss times ``aux_loss_coeff`` is sown as
     ``intermediates/<path>/aux_loss`` (when the coefficient is not 0): apply
     with ``mutable=["intermediates"]`` and add it to the training loss.
