@@ -42,6 +42,7 @@ ACTIVATIONS = {
 }
 GATED = ("swiglu", "geglu")
 _GEMMS = ("wi", "wo")
+_WEIGHT_ROLE = ROLE_OF["weight"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +87,6 @@ class _ExpertParallel:
     def state_spec(self, role: str) -> P:
         """The partition of a GEMM's FP8 state entry: the weight's has the experts' leading axis."""
         return P(self.axis) if role == _WEIGHT_ROLE else P()
-
-
-_WEIGHT_ROLE = ROLE_OF["weight"]
 
 
 def _no_weight_amax_reduction(q: DenseQuantizers) -> DenseQuantizers:
@@ -262,9 +260,6 @@ class MoE(nn.Module):
         over the autocast's axes (the input and gradient ones: global values,
         as on one device) except the weights', which stay per expert.
         """
-        if inspect:
-            raise ValueError(f"te_jax: {C.where(self)}: inspect=True (quantization statistics) does not cover the "
-                             "MoE's expert GEMMs yet; inspect the other layers with a CustomRecipe")
         local = _MoEQuantizers(*(dataclasses.replace(getattr(quantizers, g), q=_no_weight_amax_reduction(
             getattr(quantizers, g).q)) for g in _GEMMS))
         state = {g: dict(state.get(g) or {}) for g in _GEMMS}
@@ -278,7 +273,7 @@ class MoE(nn.Module):
             x_sorted, perm = permute(x, expert_ids, self.num_experts)
             x_local, local_sizes, exchange = dispatch(x_sorted, perm.group_sizes, ep.axis)
             y_local, new_state = self._experts(x_local, local_sizes, wi, wo, wi_bias, wo_bias, local,
-                                               state=state, key=None if no_key else key, inspect=False)
+                                               state=state, key=None if no_key else key, inspect=inspect)
             return unpermute(combine(y_local, exchange, ep.axis), perm, gates), new_state
 
         run = jax.shard_map(body, mesh=ep.mesh,
