@@ -22,17 +22,21 @@ Resource = str | tuple[str, ...] | None
 
 @dataclasses.dataclass(frozen=True)
 class MeshResource:
-    """Which mesh axes are data, tensor, fully-sharded-data and sequence parallel.
+    """Which mesh axes are data, tensor, fully-sharded-data, sequence and expert parallel.
 
     Attributes:
       dp_resource, tp_resource, fsdp_resource, sp_resource: a mesh axis name,
         a tuple of names, or None.
+      ep_resource: the mesh axis (one name) the experts of ``te_jax.flax.MoE``
+        are split over; tokens are split over it too, and exchanged with
+        all-to-all inside the layer. None: no expert parallelism.
     """
 
     dp_resource: Resource = None
     tp_resource: Resource = None
     fsdp_resource: Resource = None
     sp_resource: Resource = None
+    ep_resource: str | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -46,6 +50,9 @@ class MeshResource:
                     f"te_jax: MeshResource.{field.name} must be a mesh axis name, a tuple of names, or None; "
                     f"got {value!r}"
                 )
+        if isinstance(self.ep_resource, tuple):
+            raise ValueError(f"te_jax: MeshResource.ep_resource must be one mesh axis name or None, got "
+                             f"{self.ep_resource!r}")
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -61,7 +68,7 @@ class MeshResource:
 
 # The logical axis names te_jax's layers give their parameters (``kernel_axes=...``, TransformerLayer's
 # ``logical_axes=True``) and the names for activations; see ``logical_axis_rules``.
-PARAM_AXES = ("embed", "heads", "qkv", "kv", "mlp", "act")
+PARAM_AXES = ("embed", "heads", "qkv", "kv", "mlp", "act", "expert")
 ACTIVATION_AXES = ("batch", "length", "hidden")
 
 
@@ -79,15 +86,16 @@ def logical_axis_rules(mesh_resource: MeshResource, rules=()) -> tuple[tuple[str
 
     Parameters: "embed" (the model width) is split over the FSDP axes, "heads"
     and "mlp" over the tensor-parallel axes (column-parallel first GEMMs,
-    row-parallel second ones); "kv" (head width), "act" (the gated pair) and
+    row-parallel second ones), "expert" (an MoE's experts) over the
+    expert-parallel axis; "kv" (head width), "act" (the gated pair) and
     "qkv" (a key/value group's queries, key and value) are not split.
-    Activations: "batch" over the data and FSDP axes, "length" over the
+    Activations: "batch" over the data, FSDP and expert-parallel axes, "length" over the
     sequence-parallel axes, "hidden" not split. A name ``rules`` already maps
     keeps the user's mapping (their rules come first, and flax uses the first
     rule that names an axis).
 
     Args:
-      mesh_resource: which mesh axes are dp, tp, fsdp and sp.
+      mesh_resource: which mesh axes are dp, tp, fsdp, sp and ep.
       rules: the user's existing rules, e.g. ``(("vocab", "tp"),)``.
 
     Returns:
@@ -99,8 +107,9 @@ def logical_axis_rules(mesh_resource: MeshResource, rules=()) -> tuple[tuple[str
     rules = tuple((str(name), value) for name, value in rules)
     dp, fsdp = axes_of(mesh_resource.dp_resource), axes_of(mesh_resource.fsdp_resource)
     tp, sp = axes_of(mesh_resource.tp_resource), axes_of(mesh_resource.sp_resource)
-    ours = (("embed", fsdp), ("heads", tp), ("mlp", tp), ("qkv", ()), ("kv", ()), ("act", ()),
-            ("batch", dp + tuple(a for a in fsdp if a not in dp)), ("length", sp), ("hidden", ()))
+    ep = axes_of(mesh_resource.ep_resource)
+    ours = (("embed", fsdp), ("heads", tp), ("mlp", tp), ("expert", ep), ("qkv", ()), ("kv", ()), ("act", ()),
+            ("batch", tuple(dict.fromkeys(dp + fsdp + ep))), ("length", sp), ("hidden", ()))
     taken = {name for name, _ in rules}
     return rules + tuple((name, _rule_value(axes)) for name, axes in ours if name not in taken)
 

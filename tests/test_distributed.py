@@ -159,6 +159,9 @@ def test_logical_axis_rules_extend_the_users():
     assert rules["embed"] == "fsdp" and rules["heads"] == "tp" and rules["length"] == "tp"
     assert rules["batch"] == ("dp", "fsdp") and rules["kv"] is None and rules["qkv"] is None
     assert dict(logical_axis_rules(te_jax.MeshResource(dp_resource="dp")))["embed"] is None
+    assert rules["expert"] is None
+    ep = dict(logical_axis_rules(te_jax.MeshResource(dp_resource="dp", ep_resource="ep")))
+    assert ep["expert"] == "ep" and ep["batch"] == ("dp", "ep")  # tokens are split over the expert axis too
     with pytest.raises(TypeError, match="MeshResource"):
         logical_axis_rules({"dp_resource": "dp"})
 

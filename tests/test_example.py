@@ -100,6 +100,17 @@ def test_recipe_from_a_recipes_path(capsys):
     assert "current_scaling_ref" in capsys.readouterr().out
 
 
+def test_tiny_moe_preset_trains_with_each_recipe_kind(capsys):
+    """--preset tiny-moe (MoE blocks) with delayed, current and block scaling: finite losses, the MoE's size."""
+    results = train_lib.main(["--preset", "tiny-moe", "--recipe", "delayed,current,block", "--steps", "3",
+                              "--batch", "4", "--seq-len", "64", "--eval-batches", "1", "--data-bytes", str(1 << 20),
+                              "--no-progress"])
+    assert [r["recipe"] for r in results] == ["delayed", "current", "block"]
+    assert all(np.isfinite(r["final_eval_loss"]) and np.isfinite(r["final_train_loss"]) for r in results)
+    out = capsys.readouterr().out
+    assert "preset tiny-moe" in out and "experts=8" in out and "1.05M params" in out
+
+
 def test_inspect_writes_statistics_a_report_and_the_cost(tmp_path, capsys):
     """--inspect with --inspect-every: statistics at each evaluation, the JSON lines, the PNG, the cost per step."""
     (result,) = train_lib.main(["--recipe", "current", "--steps", "4", "--batch", "4", "--seq-len", "64",

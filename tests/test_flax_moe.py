@@ -1,6 +1,10 @@
-"""te_jax.flax.MoE: the high-precision reference without autocast, every tested recipe near it, jit/grad/scan/remat."""
+"""te_jax.flax.MoE: the high-precision reference without autocast, every tested recipe near it, jit/grad/scan/remat,
+and expert parallelism on 8 fake CPU devices (tests/moe_layer_multidevice.py in a subprocess)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -8,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from qtest_util import run_on_fake_devices
 
 import te_jax
 from te_jax import moe
@@ -15,6 +20,7 @@ from te_jax import recipe as R
 from te_jax.flax import MoE, save_fp8_policy
 
 E, K_TOP, H, F, T = 4, 2, 128, 128, 48
+HERE = Path(__file__).parent
 
 
 @pytest.fixture(autouse=True)
@@ -124,3 +130,56 @@ def test_errors():
     with te_jax.autocast(recipe=R.Float8BlockScaling()):
         with pytest.raises(ValueError, match="multiple of 128"):
             MoE(E, K_TOP, 96).init(jax.random.key(0), x)
+
+
+# ---- expert parallelism on 8 fake CPU devices ----------------------------------------------------------
+
+EP_CASES = ("ep8:none", "dp2xep4:none", "ep8:delayed", "dp2xep4:delayed")
+# One MoE step compiled on the mesh: the row counts, the rows and the results forward; the transposes of
+# the two row exchanges backward.
+ALL_TO_ALLS = {"forward": 3, "grad": 5}
+
+
+@pytest.fixture(scope="module")
+def ep_results() -> dict:
+    """tests/moe_layer_multidevice.py's JSON lines: "errors" and one per case "<mesh>:<recipe>"."""
+    proc = run_on_fake_devices([HERE / "moe_layer_multidevice.py", "--cases", ",".join(EP_CASES)], cwd=HERE)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no output; stderr:\n{proc.stderr[-4000:]}"
+    return {"errors" if "errors" in c else f"{c['mesh']}:{c['recipe']}": c for c in lines}
+
+
+@pytest.mark.parametrize("name", EP_CASES)
+def test_expert_parallel_layer_equals_one_device(ep_results, name):
+    """Tokens over every axis, experts over "ep": the step's loss and gradients are the one-device ones up to
+    float32 rounding (the weight gradients sum rows in another order); with delayed scaling the FP8 state
+    update is the one-device update bit for bit (the input and gradient amaxes are reduced over the mesh, each
+    expert weight's amax is its own) and every device holds the same."""
+    case = ep_results[name]
+    assert "error" not in case, case["error"]
+    assert case["loss_rel_diff"] <= 1e-6 and case["dx_rel_diff"] <= 1e-6, case
+    assert max(case["param_rel_diff"].values()) <= 1e-6, case["param_rel_diff"]
+    if name.endswith("delayed"):
+        assert case["fp8_meta_equal"] and case["fp8_meta_same_on_every_device"], case
+    assert case["forward_collectives"]["all-to-all"] == ALL_TO_ALLS["forward"], case["forward_collectives"]
+    assert case["grad_collectives"]["all-to-all"] == ALL_TO_ALLS["grad"], case["grad_collectives"]
+
+
+def test_expert_parallel_bad_input_errors_at_trace_time(ep_results):
+    errors = ep_results["errors"]["errors"]
+    assert "12 experts cannot be split over the 8 devices" in errors["experts_not_divisible"]
+    assert "60 tokens cannot be split over the 8 devices" in errors["tokens_not_divisible"]
+
+
+def test_expert_parallel_needs_a_mesh():
+    layer = MoE(E, K_TOP, F)
+    x = _x()
+    v = layer.init(jax.random.key(1), x)
+    with te_jax.autocast(enabled=False, mesh_resource=te_jax.MeshResource(ep_resource="ep")):
+        with pytest.raises(ValueError, match=r"MoE.*ep_resource='ep'.*needs a mesh with that axis"):
+            layer.apply(v, x)
+
+
+def test_ep_resource_is_one_axis():
+    with pytest.raises(ValueError, match="ep_resource must be one mesh axis name"):
+        te_jax.MeshResource(ep_resource=("a", "b"))

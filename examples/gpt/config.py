@@ -119,6 +119,9 @@ class RunConfig:
         if self.batch % data_ways:
             raise ValueError(f"--batch {self.batch} must be divisible by dp*fsdp = {data_ways}")
         m = PRESETS[self.preset].model
+        if m.experts and shape["tp"] > 1:
+            raise ValueError(f"--mesh tp={shape['tp']}: the {self.preset} preset's experts are not tensor parallel; "
+                             "use dp and fsdp")
         for name, size in (("attention heads", m.heads), ("key/value heads", m.kv_heads),
                            ("MLP width", m.mlp_hidden)):
             if size % shape["tp"]:

@@ -7,7 +7,10 @@ for the query/key/value projection, causal attention with rotary embeddings
 and grouped-query heads, output projection, LayerNormMLP); under
 ``te_jax.autocast(recipe=...)`` all of its GEMMs run in FP8/FP4. Blocks are
 unrolled and named ``TransformerLayer_<i>`` so per-layer recipes (recipes/)
-can tell them apart. With ``ModelConfig.flax_fp8`` (``--recipe flax-fp8``) the
+can tell them apart. With ``ModelConfig.experts`` the blocks are ``MoEBlock``s:
+the same attention, then a ``te_jax.flax.MoE`` (router, top-k experts, shared
+experts) in place of the MLP; its load-balancing loss is sown under
+"intermediates". With ``ModelConfig.flax_fp8`` (``--recipe flax-fp8``) the
 same blocks multiply through flax's ``Fp8DotGeneral`` instead, outside any
 te_jax recipe: the baseline the benchmarks compare with. The output head stays in high precision unless
 ``ModelConfig.quantize_head`` (the usual choice: the logits are the most
@@ -38,6 +41,9 @@ class GPT(nn.Module):
         init = nn.initializers.normal(INIT_STD)
         x = nn.Embed(c.vocab, c.hidden, embedding_init=init, dtype=dtype, name="embed")(tokens)
         for i in range(c.layers):
+            if c.experts:
+                x = MoEBlock(c, name=f"TransformerLayer_{i}")(x)
+                continue
             x = te_flax.TransformerLayer(
                 num_attention_heads=c.heads,
                 num_gqa_groups=c.kv_heads,
@@ -59,6 +65,36 @@ class GPT(nn.Module):
             with te_jax.autocast(enabled=False):  # keeps the enclosing block's mesh axes
                 logits = head(x)
         return logits.astype(jnp.float32)
+
+
+class MoEBlock(nn.Module):
+    """A pre-norm decoder block whose MLP is a mixture of experts: ``x + attn(x)``, then ``+ moe(norm(x))``.
+
+    With ``flax_fp8`` (the baseline) only the attention's projections use flax's FP8: flax has no grouped
+    GEMM, so the experts run unquantized there.
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        dtype = jnp.dtype(c.dtype)
+        init = nn.initializers.normal(INIT_STD)
+        x = x + te_flax.SelfAttention(c.heads, c.kv_heads, c.hidden // c.heads, causal=True, rotary=c.rotary,
+                                      dtype=dtype, kernel_init=init,
+                                      dot_general_cls=nn.Fp8DirectDotGeneralOp if c.flax_fp8 else None,
+                                      name="attention")(x).astype(x.dtype)
+        h = te_flax.LayerNorm(dtype=dtype, name="moe_norm")(x)
+        y = te_flax.MoE(c.experts, c.top_k, c.mlp_hidden, num_shared_experts=c.shared_experts,
+                        aux_loss_coeff=c.aux_loss_coeff, dtype=dtype, kernel_init=init, router_init=init,
+                        name="moe")(h)
+        return x + y.astype(x.dtype)
+
+
+def aux_loss(intermediates) -> jax.Array:
+    """The sum of the load-balancing losses the MoE blocks sowed (0 for a dense model)."""
+    return sum((jnp.sum(v) for v in jax.tree.leaves(intermediates)), jnp.float32(0))
 
 
 def count_params(params) -> int:

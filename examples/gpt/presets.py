@@ -1,4 +1,4 @@
-"""Model and run presets: tiny (CPU, seconds per hundred steps), 125m and 1.3b (one GPU)."""
+"""Model and run presets: tiny and tiny-moe (CPU, seconds per hundred steps), 125m, 1.3b and moe-1b (one GPU)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ class ModelConfig:
     quantize_head: bool = False  # the output projection stays in high precision unless True
     logical_axes: bool = False  # name the parameters' axes ("embed", "heads", "mlp", ...) for sharding rules
     flax_fp8: bool = False  # the baseline: every block's projections through flax's Fp8DotGeneral, no te_jax recipe
+    # Mixture of experts: with experts > 0 each block's MLP is a te_jax.flax.MoE of that many swiglu experts
+    # of width mlp_hidden, top_k of them per token, plus shared_experts every token goes through.
+    experts: int = 0
+    top_k: int = 2
+    shared_experts: int = 0
+    aux_loss_coeff: float = 0.01  # the load-balancing loss's weight in the training loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,4 +51,14 @@ PRESETS = {
     # ~1.29B parameters (GPT-3 XL's width, grouped-query attention with 8 key/value heads).
     "1.3b": Preset(ModelConfig(layers=28, hidden=2048, heads=16, kv_heads=8, mlp_hidden=8192, max_len=2048),
                    batch=16, seq_len=2048, steps=500, lr=2e-4, warmup=50, eval_every=100, eval_batches=4),
+    # ~1.05M parameters (~0.46M active per token): tiny's attention, 8 experts of width 128, top-2, one shared
+    # expert.
+    "tiny-moe": Preset(ModelConfig(layers=2, hidden=128, heads=4, kv_heads=2, mlp_hidden=128, max_len=128,
+                                   experts=8, top_k=2, shared_experts=1),
+                       batch=16, seq_len=128, steps=200, lr=3e-3, warmup=20, eval_every=50, eval_batches=4),
+    # ~1.01B parameters (~0.22B active per token): 12 blocks of width 1536, 32 experts of width 512, top-4,
+    # one shared expert (DeepSeek-style fine-grained experts).
+    "moe-1b": Preset(ModelConfig(layers=12, hidden=1536, heads=12, kv_heads=4, mlp_hidden=512, max_len=2048,
+                                 experts=32, top_k=4, shared_experts=1),
+                     batch=16, seq_len=2048, steps=500, lr=3e-4, warmup=50, eval_every=100, eval_batches=4),
 }

@@ -73,7 +73,7 @@ import te_jax
 from examples.gpt import data as data_lib
 from examples.gpt import parallel, report
 from examples.gpt.config import NO_RECIPE, RunConfig, make_recipe, recipe_label
-from examples.gpt.model import GPT, count_params
+from examples.gpt.model import GPT, aux_loss, count_params
 from examples.gpt.presets import PRESETS
 from te_jax import inspect as te_inspect
 from te_jax import recipe as R
@@ -154,11 +154,13 @@ def make_train_step(model, recipe, mesh_resource, base_key, inspect: bool | te_i
         key = jax.random.fold_in(base_key, state.step)  # new "quantize" key each step (NVFP4 rounding)
 
         def loss_fn(variables):
-            logits = state.apply_fn(variables, tokens[:, :-1], rngs={"quantize": key})
-            return cross_entropy(logits, tokens[:, 1:])
+            logits, sown = state.apply_fn(variables, tokens[:, :-1], rngs={"quantize": key},
+                                          mutable=["intermediates"])
+            loss = cross_entropy(logits, tokens[:, 1:])
+            return loss + aux_loss(sown), loss
 
         with autocast_for(recipe, mesh_resource, inspect):
-            loss, grads = te_jax.train.value_and_grad(loss_fn)(state.params)
+            (_, loss), grads = te_jax.train.value_and_grad(loss_fn, has_aux=True)(state.params)
         squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads["params"])]
         grad_norm = jnp.sqrt(sum(squares))
         metrics = {"loss": loss, "grad_norm": grad_norm}
