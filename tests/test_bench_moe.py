@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import te_jax
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,7 +19,9 @@ def test_bench_moe_tiny_runs(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--tiny", "--out", str(out),
                            "--md", str(md)], capture_output=True, text=True, cwd=ROOT / "benchmarks", timeout=1200,
                           env={**os.environ, "JAX_PLATFORMS": "cpu",
-                               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+                               # the te_jax under test first (on a GPU machine, an installed wheel), then this tree
+                               "PYTHONPATH": os.pathsep.join([str(Path(te_jax.__file__).resolve().parents[1]),
+                                                              str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert {g["shape"] for g in result["gemms"]} == {"tiny gate+up", "tiny down", "tiny gate+up skewed"}

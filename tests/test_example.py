@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import te_jax
 from te_jax import recipe as R
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,14 +199,16 @@ def test_unknown_recipe_lists_the_names_the_cli_takes_in_a_fresh_process():
 def test_command_buffers_flag_reaches_xla_only_before_the_backend_starts(tmp_path):
     """--command-buffers no-custom-calls: XLA's debug options (dumped) list its default command-buffer types
     without CUSTOM_CALL; once jax has started its backend, a second choice is refused (XLA would ignore it)."""
-    child = ("import json, os, sys; sys.path.insert(0, sys.argv[1]); from examples.gpt import train; "
+    # sys.argv[2]: the te_jax under test (on a GPU machine, an installed wheel) goes before this tree
+    child = ("import json, os, sys; sys.path[:0] = [sys.argv[2], sys.argv[1]]; from examples.gpt import train; "
              "train.use_command_buffers('xla'); unchanged = os.environ['XLA_FLAGS']; "
              "train.use_command_buffers('no-custom-calls'); import jax, jax.numpy as jnp; "
              "jax.jit(lambda x: x + 1)(jnp.ones(2)).block_until_ready(); refused = None\n"
              "try:\n  train.use_command_buffers('off')\nexcept ValueError as err:\n  refused = str(err)\n"
              "print(json.dumps({'unchanged': unchanged, 'flags': os.environ['XLA_FLAGS'], 'refused': refused}))")
     dump = tmp_path / "dump"
-    run = subprocess.run([sys.executable, "-c", child, str(ROOT)], capture_output=True, text=True, cwd=tmp_path,
+    run = subprocess.run([sys.executable, "-c", child, str(ROOT), str(Path(te_jax.__file__).resolve().parents[1])],
+                         capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_dump_to={dump}"})
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout.splitlines()[-1])
@@ -387,7 +390,8 @@ def test_readme_transformer_engine_differences_hold():
         with pytest.raises(TypeError):
             type(rec)(fp8_dpa=False)
     assert {f.name for f in dataclasses.fields(te_jax.MeshResource)} == {"dp_resource", "tp_resource",
-                                                                          "fsdp_resource", "sp_resource"}
+                                                                          "fsdp_resource", "sp_resource",
+                                                                          "ep_resource"}
     assert tf.DenseGeneral(4).use_bias and tf.LayerNormDenseGeneral(4).use_bias and tf.LayerNormMLP().use_bias
     assert tf.DenseGeneral(4).dtype is None
     assert {"activation", "dropout_rng_name"} <= set(tf.LayerNormMLP.__dataclass_fields__)

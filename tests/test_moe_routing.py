@@ -170,8 +170,11 @@ def test_grouped_reference_matches_ragged_dot_and_zeros_past_the_sum():
     x = jax.random.normal(jax.random.key(10), (T, H))
     kernel = jax.random.normal(jax.random.key(11), (E, H, F))
     sizes = jnp.array([0, 30, 0, 0, 21, 5, 0, 0], jnp.int32)  # 56 of 64 rows
-    got = grouped_matmul_reference(x, kernel, sizes)
-    want = jax.lax.ragged_dot(x, kernel, sizes, precision=jax.lax.Precision.HIGHEST)
+    cpu = jax.devices("cpu")[0]  # float32 products in full precision (a GPU's default matmul is not)
+    x, kernel, sizes = jax.device_put((x, kernel, sizes), cpu)
+    with jax.default_device(cpu):
+        got = grouped_matmul_reference(x, kernel, sizes)
+        want = jax.lax.ragged_dot(x, kernel, sizes, precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[56:], 0)
     np.testing.assert_allclose(got[30:51], x[30:51] @ kernel[4], rtol=1e-5, atol=1e-5)
