@@ -8,32 +8,27 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-python3}
 
-inc_dir=.cache/cublas/nvidia/cu13/include
-if [ ! -f "$inc_dir/cublasLt.h" ]; then
-  mkdir -p .cache/cublas
-  $PY -m pip download -q --disable-pip-version-check --no-deps -d .cache/cublas "nvidia-cublas>=13"
-  $PY - <<'PYEOF'
-import glob, zipfile
-wheel = sorted(glob.glob(".cache/cublas/nvidia_cublas-*.whl"))[-1]
-with zipfile.ZipFile(wheel) as z:
-    z.extractall(".cache/cublas", [n for n in z.namelist() if "/include/" in n])
+# fetch_headers DIR REQUIREMENT PART: downloads the wheel into DIR and unpacks its members whose path contains PART.
+fetch_headers() {
+  mkdir -p "$1"
+  $PY -m pip download -q --disable-pip-version-check --no-deps -d "$1" "$2"
+  $PY - "$1" "$3" <<'PYEOF'
+import glob, sys, zipfile
+folder, part = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(sorted(glob.glob(f"{folder}/*.whl"))[-1]) as z:
+    z.extractall(folder, [n for n in z.namelist() if part in n])
 PYEOF
-fi
+}
+
+inc_dir=.cache/cublas/nvidia/cu13/include
+[ -f "$inc_dir/cublasLt.h" ] || fetch_headers .cache/cublas "nvidia-cublas>=13" /include/
 [ -f "$inc_dir/cublasLt.h" ] || { echo "compile_cuda: could not get cublasLt.h"; exit 1; }
 
 # The version pinned in pyproject.toml's build requirements.
 cutlass_version=$(sed -n 's/.*"nvidia-cutlass==\([0-9.]*\)".*/\1/p' pyproject.toml)
 cutlass_inc=.cache/cutlass/cutlass_library/source/include
-if [ ! -f "$cutlass_inc/cutlass/cutlass.h" ]; then
-  mkdir -p .cache/cutlass
-  $PY -m pip download -q --disable-pip-version-check --no-deps -d .cache/cutlass "nvidia-cutlass==$cutlass_version"
-  $PY - <<'PYEOF'
-import glob, zipfile
-wheel = sorted(glob.glob(".cache/cutlass/nvidia_cutlass-*.whl"))[-1]
-with zipfile.ZipFile(wheel) as z:
-    z.extractall(".cache/cutlass", [n for n in z.namelist() if n.startswith("cutlass_library/source/include/")])
-PYEOF
-fi
+[ -f "$cutlass_inc/cutlass/cutlass.h" ] || fetch_headers .cache/cutlass "nvidia-cutlass==$cutlass_version" \
+  cutlass_library/source/include/
 [ -f "$cutlass_inc/cutlass/cutlass.h" ] || { echo "compile_cuda: could not get the CUTLASS headers"; exit 1; }
 
 ffi_inc=$($PY -c "import jax.ffi; print(jax.ffi.include_dir())")
