@@ -278,14 +278,19 @@ def _recipe(name):
 
 
 def _dense_run(q, state, x, w, b, c, backend):
-    gs = jnp.asarray(DENSE_SIZES, jnp.int32)
+    # The pure-JAX twin runs on the CPU, as every test's reference does (on a GPU, XLA's float32 arithmetic
+    # and default matmul precision are not the reference's).
+    device = jax.devices("cpu")[0] if backend == "reference" else jax.devices()[0]
+    x, w, b, c, state = jax.device_put((x, w, b, c, state), device)
+    with jax.default_device(device):
+        gs = jnp.asarray(DENSE_SIZES, jnp.int32)
 
-    def loss(x, w, b):
-        y = grouped_dense(x, w, gs, b, quantizers=q, state=state, key=jax.random.key(3))[0]
-        return jnp.sum(y.astype(F32) * c), y
+        def loss(x, w, b):
+            y = grouped_dense(x, w, gs, b, quantizers=q, state=state, key=jax.random.key(3))[0]
+            return jnp.sum(y.astype(F32) * c), y
 
-    with te_jax.backend.use(backend):
-        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, w, b)
+        with te_jax.backend.use(backend):
+            (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(x, w, b)
     return (y, *grads)
 
 
