@@ -224,8 +224,9 @@ def test_emulation(mode, group_axis):
         op, args = GG.grouped_gemm_mxfp8, (a, a_s, b, b_s, gs)
     else:
         op, args = GG.grouped_gemm_nvfp4, (a, a_s, jnp.asarray([3.0], F32), b, b_s, jnp.asarray([5.0], F32), gs)
-    if group_axis == 1:  # the contract: zero columns between the spans
-        _, _, member = GG.grouped_positions(gs, a_shape[1], 32)
+    if group_axis == 1:  # the contract: zero columns between the spans (the op's default align)
+        align = GG.GROUP_ALIGN[GG.ScalingMode.MXFP8 if mode == "mxfp8" else GG.ScalingMode.NVFP4]
+        _, _, member = GG.grouped_positions(gs, a_shape[1], align)
         keep = member if mode == "mxfp8" else member[0::2] & member[1::2]  # a byte holds two elements
         args = tuple(jnp.where(keep, t, jnp.zeros((), t.dtype)) if i in (0, 3 if mode == "nvfp4" else 2) else t
                      for i, t in enumerate(args))
