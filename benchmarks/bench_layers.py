@@ -130,8 +130,18 @@ class _WithInput(nnx.Module):
 
 
 def make_nnx_step(model: nnx.Module, recipe) -> CompiledStep:
-    """The NNX form of ``make_step``: the step returns ``(loss, {"grads": ..., "state": the layer's new state})``."""
+    """The NNX form of ``make_step``: the step returns ``(loss, {"grads": ..., "fp8": the layer's new FP8 state})``.
+
+    Only the FP8 state comes out, as the Linen step's: returning the unchanged parameters too would add a copy
+    of every weight to the timed step.
+    """
     graphdef, state = nnx.split(model)
+    fp8_state = (te_jax.nnx.FP8Meta, te_jax.nnx.FP8Stats)
+
+    def next_variables(state, out):
+        layer = nnx.merge(graphdef, state)
+        nnx.update(layer, out["fp8"])
+        return nnx.state(layer)
 
     def step(state, x, c, key):
         del key  # per-tensor recipes draw no random numbers
@@ -142,9 +152,9 @@ def make_nnx_step(model: nnx.Module, recipe) -> CompiledStep:
 
         with te_jax.autocast(recipe=recipe):
             loss, grads = te_jax.nnx.value_and_grad(loss_fn)(holder)
-        return loss, {"grads": grads, "state": nnx.state(holder.layer)}
+        return loss, {"grads": grads, "fp8": nnx.state(holder.layer, fp8_state)}
 
-    return CompiledStep(step, state, jax.random.key(123), next_variables=lambda variables, out: out["state"])
+    return CompiledStep(step, state, jax.random.key(123), next_variables=next_variables)
 
 
 def _next_linen_variables(variables, grads):
