@@ -22,7 +22,9 @@ from qtest_util import run_on_fake_devices
 
 from te_jax.ops import gemm as dense_gemm
 from te_jax.ops.gemm_call import GemmEmulationWarning
+from te_jax.ops import grouped_cuda, grouped_reference
 from te_jax.ops import grouped_gemm as GG
+from te_jax.ops.grouped_layout import GroupedLayout
 from te_jax.quantize import CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
 
 E4, E5 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
@@ -301,13 +303,13 @@ def test_errors():
 
 def test_cuda_checks():
     """What the CUDA lowering refuses (checked here without a GPU)."""
-    lay = GG.GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 0, 16)
-    GG._check_cuda(lay, (48, 32), (G, 64, 32))
+    lay = GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 0, 16)
+    grouped_cuda.check_cuda(lay, (48, 32), (G, 64, 32))
     with pytest.raises(ValueError, match="multiples of 16"):
-        GG._check_cuda(lay, (48, 40), (G, 64, 40))
-    wg = GG.GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 1, 1)
+        grouped_cuda.check_cuda(lay, (48, 40), (G, 64, 40))
+    wg = GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 1, 1)
     with pytest.raises(ValueError, match="align to be a multiple of 16"):
-        GG._check_cuda(wg, (64, 64), (32, 64))
+        grouped_cuda.check_cuda(wg, (64, 64), (32, 64))
 
 
 @pytest.mark.parametrize("a_dt, b_dt", [(E4, E4), (E5, E4), (E4, E5)])  # forward / E4M3 grads, HYBRID dgrad, wgrad
@@ -316,29 +318,29 @@ def test_every_per_tensor_combination_has_a_cuda_kernel(a_dt, b_dt):
     then a cast, never with less exact accumulation than asked."""
     for out in (jnp.bfloat16, jnp.float32, jnp.float16):
         for fast in (True, False):
-            lay = GG.GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 0,
-                                   16, attrs=(("fast_accum", fast),), out_dtype=jnp.dtype(out))
-            run = GG._cuda_kernel(lay, a_dt, b_dt)
+            lay = GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 0,
+                                16, attrs=(("fast_accum", fast),), out_dtype=jnp.dtype(out))
+            run = grouped_cuda.cuda_kernel(lay, a_dt, b_dt)
             run_fast = dict(run.attrs)["fast_accum"]
-            assert (jnp.dtype(a_dt), jnp.dtype(b_dt), run.out_dtype, run_fast) in GG._CUDA_FP8_KERNELS
+            assert (jnp.dtype(a_dt), jnp.dtype(b_dt), run.out_dtype, run_fast) in grouped_cuda.CUDA_FP8_KERNELS
             assert run.out_dtype in (jnp.dtype(out), jnp.dtype(jnp.float32)) and run_fast in (fast, False)
 
 
 def test_block_cuda_kernels():
     """The Float8 block recipe's GEMMs (1x128 activations and gradients) run a kernel; the rest is refused."""
     def lay(axis, out, a2=False, b2=False):
-        return GG.GroupedLayout(GG.ScalingMode.FP8_BLOCK, "te_jax_grouped_gemm_fp8_block", ("a", "a_s", "b", "b_s"),
-                                axis, 128, attrs=(("a_block_2d", a2), ("b_block_2d", b2)), out_dtype=jnp.dtype(out))
+        return GroupedLayout(GG.ScalingMode.FP8_BLOCK, "te_jax_grouped_gemm_fp8_block", ("a", "a_s", "b", "b_s"),
+                             axis, 128, attrs=(("a_block_2d", a2), ("b_block_2d", b2)), out_dtype=jnp.dtype(out))
     for out in (jnp.bfloat16, jnp.float32):
         for axis, b2 in ((0, True), (0, False), (1, False)):
-            run = GG._cuda_kernel(lay(axis, out, b2=b2), E4, E4)
-            assert (jnp.dtype(E4), jnp.dtype(E4), run.out_dtype, b2, axis) in GG._CUDA_BLOCK_KERNELS
+            run = grouped_cuda.cuda_kernel(lay(axis, out, b2=b2), E4, E4)
+            assert (jnp.dtype(E4), jnp.dtype(E4), run.out_dtype, b2, axis) in grouped_cuda.CUDA_BLOCK_KERNELS
     with pytest.raises(ValueError, match="fp8_format=Format.E4M3"):
-        GG._cuda_kernel(lay(0, jnp.bfloat16, b2=True), E5, E4)
+        grouped_cuda.cuda_kernel(lay(0, jnp.bfloat16, b2=True), E5, E4)
     with pytest.raises(ValueError, match="x_block_scaling_dim=1"):
-        GG._cuda_kernel(lay(0, jnp.bfloat16, a2=True), E4, E4)
+        grouped_cuda.cuda_kernel(lay(0, jnp.bfloat16, a2=True), E4, E4)
     with pytest.raises(ValueError, match="both operands"):
-        GG._cuda_kernel(lay(1, jnp.float32, b2=True), E4, E4)
+        grouped_cuda.cuda_kernel(lay(1, jnp.float32, b2=True), E4, E4)
 
 
 def _cuda_hlo(f, *args) -> str:
@@ -421,9 +423,9 @@ def test_gpu_emulation_matches_reference(mode, group_axis):
         keep = member if pack == 1 else member[0::2] & member[1::2]
         values = tuple(jnp.where(keep, t, jnp.zeros((), t.dtype)) if r in ("a", "b") else t
                        for r, t in zip(roles, values))
-    lay = GG.GroupedLayout(GG.ScalingMode.MXFP8 if mode == "mxfp8" else GG.ScalingMode.NVFP4, "", roles, group_axis,
-                           align, out_dtype=jnp.dtype(jnp.float32), pack=pack, k_block=block)
-    got = GG._emulate(lay, *values, gs, jnp.zeros((0,), jnp.float32))
+    lay = GroupedLayout(GG.ScalingMode.MXFP8 if mode == "mxfp8" else GG.ScalingMode.NVFP4, "", roles, group_axis,
+                        align, out_dtype=jnp.dtype(jnp.float32), pack=pack, k_block=block)
+    got = grouped_reference.emulate(lay, *values, gs, jnp.zeros((0,), jnp.float32))
     want = op(*values, gs, group_axis=group_axis, align=align, out_dtype=jnp.float32, backend="reference")
     rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     assert got.shape == want.shape and rel < (1e-6 if mode == "mxfp8" else 2**-7), rel

@@ -77,8 +77,8 @@ ffi::Error RunGroupedFp8Block(const GroupedFp8Call& call, cudaStream_t stream);
 // ones serve the hot forward (E4M3 x E4M3, fast) and dgrad (E5M2 x E4M3,
 // split) products directly; every other combination of te_jax's recipes runs
 // the float32 kernel of its dtype pair (split accumulation, which is at least
-// as exact as fast) and the lowering casts the result (te_jax/ops/grouped_gemm.py
-// keeps the same table in _CUDA_FP8_KERNELS).
+// as exact as fast) and the lowering casts the result (te_jax/ops/grouped_cuda.py
+// keeps the same table in CUDA_FP8_KERNELS).
 #define TE_JAX_GROUPED_FP8_KERNELS(X) \
   X(kE4M3, kE4M3, kBf16, true)        \
   X(kE5M2, kE4M3, kBf16, false)       \
@@ -90,7 +90,7 @@ ffi::Error RunGroupedFp8Block(const GroupedFp8Call& call, cudaStream_t stream);
 // axis): the forward and dgrad products (kRows) with 128x128 weight blocks to
 // bfloat16 (hot) or float32, with 1x128 weight blocks to float32, and the
 // wgrad product (kContraction, 1x128 blocks of both) to float32. Other out
-// dtypes are float32 and a cast (_CUDA_BLOCK_KERNELS in te_jax/ops/grouped_gemm.py).
+// dtypes are float32 and a cast (CUDA_BLOCK_KERNELS in te_jax/ops/grouped_cuda.py).
 #define TE_JAX_GROUPED_FP8_BLOCK_KERNELS(X)        \
   X(kE4M3, kE4M3, kBf16, 128, GroupAxis::kRows)    \
   X(kE4M3, kE4M3, kF32, 128, GroupAxis::kRows)     \

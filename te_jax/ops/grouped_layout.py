@@ -1,0 +1,134 @@
+"""Where a grouped GEMM's groups lie, the checks of its operands, and the static layout of its custom call.
+
+Shared by the public ops (``te_jax.ops.grouped_gemm``), the pure-JAX twins
+(``te_jax.ops.grouped_reference``) and the custom call
+(``te_jax.ops.grouped_call``). The layouts themselves (``group_axis`` 0 and
+1) are described in ``te_jax.ops.grouped_gemm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax.quantize.modes import ScalingMode
+
+__all__ = ["GROUP_ALIGN", "GroupedLayout", "check_bias", "check_group_sizes", "check_layout", "group_value",
+           "grouped_positions"]
+
+# The span alignment of group_axis=1 each mode's CUDA kernels need (a block never straddles two groups).
+GROUP_ALIGN = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMode.MXFP8: 32, ScalingMode.NVFP4: 16}
+
+
+def grouped_positions(group_sizes: jax.Array, extent: int, align: int = 1):
+    """Which group each of ``extent`` rows (spans when ``align`` > 1) belongs to, computed on the device.
+
+    Groups follow each other in ``roundup(m_g, align)``-long spans from 0
+    (``align=1``: the rows of group_axis 0). Returns ``(group, index, member)``,
+    each ``[extent]``: the group of the span a position lies in (clipped to
+    ``G - 1`` past the last span), its index inside that group, and whether it
+    holds one of the group's ``m_g`` elements (False in the padding and past
+    the last span). Negative sizes count as zero.
+    """
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    spans = (sizes + (align - 1)) // align * align if align > 1 else sizes
+    ends = jnp.cumsum(spans)
+    pos = jnp.arange(extent, dtype=jnp.int32)
+    group = jnp.minimum(jnp.searchsorted(ends, pos, side="right").astype(jnp.int32), sizes.shape[0] - 1)
+    index = pos - (ends[group] - spans[group])
+    member = (pos < ends[-1]) & (index < sizes[group])
+    return group, index, member
+
+
+# ---- validation ----------------------------------------------------------------------
+
+
+def check_group_sizes(group_sizes) -> int:
+    """Checks that ``group_sizes`` is int32 ``[G]`` with G >= 1; returns G."""
+    if not hasattr(group_sizes, "dtype") or jnp.dtype(group_sizes.dtype) != jnp.int32 or group_sizes.ndim != 1:
+        got = f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}{list(getattr(group_sizes, 'shape', ()))}"
+        raise TypeError(f"te_jax: group_sizes must be an int32 array [G] (one row count per group), got {got}; "
+                        "pass group_sizes.astype(jnp.int32)")
+    if group_sizes.shape[0] < 1:
+        raise ValueError("te_jax: group_sizes must have at least one group")
+    return group_sizes.shape[0]
+
+
+def check_layout(a, b, num_groups: int, group_axis, align, pack: int, block: int, label: str) -> int:
+    """Checks the operand shapes of ``group_axis``; returns the contraction length K (Kc)."""
+    if group_axis not in (0, 1) or isinstance(group_axis, bool):
+        raise ValueError(f"te_jax: group_axis must be 0 (rows grouped) or 1 (contraction grouped), got {group_axis!r}")
+    if not isinstance(align, (int, np.integer)) or isinstance(align, bool) or align < 1:
+        raise ValueError(f"te_jax: align must be a positive int, got {align!r}")
+    if group_axis == 0:
+        if a.ndim != 2 or b.ndim != 3 or a.shape[-1] != b.shape[-1]:
+            raise ValueError(f"te_jax: group_axis=0 needs A [M, K] and B [G, N, K] with one K; got A {a.shape} and "
+                             f"B {b.shape}")
+        if b.shape[0] != num_groups:
+            raise ValueError(f"te_jax: B has {b.shape[0]} matrices but group_sizes has {num_groups} groups; give "
+                             "one size per expert")
+    elif a.ndim != 2 or b.ndim != 2 or a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"te_jax: group_axis=1 needs A [P, Kc] and B [Q, Kc] with one Kc; got A {a.shape} and "
+                         f"B {b.shape}")
+    k = a.shape[-1] * pack
+    if k % block:
+        raise ValueError(f"te_jax: {label} grouped GEMM needs the contraction length ({k}) to be a multiple of "
+                         f"{block}; pad it")
+    if group_axis == 1 and align % block:
+        raise ValueError(f"te_jax: {label} grouped GEMM with group_axis=1 needs align ({align}) to be a multiple of "
+                         f"its block ({block}): a block must not straddle two groups")
+    return k
+
+
+def group_value(s, num_groups: int, name: str):
+    """A per-tensor float32 value: ``[1]`` or one per group ``[G]``."""
+    s = jnp.asarray(s, jnp.float32)
+    if s.size == 1:
+        return s.reshape(1)
+    if s.shape != (num_groups,):
+        raise ValueError(f"te_jax: {name} must be float32 [1] or one value per group [{num_groups}], got shape "
+                         f"{s.shape}")
+    return s
+
+
+def check_bias(bias, group_axis: int, num_groups: int, n: int, out_dtype):
+    """Checks a ``[G, N]`` bias (group_axis 0 only); returns it in ``out_dtype`` or float32, or None."""
+    if bias is None:
+        return None
+    if group_axis != 0:
+        raise ValueError("te_jax: a grouped GEMM bias applies to group_axis=0 only (add a wgrad bias yourself)")
+    bias = jnp.asarray(bias)
+    if bias.shape != (num_groups, n):
+        raise ValueError(f"te_jax: bias must be [G, N] = [{num_groups}, {n}], got shape {bias.shape}")
+    return bias if jnp.dtype(bias.dtype) in (out_dtype, jnp.dtype(jnp.float32)) else bias.astype(jnp.float32)
+
+
+# ---- the custom call's layout ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedLayout:
+    """Static description of one grouped custom call.
+
+    Roles: "a"/"b" the operands, "a_s"/"b_s" block scales, "a_t"/"b_t" per-tensor
+    values (``[1]`` or ``[G]``), "sizes" the group sizes, "bias" (always passed;
+    ``[0]`` without one).
+    """
+
+    mode: ScalingMode
+    target: str
+    roles: tuple[str, ...]
+    group_axis: int
+    align: int
+    attrs: tuple[tuple[str, bool], ...] = ()
+    out_dtype: jnp.dtype = jnp.dtype(jnp.float32)
+    has_bias: bool = False
+    pack: int = 1
+    k_block: int = 0
+
+    @property
+    def all_roles(self) -> tuple[str, ...]:
+        return (*self.roles, "sizes", "bias")
