@@ -144,7 +144,7 @@ def _usage_error(argv: list[str], capsys) -> str:
     (["--recipe", " , "], "names no recipe"),
     (["--preset", "huge"], "invalid choice: 'huge'"),
     (["--mesh", "dp=two"], "--mesh: bad entry 'dp=two'"),
-    (["--mesh", "dp=2", "--batch", "3"], "--batch 3 must be divisible by dp*fsdp = 2"),
+    (["--mesh", "dp=2", "--batch", "3"], "--batch 3 must be divisible by dp*fsdp*ep = 2"),
     (["--mesh", "tp=3"], "--mesh tp=3 must divide the tiny preset's attention heads (4)"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--inspect-every", "2"], "--inspect-every needs --inspect"),
@@ -224,7 +224,7 @@ def test_command_buffers_flag_reaches_xla_only_before_the_backend_starts(tmp_pat
 def test_mesh_parse():
     with pytest.raises(ValueError, match="dp=2"):
         parallel.parse_mesh("dp=two")
-    assert parallel.parse_mesh("dp=2,tp=1") == {"dp": 2, "fsdp": 1, "tp": 1}
+    assert parallel.parse_mesh("dp=2,tp=1") == {"dp": 2, "fsdp": 1, "ep": 1, "tp": 1}
 
 
 def test_a_recipe_that_quantizes_no_layer_is_reported(capsys):
