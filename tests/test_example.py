@@ -267,10 +267,9 @@ def test_mesh_data_and_tensor_parallel_on_fake_cpu_devices(tmp_path):
 
 def test_mesh_expert_parallel_on_fake_cpu_devices():
     """--mesh dp=2,ep=2 with tiny-moe (tests/example_ep_multidevice.py, 4 fake CPU devices): without quantization
-    the losses are the one-device ones to float32 rounding and the step exchanges tokens with all-to-all; the expert
-    kernels are split over "ep" along their
-    expert axis; under delayed scaling every device holds the same fp8_meta, and a checkpoint restores the
-    state bit for bit with its shardings."""
+    the losses are the one-device ones to float32 rounding and the step exchanges tokens with all-to-all; the
+    expert kernels are split over "ep" along their expert axis; under delayed scaling every device holds the same
+    fp8_meta, and a checkpoint restores the state bit for bit with its shardings."""
     proc = run_on_fake_devices([ROOT / "tests" / "example_ep_multidevice.py"], devices=4, cwd=ROOT)
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
