@@ -8,8 +8,8 @@
   too, as over a data axis: the devices of an expert group hold different
   sequences, and the layer sends each token's rows to its experts' devices
   with all-to-all. Every other parameter is replicated over "ep" (split over
-  "fsdp" as above). ``MESH_RESOURCE.ep_resource`` names the axis only when it
-  has more than one device (``mesh_resource``): with one, the MoE runs
+  "fsdp" as above). The MeshResource autocast gets (``mesh_resource``)
+  names "ep" only when it has more than one device: with one, the MoE runs
   without its shard_map.
 * tp: the transformer layers name their parameters' axes (``logical_axes``)
   and ``LOGICAL_RULES`` map those names onto the mesh: attention heads and
