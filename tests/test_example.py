@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from qtest_util import run_on_fake_devices
 
 import te_jax
 from te_jax import recipe as R
@@ -144,8 +145,13 @@ def _usage_error(argv: list[str], capsys) -> str:
     (["--recipe", " , "], "names no recipe"),
     (["--preset", "huge"], "invalid choice: 'huge'"),
     (["--mesh", "dp=two"], "--mesh: bad entry 'dp=two'"),
-    (["--mesh", "dp=2", "--batch", "3"], "--batch 3 must be divisible by dp*fsdp = 2"),
+    (["--mesh", "dp=2", "--batch", "3"], "--batch 3 must be divisible by dp*fsdp*ep = 2"),
     (["--mesh", "tp=3"], "--mesh tp=3 must divide the tiny preset's attention heads (4)"),
+    (["--mesh", "ep=2"], "--mesh ep=2: the tiny preset has no experts to split; use an MoE preset (tiny-moe, moe-1b)"),
+    (["--preset", "tiny-moe", "--mesh", "ep=3"], "--mesh ep=3 must divide the tiny-moe preset's experts (8)"),
+    (["--preset", "tiny-moe", "--mesh", "ep=2,tp=2"], "experts are not tensor parallel; use dp, fsdp and ep"),
+    (["--preset", "tiny-moe", "--mesh", "dp=2,ep=2", "--batch", "6"],
+     "--batch 6 must be divisible by dp*fsdp*ep = 4"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
     (["--inspect-every", "2"], "--inspect-every needs --inspect"),
     (["--inspect", "x", "--inspect-every", "0"], "--inspect-every must be an integer >= 1"),
@@ -224,7 +230,7 @@ def test_command_buffers_flag_reaches_xla_only_before_the_backend_starts(tmp_pat
 def test_mesh_parse():
     with pytest.raises(ValueError, match="dp=2"):
         parallel.parse_mesh("dp=two")
-    assert parallel.parse_mesh("dp=2,tp=1") == {"dp": 2, "fsdp": 1, "tp": 1}
+    assert parallel.parse_mesh("dp=2,tp=1") == {"dp": 2, "fsdp": 1, "ep": 1, "tp": 1}
 
 
 def test_a_recipe_that_quantizes_no_layer_is_reported(capsys):
@@ -257,6 +263,27 @@ def test_mesh_data_and_tensor_parallel_on_fake_cpu_devices(tmp_path):
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
         losses.append(json.loads(out.read_text())[0]["history"]["loss"])
     np.testing.assert_allclose(losses[1], losses[0], rtol=2e-3)
+
+
+def test_mesh_expert_parallel_on_fake_cpu_devices():
+    """--mesh dp=2,ep=2 with tiny-moe (tests/example_ep_multidevice.py, 4 fake CPU devices): without quantization
+    the losses are the one-device ones to float32 rounding and the step exchanges tokens with all-to-all; the
+    expert kernels are split over "ep" along their expert axis; under delayed scaling every device holds the same
+    fp8_meta, and a checkpoint restores the state bit for bit with its shardings."""
+    proc = run_on_fake_devices([ROOT / "tests" / "example_ep_multidevice.py"], devices=4, cwd=ROOT)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    got = lines[-1]
+    assert got["devices"] == 4
+    np.testing.assert_allclose(got["losses"]["dp2xep2"], got["losses"]["one_device"], rtol=1e-6)
+    assert got["all_to_alls"] == 5  # one MoE block's exchange: three forward, two backward (docs/moe.md)
+    specs = got["expert_kernel_specs"]
+    assert sorted(specs) == ["TransformerLayer_0/moe/wi", "TransformerLayer_0/moe/wo"], specs
+    assert all(spec.startswith("P('ep',") for spec in specs.values()), specs
+    delayed = got["delayed"]
+    assert len(delayed["losses"]) == 3 and np.all(np.isfinite(delayed["losses"])), delayed
+    assert delayed["fp8_meta_leaves"] > 0 and delayed["fp8_meta_same_on_every_device"], delayed
+    assert delayed["restored_as_saved"], delayed
 
 
 def test_demo_runs(tmp_path, capsys):

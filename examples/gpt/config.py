@@ -115,13 +115,19 @@ class RunConfig:
             if self.resume != "latest" and not self.resume.isdigit():
                 raise ValueError(f"--resume takes 'latest' or a step number, got {self.resume!r}")
         shape = parallel.parse_mesh(self.mesh)
-        data_ways = shape["dp"] * shape["fsdp"]
-        if self.batch % data_ways:
-            raise ValueError(f"--batch {self.batch} must be divisible by dp*fsdp = {data_ways}")
         m = PRESETS[self.preset].model
+        if shape["ep"] > 1 and not m.experts:
+            moe = ", ".join(name for name, p in PRESETS.items() if p.model.experts)
+            raise ValueError(f"--mesh ep={shape['ep']}: the {self.preset} preset has no experts to split; use an MoE "
+                             f"preset ({moe}) or drop ep")
+        if shape["ep"] > 1 and m.experts % shape["ep"]:
+            raise ValueError(f"--mesh ep={shape['ep']} must divide the {self.preset} preset's experts ({m.experts})")
         if m.experts and shape["tp"] > 1:
             raise ValueError(f"--mesh tp={shape['tp']}: the {self.preset} preset's experts are not tensor parallel; "
-                             "use dp and fsdp")
+                             "use dp, fsdp and ep")
+        data_ways = shape["dp"] * shape["fsdp"] * shape["ep"]
+        if self.batch % data_ways:
+            raise ValueError(f"--batch {self.batch} must be divisible by dp*fsdp*ep = {data_ways}")
         for name, size in (("attention heads", m.heads), ("key/value heads", m.kv_heads),
                            ("MLP width", m.mlp_hidden)):
             if size % shape["tp"]:

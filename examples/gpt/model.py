@@ -67,11 +67,16 @@ class GPT(nn.Module):
         return logits.astype(jnp.float32)
 
 
+# The MoE's parameters' logical axes (``ModelConfig.logical_axes``): experts over the expert-parallel axis.
+EXPERT_AXES = dict(router_axes=("embed", None), wi_axes=("expert", "embed", "mlp"), wo_axes=("expert", "mlp", "embed"))
+
+
 class MoEBlock(nn.Module):
     """A pre-norm decoder block whose MLP is a mixture of experts: ``x + attn(x)``, then ``+ moe(norm(x))``.
 
     With ``flax_fp8`` (the baseline) only the attention's projections use flax's FP8: flax has no grouped
-    GEMM, so the experts run unquantized there.
+    GEMM, so the experts run unquantized there. With ``logical_axes`` the MoE's parameters name their axes
+    (``EXPERT_AXES``); the attention's do not.
     """
 
     config: ModelConfig
@@ -86,9 +91,10 @@ class MoEBlock(nn.Module):
                                       dot_general_cls=nn.Fp8DirectDotGeneralOp if c.flax_fp8 else None,
                                       name="attention")(x).astype(x.dtype)
         h = te_flax.LayerNorm(dtype=dtype, name="moe_norm")(x)
+        axes = EXPERT_AXES if c.logical_axes else {}
         y = te_flax.MoE(c.experts, c.top_k, c.mlp_hidden, num_shared_experts=c.shared_experts,
                         aux_loss_coeff=c.aux_loss_coeff, dtype=dtype, kernel_init=init, router_init=init,
-                        name="moe")(h)
+                        name="moe", **axes)(h)
         return x + y.astype(x.dtype)
 
 

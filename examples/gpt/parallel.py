@@ -1,20 +1,32 @@
-"""``--mesh dp=..,fsdp=..,tp=..``: the device mesh, te_jax's MeshResource, and where each array lives.
+"""``--mesh dp=..,fsdp=..,ep=..,tp=..``: the device mesh, te_jax's MeshResource, and where each array lives.
 
-* dp: the batch is split over "dp" (and "fsdp"); parameters are replicated.
+* dp: the batch is split over "dp" (and "fsdp" and "ep"); parameters are replicated.
 * fsdp: also each weight is split over "fsdp" along its largest divisible axis
   (XLA gathers it for the GEMM and reduce-scatters its gradient).
+* ep (MoE presets): the experts of each ``te_jax.flax.MoE`` are split over
+  "ep" (their kernels' leading "expert" axis) and the batch is split over it
+  too, as over a data axis: the devices of an expert group hold different
+  sequences, and the layer sends each token's rows to its experts' devices
+  with all-to-all. Every other parameter is replicated over "ep" (split over
+  "fsdp" as above). The MeshResource autocast gets (``mesh_resource``)
+  names "ep" only when it has more than one device: with one, the MoE runs
+  without its shard_map.
 * tp: the transformer layers name their parameters' axes (``logical_axes``)
   and ``LOGICAL_RULES`` map those names onto the mesh: attention heads and
-  the MLP's hidden axis over "tp", the model axis over "fsdp".
+  the MLP's hidden axis over "tp", the model axis over "fsdp". The experts
+  are not tensor parallel (``RunConfig.check`` rejects tp with an MoE preset).
 
 Everything runs under plain ``jax.jit`` with shardings; te_jax's custom calls
 carry sharding rules, and the amaxes they compute are global values. The
 ``te_jax.MeshResource`` given to autocast names the same axes (it matters
-inside shard_map, where amaxes are reduced over them).
+inside shard_map, where amaxes are reduced over them: the expert-parallel
+MoE's). The model is traced with the mesh as the current abstract mesh
+(``traced_on``), which the expert-parallel MoE reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -25,19 +37,32 @@ from jax.sharding import PartitionSpec as P
 
 import te_jax
 
-AXES = ("dp", "fsdp", "tp")
-BATCH = ("dp", "fsdp")
-MESH_RESOURCE = te_jax.MeshResource(dp_resource="dp", fsdp_resource="fsdp", tp_resource="tp")
+AXES = ("dp", "fsdp", "ep", "tp")
+BATCH = ("dp", "fsdp", "ep")  # the MoE's token axes in its order: data axes, then the experts' axis
+MESH_RESOURCE = te_jax.MeshResource(dp_resource="dp", fsdp_resource="fsdp", tp_resource="tp", ep_resource="ep")
 LOGICAL_RULES = te_jax.sharding.logical_axis_rules(MESH_RESOURCE)
 
 
+def mesh_resource(shape: dict[str, int]) -> te_jax.MeshResource:
+    """The MeshResource autocast gets on a mesh of ``shape``: ``MESH_RESOURCE``, without "ep" when it is 1."""
+    return MESH_RESOURCE if shape["ep"] > 1 else dataclasses.replace(MESH_RESOURCE, ep_resource=None)
+
+
+def traced_on(mesh: jax.sharding.Mesh):
+    """A context that makes ``mesh`` the current abstract mesh; usable inside ``jax.jit`` (unlike set_mesh).
+
+    te_jax.flax.MoE reads it to place its expert-parallel shard_map.
+    """
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
 def parse_mesh(spec: str) -> dict[str, int]:
-    """``"dp=2,fsdp=1,tp=1"`` -> {"dp": 2, "fsdp": 1, "tp": 1} (missing axes are 1)."""
+    """``"dp=2,ep=4"`` -> {"dp": 2, "fsdp": 1, "ep": 4, "tp": 1} (missing axes are 1)."""
     shape = dict.fromkeys(AXES, 1)
     for part in filter(None, (s.strip() for s in (spec or "").split(","))):
         name, _, size = part.partition("=")
         if name not in shape or not size.isdigit() or int(size) < 1:
-            raise ValueError(f"--mesh: bad entry {part!r}; write e.g. dp=2,fsdp=1,tp=1")
+            raise ValueError(f"--mesh: bad entry {part!r}; write e.g. dp=2,fsdp=1,ep=1,tp=1")
         shape[name] = int(size)
     return shape
 

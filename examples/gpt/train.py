@@ -48,6 +48,7 @@ the recipes when there are several) and the measured cost of inspection per step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -107,11 +108,22 @@ def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
     )
 
 
-def autocast_for(recipe: R.Recipe | None, mesh_resource, inspect: bool | te_inspect.Sample = False):
-    """The autocast block every trace of the model runs in (disabled for bf16)."""
-    if recipe is None:
-        return te_jax.autocast(enabled=False, mesh_resource=mesh_resource)
-    return te_jax.autocast(recipe=recipe, mesh_resource=mesh_resource, inspect=inspect)
+@contextlib.contextmanager
+def autocast_for(recipe: R.Recipe | None, mesh_resource, inspect: bool | te_inspect.Sample = False,
+                 mesh: jax.sharding.Mesh | None = None):
+    """The autocast block every trace of the model runs in (disabled for bf16), on ``mesh`` when given.
+
+    ``mesh`` becomes the current abstract mesh (``parallel.traced_on``): the
+    expert-parallel MoE (``mesh_resource.ep_resource``) needs it.
+    """
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:
+            stack.enter_context(parallel.traced_on(mesh))
+        if recipe is None:
+            stack.enter_context(te_jax.autocast(enabled=False, mesh_resource=mesh_resource))
+        else:
+            stack.enter_context(te_jax.autocast(recipe=recipe, mesh_resource=mesh_resource, inspect=inspect))
+        yield
 
 
 def quantized_layers(model: GPT, recipe: R.CustomRecipe, tokens: jax.Array) -> list[tuple[str, ...]]:
@@ -147,8 +159,10 @@ def cross_entropy(logits, targets):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
 
-def make_train_step(model, recipe, mesh_resource, base_key, inspect: bool | te_inspect.Sample = False):
-    """The train step; with ``inspect`` its metrics also hold the quantization statistics ("fp8_stats")."""
+def make_train_step(model, recipe, mesh_resource, base_key, inspect: bool | te_inspect.Sample = False,
+                    mesh: jax.sharding.Mesh | None = None):
+    """The train step, traced on ``mesh`` when given; with ``inspect`` its metrics also hold the quantization
+    statistics ("fp8_stats")."""
 
     def train_step(state: TrainState, tokens):
         key = jax.random.fold_in(base_key, state.step)  # new "quantize" key each step (NVFP4 rounding)
@@ -159,7 +173,7 @@ def make_train_step(model, recipe, mesh_resource, base_key, inspect: bool | te_i
             loss = cross_entropy(logits, tokens[:, 1:])
             return loss + aux_loss(sown), loss
 
-        with autocast_for(recipe, mesh_resource, inspect):
+        with autocast_for(recipe, mesh_resource, inspect, mesh):
             (_, loss), grads = te_jax.train.value_and_grad(loss_fn, has_aux=True)(state.params)
         squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads["params"])]
         grad_norm = jnp.sqrt(sum(squares))
@@ -171,9 +185,9 @@ def make_train_step(model, recipe, mesh_resource, base_key, inspect: bool | te_i
     return train_step
 
 
-def make_eval_step(model, recipe, mesh_resource):
+def make_eval_step(model, recipe, mesh_resource, mesh: jax.sharding.Mesh | None = None):
     def eval_step(variables, tokens):
-        with autocast_for(recipe, mesh_resource):
+        with autocast_for(recipe, mesh_resource, mesh=mesh):
             logits = model.apply(variables, tokens[:, :-1])
         return cross_entropy(logits, tokens[:, 1:])
 
@@ -283,14 +297,14 @@ def build_run(cfg: RunConfig) -> Run:
     recipe = make_recipe(cfg.recipe, cfg.model_config().layers)
     sample = te_inspect.Sample(cfg.inspect_every)  # used only with cfg.inspect
     mesh = parallel.make_mesh(shape)
-    mesh_resource = parallel.MESH_RESOURCE
+    mesh_resource = parallel.mesh_resource(shape)
     batch_sharding = NamedSharding(mesh, P(parallel.BATCH))
-    model = GPT(dataclasses.replace(cfg.model_config(), logical_axes=shape["tp"] > 1))
+    model = GPT(dataclasses.replace(cfg.model_config(), logical_axes=shape["tp"] > 1 or shape["ep"] > 1))
     init_key, quant_key = jax.random.split(jax.random.key(cfg.seed))
     dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
     warn_if_unquantized(cfg, model, recipe, dummy)
     inspecting = bool(cfg.inspect) and recipe is not None
-    with autocast_for(recipe, mesh_resource, inspecting):  # creates fp8_meta (stateful recipes), fp8_stats
+    with autocast_for(recipe, mesh_resource, inspecting, mesh):  # creates fp8_meta (stateful recipes), fp8_stats
         variables = jax.jit(model.init)({"params": init_key, "quantize": quant_key}, dummy)
     variables, specs = parallel.param_specs(dict(variables), shape)
     state = TrainState.create(apply_fn=model.apply, params=variables, tx=make_optimizer(cfg))
@@ -299,13 +313,13 @@ def build_run(cfg: RunConfig) -> Run:
     state = jax.device_put(state, shardings)
 
     def jit_step(inspect: bool | te_inspect.Sample):
-        return jax.jit(make_train_step(model, recipe, mesh_resource, quant_key, inspect=inspect),
+        return jax.jit(make_train_step(model, recipe, mesh_resource, quant_key, inspect=inspect, mesh=mesh),
                        in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None), donate_argnums=0)
 
     return Run(cfg=cfg, label=label, model=model, recipe=recipe, mesh=mesh, batch_sharding=batch_sharding,
                shardings=shardings, state=state, train_step=jit_step(False),
                inspect_step=jit_step(sample) if inspecting else None,
-               eval_step=jax.jit(make_eval_step(model, recipe, mesh_resource)), jit_step=jit_step)
+               eval_step=jax.jit(make_eval_step(model, recipe, mesh_resource, mesh)), jit_step=jit_step)
 
 
 def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state: bool = False) -> dict:
@@ -544,7 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--data", help="train on this text file instead of the Python standard library")
     p.add_argument("--data-bytes", type=int, default=16 << 20, help="read at most this many bytes")
-    p.add_argument("--mesh", default="", help="dp=N,fsdp=N,tp=N (CPU: fake devices are made to fit)")
+    p.add_argument("--mesh", default="", help="dp=N,fsdp=N,ep=N,tp=N (ep: MoE presets' experts; CPU: fake devices "
+                                                "are made to fit)")
     p.add_argument("--distributed", action="store_true", help="call jax.distributed.initialize() first")
     p.add_argument("--coordinator", help="with --distributed: the coordinator's host:port (else auto-detected)")
     p.add_argument("--num-processes", type=int, help="with --distributed: how many processes")
