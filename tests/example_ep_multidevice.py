@@ -24,7 +24,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# After the te_jax under test (on a GPU machine, an installed wheel on PYTHONPATH): only examples/ comes from here.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 from examples.gpt import data as data_lib  # noqa: E402
 from examples.gpt import train as train_lib  # noqa: E402
 from examples.gpt.presets import PRESETS  # noqa: E402

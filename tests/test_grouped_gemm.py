@@ -137,22 +137,23 @@ def test_dgrad_layout_matches_dense_gemm_per_group(mode):
 
 
 def _spans(sizes, align, extent):
-    """(group, member) of each column of the aligned-span layout."""
-    group, index, member = GG.grouped_positions(jnp.asarray(sizes, jnp.int32), extent, align)
-    return np.asarray(group), np.asarray(member)
+    """(group, member, in_spans) of each column of the aligned-span layout."""
+    gs = jnp.asarray(sizes, jnp.int32)
+    group, index, member = GG.grouped_positions(gs, extent, align)
+    return np.asarray(group), np.asarray(member), np.asarray(GG.in_spans(gs, extent, align))
 
 
 def _wgrad_operands(mode: str, sizes, align: int):
-    """x [Mc, P] and dy [Mc, Q] in aligned spans (zeros between), quantized columnwise."""
+    """x [Mc, P] and dy [Mc, Q] in aligned spans (each group zero padded to its span), quantized columnwise."""
     qa, qb = WGRAD_MODES[mode]
     rng = _rng("wgrad", mode, tuple(sizes))
     mc = -(-(M + G * align) // align) * align
-    group, member = _spans(sizes, align, mc)
+    group, member, spans = _spans(sizes, align, mc)
     x = _data(rng, mc, K) * member[:, None]
     dy = _data(rng, mc, N) * member[:, None]
     xq = qa.quantize(x, rowwise=False, colwise=True, flatten_axis=1)
     dyq = qb.quantize(dy, rowwise=False, colwise=True, flatten_axis=1)
-    return xq, dyq, group, member
+    return xq, dyq, group, spans
 
 
 @pytest.mark.parametrize("sizes", ["random_with_zeros", "all_in_one", "empty"])
@@ -160,17 +161,22 @@ def _wgrad_operands(mode: str, sizes, align: int):
 def test_wgrad_layout_matches_reference_and_float64(mode, sizes):
     qa, _ = WGRAD_MODES[mode]
     align = GG.GROUP_ALIGN[qa.scaling_mode.family]
-    xq, dyq, group, member = _wgrad_operands(mode, SIZES[sizes], align)
+    xq, dyq, group, spans = _wgrad_operands(mode, SIZES[sizes], align)
     gs = jnp.asarray(SIZES[sizes], jnp.int32)
     out = GG.grouped_gemm(xq, dyq, gs, (0, 0), group_axis=1, out_dtype=F32)
     twin = GG.grouped_gemm(xq, dyq, gs, (0, 0), group_axis=1, out_dtype=F32, backend="reference")
     assert out.shape == (G, K, N)
-    # Hadamard-domain values multiply to the same products (the transforms cancel per 16-column block).
+    # Each group contracts over its whole span. With the Hadamard transform the padding columns of a group that
+    # ends inside a 16-column block hold transformed values, and only the whole block's products are the
+    # untransformed ones: the Hadamard-domain product equals the product of the values with the transform undone.
     a, b = _f64(xq.dequantize_colwise()), _f64(dyq.dequantize_colwise())
+    undone = [_f64(t.dequantize_colwise(undo_rht=True)) for t in (xq, dyq)] if mode.endswith("rht") else None
     for g in range(G):
-        cols = (group == g) & member
+        cols = (group == g) & spans
         want = a[:, cols] @ b[:, cols].T
         _close(np.asarray(out)[g], want, tol=1e-5 if cols.any() else 0)
+        if undone is not None and cols.any():
+            _close(np.asarray(out)[g], undone[0][:, cols] @ undone[1][:, cols].T, tol=1e-5)
         if not cols.any():
             assert np.all(np.asarray(out)[g] == 0)
     _close(out, twin)
@@ -377,6 +383,8 @@ def test_grouped_positions():
     np.testing.assert_array_equal(member[16:48], np.arange(32) < 17)
     np.testing.assert_array_equal(group[48:64], 3)
     np.testing.assert_array_equal(member[48:64], np.arange(16) < 1)
+    spans = np.asarray(GG.in_spans(jnp.asarray([3, 0, 17, 1], jnp.int32), 80, 16))
+    np.testing.assert_array_equal(spans, np.arange(80) < 64)  # padding in, past the last span out
 
 
 def test_groups_sharded_with_their_experts():
@@ -418,11 +426,8 @@ def test_gpu_emulation_matches_reference(mode, group_axis):
         amax_a, amax_b = jnp.asarray([3.0], jnp.float32), jnp.asarray([5.0], jnp.float32)
         roles, values = ("a", "a_s", "a_t", "b", "b_s", "b_t"), (a, a_s, amax_a, b, b_s, amax_b)
         align, pack, block, op = 32, 2, 16, GG.grouped_gemm_nvfp4
-    if group_axis == 1:  # zeros between the spans (a packed byte only where both its elements are in a group)
-        member = GG.grouped_positions(gs, k, align)[2]
-        keep = member if pack == 1 else member[0::2] & member[1::2]
-        values = tuple(jnp.where(keep, t, jnp.zeros((), t.dtype)) if r in ("a", "b") else t
-                       for r, t in zip(roles, values))
+    # group_axis 1: the random codes fill every span's padding too (each group contracts over its whole span)
+    # and the columns past the last span (no group's).
     lay = GroupedLayout(GG.ScalingMode.MXFP8 if mode == "mxfp8" else GG.ScalingMode.NVFP4, "", roles, group_axis,
                         align, out_dtype=jnp.dtype(jnp.float32), pack=pack, k_block=block)
     got = grouped_reference.emulate(lay, *values, gs, jnp.zeros((0,), jnp.float32))

@@ -3,7 +3,8 @@
 // group_axis 0 (forward, dgrad): A [M, K] with rows sorted by group, B [G, N, K];
 // out [M, N] holds A_g @ B_g^T in group g's rows and zeros in the rows past
 // sum(group_sizes). group_axis 1 (wgrad): A [P, Kc] and B [Q, Kc] grouped along
-// the contraction in spans aligned to `align`; out [G, P, Q], out[g] = A_span @ B_span^T.
+// the contraction in spans aligned to `align`; out [G, P, Q], out[g] = A_span @ B_span^T over the whole
+// span (its padding columns included: zero, or a Hadamard transform's values of zero padding).
 // Groups reaching past M (past Kc) are cut there. Each handler dequantizes A and
 // B with the dense handlers' helpers (gemm_cpu.h), a per-tensor value taken per
 // group when there is one per group, multiplies each group in float32, adds
@@ -52,11 +53,12 @@ ffi::ErrorOr<Groups> GroupsOf(std::string_view target, const ffi::AnyBuffer& siz
   int64_t start = 0;
   for (int64_t i = 0; i < g.count; ++i) {
     const int64_t size = std::max<int64_t>(m[i], 0);
-    const int64_t lo = std::min(start, extent), hi = std::min(start + size, extent);
+    const int64_t extent_of_group = axis == 0 ? size : (size + align - 1) / align * align;
+    const int64_t lo = std::min(start, extent), hi = std::min(start + extent_of_group, extent);
     g.begin.push_back(lo);
     g.end.push_back(hi);
     for (int64_t r = lo; r < hi; ++r) g.of[r] = i;
-    start += axis == 0 ? size : (size + align - 1) / align * align;
+    start += extent_of_group;
   }
   return g;
 }

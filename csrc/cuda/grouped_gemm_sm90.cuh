@@ -66,12 +66,13 @@ __device__ inline GroupGeometry GeometryOf(const GroupedFp8Call& c, int64_t g, i
     geo.sfb_offset = g * (c.n / max(c.b_scale_rows, 1)) * (c.k / 128);
     geo.ld_sf = c.k / 128;
   } else {
-    // start: the sum of the earlier groups' aligned spans. The span's padding
-    // columns are zero in both operands, so K rounds up to the 16 TMA needs
-    // (to whole 128-column scale blocks in the block mode).
+    // start: the sum of the earlier groups' aligned spans. The group contracts
+    // over its whole span (the contract), rounded up to the 16 columns TMA
+    // needs (whole 128-column scale blocks in the block mode).
     const int64_t off = min(start, c.k);
     const int64_t round = block ? 128 : 16;
-    const int64_t k16 = (static_cast<int64_t>(max(size, 0)) + round - 1) / round * round;
+    const int64_t span = (static_cast<int64_t>(max(size, 0)) + c.align - 1) / c.align * c.align;
+    const int64_t k16 = (span + round - 1) / round * round;
     const int64_t kg = min(k16, c.k - off);
     geo.m = kg > 0 ? static_cast<int>(c.m) : 0;
     geo.n = static_cast<int>(c.n);

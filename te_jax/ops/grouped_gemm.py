@@ -9,10 +9,14 @@ Two layouts, chosen by the static ``group_axis``; ``group_sizes`` is int32
   zeros in the rows past ``sum(m)``. An optional bias ``[G, N]`` adds
   ``bias[g]`` to group g's rows.
 * ``group_axis=1`` (wgrad): ``A [P, Kc]`` and ``B [Q, Kc]`` grouped along the
-  contraction in spans aligned to ``align``: group g is columns
-  ``[s_g, s_g + m_g)`` with ``s_g = sum_{h<g} roundup(m_h, align)``; the columns
-  between spans must be zero in both. ``out [G, P, Q]``, ``out[g] =
-  A_span @ B_span^T`` (zeros for an empty group).
+  contraction in spans aligned to ``align``: group g's span is columns
+  ``[s_g, s_g + roundup(m_g, align))`` with ``s_g = sum_{h<g} roundup(m_h,
+  align)``, and ``out [G, P, Q]``, ``out[g] = A_span @ B_span^T`` over the
+  whole span (zeros for an empty group). The caller zero pads each group's
+  data to its span before quantizing; a transform of whole spans (NVFP4's
+  Hadamard transform, 16-column blocks inside a span) then makes the padding
+  columns non-zero, and the products over the whole span are still the
+  untransformed data's.
 
 Groups reaching past M (past Kc) are cut there. Per-tensor values (FP8
 ``*_scale_inv``, NVFP4 ``*_amax``) are float32 ``[1]`` or ``[G]`` (one per
@@ -47,14 +51,14 @@ from te_jax.ops.gemm import check_block_scales, check_flag, check_operand_dtypes
 from te_jax.ops.grouped_call import call
 from te_jax.ops.grouped_cuda import grouped_workspace_bytes
 from te_jax.ops.grouped_layout import (GROUP_ALIGN, GroupedLayout, check_bias, check_group_sizes, check_layout,
-                                       group_value, grouped_positions)
+                                       group_value, grouped_positions, in_spans)
 from te_jax.ops.grouped_reference import dequantize, reference
 from te_jax.quantize import modes
 from te_jax.quantize.modes import ScalingMode
 from te_jax.quantize.scaled_tensor import ScaledTensor
 
 __all__ = ["GROUP_ALIGN", "grouped_gemm", "grouped_gemm_fp8", "grouped_gemm_fp8_block", "grouped_gemm_mxfp8",
-           "grouped_gemm_nvfp4", "grouped_positions", "grouped_workspace_bytes"]
+           "grouped_gemm_nvfp4", "grouped_positions", "grouped_workspace_bytes", "in_spans"]
 
 
 # ---- the four ops ------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 from te_jax.quantize.modes import ScalingMode
 
 __all__ = ["GROUP_ALIGN", "GroupedLayout", "check_bias", "check_group_sizes", "check_layout", "group_value",
-           "grouped_positions"]
+           "grouped_positions", "in_spans"]
 
 # The span alignment of group_axis=1 each mode's CUDA kernels need (a block never straddles two groups).
 GROUP_ALIGN = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMode.MXFP8: 32, ScalingMode.NVFP4: 16}
@@ -41,6 +41,16 @@ def grouped_positions(group_sizes: jax.Array, extent: int, align: int = 1):
     index = pos - (ends[group] - spans[group])
     member = (pos < ends[-1]) & (index < sizes[group])
     return group, index, member
+
+
+def in_spans(group_sizes: jax.Array, extent: int, align: int) -> jax.Array:
+    """Whether each of ``extent`` positions lies in a group's ``align``-rounded span, padding included: ``[extent]``.
+
+    group_axis 1 contracts each group over its whole span (``grouped_positions``'s
+    ``group`` says which); the positions past the last span belong to no group.
+    """
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    return jnp.arange(extent, dtype=jnp.int32) < jnp.sum((sizes + (align - 1)) // align * align)
 
 
 # ---- validation ----------------------------------------------------------------------

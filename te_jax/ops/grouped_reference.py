@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax.ops.grouped_layout import GroupedLayout, grouped_positions
+from te_jax.ops.grouped_layout import GroupedLayout, grouped_positions, in_spans
 from te_jax.quantize import reference as ref
 from te_jax.quantize.modes import ScalingMode
 
@@ -82,8 +82,9 @@ def reference(da, db, group_sizes, group_axis: int, align: int, bias, out_dtype)
             out = out + bias.astype(jnp.float32)[group]
         out = jnp.where(member[:, None], out, 0.0)
     else:
-        group, _, member = grouped_positions(group_sizes, da.shape[-1], align)
-        mask = (group[None, :] == jnp.arange(group_sizes.shape[0])[:, None]) & member[None, :]  # [G, Kc]
+        group = grouped_positions(group_sizes, da.shape[-1], align)[0]
+        spans = in_spans(group_sizes, da.shape[-1], align)  # whole spans: padding columns count
+        mask = (group[None, :] == jnp.arange(group_sizes.shape[0])[:, None]) & spans[None, :]  # [G, Kc]
         ma = jnp.where(mask[:, None, :], da[None], 0.0)
         mb = jnp.where(mask[:, None, :], db[None], 0.0)
         out = jnp.einsum("gpk,gqk->gpq", ma, mb, precision=hi, preferred_element_type=jnp.float32)
