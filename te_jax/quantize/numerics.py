@@ -67,9 +67,30 @@ def is_finite(x: jax.Array) -> jax.Array:
 
 
 def cast_fp8(x: jax.Array, dtype) -> jax.Array:
-    """float32 -> FP8, round to nearest even, saturating finite overflow and Inf."""
+    """float32 -> FP8, round to nearest even, saturating finite overflow and Inf.
+
+    The rounding is done here on float32 bits, and the final conversion only
+    changes the type of a value the FP8 format holds exactly: XLA:GPU's own
+    float32 -> FP8 conversion, fused into the computation that produces its
+    input, rounds some values differently from XLA:CPU's (seen on an H200 with
+    jax 0.11.2), and the reference must give the same bits on every backend.
+    """
     m = fp8_max(dtype)
-    return jnp.clip(x.astype(jnp.float32), -m, m).astype(dtype)
+    mantissa_bits = jnp.finfo(dtype).nmant
+    smallest_normal = float(jnp.finfo(dtype).smallest_normal)
+    xf = jnp.clip(x.astype(jnp.float32), -m, m)
+    bits = f32_bits(xf)
+    mag = bits & jnp.uint32(0x7FFFFFFF)
+    shift = 23 - mantissa_bits
+    # Normal range: round the magnitude's bits to the format's mantissa (ties to even); <= m after the clip.
+    normal = (mag + jnp.uint32((1 << (shift - 1)) - 1) + ((mag >> shift) & jnp.uint32(1))) & jnp.uint32(
+        (0xFFFFFFFF << shift) & 0xFFFFFFFF)
+    # Subnormal range: multiples of the smallest subnormal (powers of two scale exactly; round is ties-to-even).
+    quantum = smallest_normal * 2.0**-mantissa_bits
+    sub = f32_bits(jnp.round(bits_f32(mag) * np.float32(1 / quantum)) * np.float32(quantum))
+    rounded = jnp.where(bits_f32(mag) < np.float32(smallest_normal), sub, normal)
+    rounded = jnp.where(mag > jnp.uint32(0x7F800000), mag, rounded)  # NaN stays NaN
+    return bits_f32(rounded | (bits & jnp.uint32(0x80000000))).astype(dtype)
 
 
 def scale_from_amax(amax, fp8_max_value: float, epsilon: float = 0.0, power_2: bool = False):
