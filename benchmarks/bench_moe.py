@@ -8,7 +8,8 @@ FP8 GEMM of the same total.
 Part 2, the layer: ``te_jax.flax.MoE`` (router, top-k routing, permutation, two grouped GEMMs with the swiglu
 between, un-permutation with the gates), forward and backward (gradients of the input and every parameter), for
 
-* ``bf16 ragged_dot``: the layer with autocast off (its high-precision path is ``ragged_dot``);
+* ``bf16 ragged_dot``: the layer with autocast off (its high-precision path is ``ragged_dot``; ``--no-ragged``
+  leaves it out);
 * ``bf16 einsum cap 1.0``: the same router and experts as a bf16 batched einsum over ``E`` equal buffers of
   ``T * k / E`` rows (capacity factor 1.0: rows past an expert's capacity are dropped), the best bf16 peer
   when routing is balanced;
@@ -180,8 +181,9 @@ def bench_layer(case, args) -> dict:
     layer = _layer(experts, top_k, width)
     params = jax.jit(layer.init)(keys[4], x_sets[0][:8])["params"]
     calls = {}
-    step_bf16 = jax.jit(_layer_step(layer, None))
-    calls["bf16 ragged_dot"] = (step_bf16, [({"params": params}, x, c) for x, c in zip(x_sets, cot_sets)])
+    if not args.no_ragged:
+        step_bf16 = jax.jit(_layer_step(layer, None))
+        calls["bf16 ragged_dot"] = (step_bf16, [({"params": params}, x, c) for x, c in zip(x_sets, cot_sets)])
 
     def einsum_step(p, x, c):
         return jax.grad(lambda p, x: jnp.sum((einsum_moe(p, x, top_k) * c).astype(jnp.float32)), argnums=(0, 1))(p, x)
@@ -200,10 +202,12 @@ def bench_layer(case, args) -> dict:
         for piece, call in _pieces(params, x_sets, cot_sets, top_k, recipe).items():
             if piece in ("router", "permutation") and recipe is not None:
                 continue  # recipe-independent: timed once
+            if piece == "expert FFN" and recipe is None and args.no_ragged:
+                continue  # the high-precision expert FFN is ragged_dot
             breakdown_calls[f"{tag}: {piece}"] = call
     per_call = time_interleaved({**calls, **breakdown_calls}, args.warmup, args.iters, args.trials)
     ms = {name: 1e3 * statistics.median(t) for name, t in per_call.items()}
-    best_bf16 = min(ms["bf16 ragged_dot"], ms["bf16 einsum cap 1.0"])
+    best_bf16 = min(ms[name] for name in ("bf16 ragged_dot", "bf16 einsum cap 1.0") if name in ms)
     variants = {name: {"ms": ms[name], "tflops": flops / (ms[name] * 1e-3) / 1e12, "vs_best_bf16": best_bf16 / ms[name]}
                 for name in calls}
     return {"layer": label, "experts": experts, "top_k": top_k, "tokens": tokens, "hidden": hidden,
@@ -236,7 +240,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--no-ragged", action="store_true", help="leave out jax.lax.ragged_dot in the GEMM table")
+    p.add_argument("--no-ragged", action="store_true",
+                   help="leave out jax.lax.ragged_dot (the GEMM table's, and the layer with autocast off): at the "
+                        "DeepSeek layer's shape XLA:GPU runs out of memory on a bf16 [T*k, E, H] intermediate")
     p.add_argument("--out", default=None)
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)
@@ -250,7 +256,11 @@ def main(argv=None) -> int:
             print(bench_grouped_gemm.markdown(gemms[-1:]), flush=True)
     layers = []
     for case in selected(TINY_LAYERS if args.tiny else LAYERS, args.only):
-        layers.append(bench_layer(case, args))
+        try:
+            layers.append(bench_layer(case, args))
+        except jax.errors.JaxRuntimeError as err:  # e.g. out of memory at one shape: the other layers still run
+            print(f"layer {case[0]}: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            continue
         print(layer_markdown(layers[-1:]), flush=True)
     md = (bench_grouped_gemm.markdown(gemms) if gemms else "") + "\n" + layer_markdown(layers)
     print(md)

@@ -22,6 +22,5 @@ else
   echo "run_tests: nvcc not found; skipping the CUDA compile check"
 fi
 
-# Two workers: the suite is mostly XLA compilation, one core each. XLA:CPU's LLVM optimization is off for
-# the run (the tests' programs are small; a third less compile time); results are the same computations.
-XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0" $PY -m pytest -q -n 2 "$@"
+# Two workers: the suite is mostly XLA compilation, one core each.
+$PY -m pytest -q -n 2 "$@"
