@@ -108,3 +108,16 @@ def test_delayed_scaling_steps_equal_the_linen_layers():
         assert bits_equal(loss, want_loss)
         assert bits_equal(fp8_linen_layout(pure(nnx.state(model, te_nnx.FP8Meta))), state.params["fp8_meta"])
         assert bits_equal(pure(nnx.state(model, nnx.Param)), state.params["params"])
+
+
+def test_errors_name_the_layer():
+    with pytest.raises(ValueError, match=r"MoE: activation must be one of"):
+        te_nnx.MoE(H, E, K_TOP, F, activation="tanh", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"MoE: num_experts_per_tok \(5\) must be in \[1, num_experts=4\]"):
+        te_nnx.MoE(H, E, 5, F, rngs=nnx.Rngs(0))
+    model = te_nnx.MoE(H, E, K_TOP, F, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"in_features is 32"):
+        model(normal(0, (4, H + 1)))
+    with te_jax.autocast(enabled=False, mesh_resource=te_jax.MeshResource(ep_resource="ep")):
+        with pytest.raises(ValueError, match=r"MoE.*ep_resource='ep'.*needs a mesh with that axis"):
+            model(normal(0, (4, H)))
