@@ -53,7 +53,9 @@ class MoE(nnx.Module):
     per call): collect it with ``nnx.capture``, e.g.
     ``y, inter = nnx.capture(model, nnx.Intermediate)(x)`` and
     ``sum(inter["aux_loss"])`` (nested under the layer's attribute path in a
-    larger model), and add it to the training loss.
+    larger model), and add it to the training loss. Outside ``nnx.capture``
+    flax keeps the sown tuple on the layer as the attribute ``aux_loss``
+    (which flax deprecates), growing by one entry per call.
 
     Args:
       in_features: H.
