@@ -12,7 +12,7 @@
 
 Each layer takes its flax.nnx namesake's arguments (``Linear``,
 ``LinearGeneral``, ``LayerNorm``, ``RMSNorm``) or its te_jax.flax
-counterpart's in NNX form (``LayerNormLinear``, ``LayerNormMLP``,
+counterpart's in NNX form (``LayerNormLinear``, ``LayerNormMLP``, ``MoE``,
 ``TransformerLayer``), and, with autocast off, computes what flax computes.
 The numerics are the functional cores' (``te_jax.dense``,
 ``te_jax.layernorm_dense``, ``te_jax.layernorm_mlp``), as for the Linen
@@ -28,10 +28,11 @@ leaves it unchanged.
 
 from te_jax.nnx.linear import Linear, LinearGeneral
 from te_jax.nnx.mlp import LayerNormMLP
+from te_jax.nnx.moe import MoE
 from te_jax.nnx.normalization import LayerNorm, LayerNormLinear, RMSNorm
 from te_jax.nnx.train import grad, value_and_grad
 from te_jax.nnx.transformer import SelfAttention, TransformerLayer
 from te_jax.nnx.variables import FP8Meta, FP8Stats
 
-__all__ = ["FP8Meta", "FP8Stats", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "LinearGeneral", "RMSNorm",
-           "SelfAttention", "TransformerLayer", "grad", "value_and_grad"]
+__all__ = ["FP8Meta", "FP8Stats", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "LinearGeneral", "MoE",
+           "RMSNorm", "SelfAttention", "TransformerLayer", "grad", "value_and_grad"]

@@ -64,11 +64,11 @@ def init_fp8(layer: nnx.Module, quantizers, rngs: nnx.Rngs | None, gemms: Sequen
     a variable the recipe does not need is None, so that a model built
     outside autocast holds exactly flax.nnx's variables.
     """
-    stateful = _stateful(quantizers, gemms)
+    # Each bundle's own init_state: an MoE's expert GEMMs give their weights' state the experts' leading axis.
     if gemms is None:
-        state = {r: q.init_state() for r, q in stateful.items()}
+        state = quantizers.init_state()
     else:
-        state = {g: {r: q.init_state() for r, q in s.items()} for g, s in stateful.items()}
+        state = {g: getattr(quantizers, g).init_state() for g in gemms}
     layer.fp8_meta = FP8Meta(state) if jax.tree.leaves(state) else nnx.data(None)
     roles = _roles(quantizers, gemms)
     if inspecting() and roles:
