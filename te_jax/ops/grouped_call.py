@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import te_jax._ffi  # noqa: F401  (registers the FFI targets)
 from te_jax.ops.gemm_call import GemmEmulationWarning, _cuda_compute_capability
 from te_jax.ops.grouped_cuda import check_cuda, cuda_kernel, emulation_message, grouped_workspace_bytes
-from te_jax.ops.grouped_layout import GroupedLayout
+from te_jax.ops.grouped_layout import GroupedLayout, span_lengths
 from te_jax.ops.grouped_reference import emulate
 from te_jax.ops.partition import AxisClaims, device_local
 from te_jax.quantize.modes import ScalingMode
@@ -156,7 +156,7 @@ def _partition(lay: GroupedLayout, mesh, arg_shapes, result_shape):
                     i = lay.roles.index(role)
                     args[i] = jnp.roll(args[i], -start, axis=0)
         else:
-            spans = (sizes + lay.align - 1) // lay.align * lay.align
+            spans = span_lengths(sizes, lay.align)
             start = jnp.sum(jnp.where(jnp.arange(num_groups) < first, spans, 0))
             for role in lay.roles:
                 if role in ("a", "b", "a_s", "b_s"):

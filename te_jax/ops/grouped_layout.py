@@ -17,10 +17,16 @@ import numpy as np
 from te_jax.quantize.modes import ScalingMode
 
 __all__ = ["GROUP_ALIGN", "GroupedLayout", "check_bias", "check_group_sizes", "check_layout", "group_value",
-           "grouped_positions", "in_spans"]
+           "grouped_positions", "in_spans", "span_lengths"]
 
 # The span alignment of group_axis=1 each mode's CUDA kernels need (a block never straddles two groups).
 GROUP_ALIGN = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMode.MXFP8: 32, ScalingMode.NVFP4: 16}
+
+
+def span_lengths(group_sizes: jax.Array, align: int = 1) -> jax.Array:
+    """Each group's span, ``roundup(m_g, align)`` (negative sizes count as zero): int32 ``[G]``."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    return (sizes + (align - 1)) // align * align
 
 
 def grouped_positions(group_sizes: jax.Array, extent: int, align: int = 1):
@@ -34,7 +40,7 @@ def grouped_positions(group_sizes: jax.Array, extent: int, align: int = 1):
     the last span). Negative sizes count as zero.
     """
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    spans = (sizes + (align - 1)) // align * align if align > 1 else sizes
+    spans = span_lengths(group_sizes, align)
     ends = jnp.cumsum(spans)
     pos = jnp.arange(extent, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(ends, pos, side="right").astype(jnp.int32), sizes.shape[0] - 1)
@@ -49,8 +55,7 @@ def in_spans(group_sizes: jax.Array, extent: int, align: int) -> jax.Array:
     group_axis 1 contracts each group over its whole span (``grouped_positions``'s
     ``group`` says which); the positions past the last span belong to no group.
     """
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    return jnp.arange(extent, dtype=jnp.int32) < jnp.sum((sizes + (align - 1)) // align * align)
+    return jnp.arange(extent, dtype=jnp.int32) < jnp.sum(span_lengths(group_sizes, align))
 
 
 # ---- validation ----------------------------------------------------------------------

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax.ops.grouped_layout import GroupedLayout, grouped_positions, in_spans
+from te_jax.ops.grouped_layout import GroupedLayout, grouped_positions, in_spans, span_lengths
 from te_jax.quantize import reference as ref
 from te_jax.quantize.modes import ScalingMode
 
@@ -108,7 +108,7 @@ def emulate(lay: GroupedLayout, *args):
             out = out + bias.astype(jnp.float32)[group]
         out = jnp.where(member[:, None], out, 0.0)
     else:
-        spans = (sizes + lay.align - 1) // lay.align * lay.align
+        spans = span_lengths(group_sizes, lay.align)
         ends = jnp.minimum(jnp.cumsum(spans), da.shape[-1])  # spans past Kc are cut
         numbers = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
                                                 lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
