@@ -11,15 +11,28 @@ For each shape, ``x [rows, K]`` (rows sorted by expert, ``group_sizes`` on the d
 * ``bf16 ragged_dot``: ``jax.lax.ragged_dot`` on bfloat16 operands;
 * ``bf16 batched einsum``: the experts as a batch of equal-size groups (balanced routing only; its best case).
 
+With ``--backward`` each shape's table is instead the three GEMMs of ``te_jax.grouped_dense`` as its forward and
+backward issue them (``te_jax.ops.grouped_gemm``'s public ops), for the per-tensor recipes (fast accumulation
+forward, split accumulation backward, as ``DenseQuantizers`` default) and the block recipe:
+
+* ``fwd fast`` / ``fwd split``: ``x [rows, K] (E4M3) @ W_g^T``, fast or split accumulation, bfloat16 out;
+* ``dgrad split``: ``dy [rows, N] (E5M2) @ W_g [E, K, N]`` (E4M3), split accumulation, bfloat16 out;
+* ``wgrad split``: ``x^T [K, rows] (E4M3)`` times ``dy^T [N, rows] (E5M2)`` grouped along the rows (group_axis 1),
+  split accumulation, bfloat16 out (the float32 kernel and a cast);
+* ``dense fwd fast`` / ``dense dgrad split``: te_jax's dense ``gemm_fp8`` of the same total (the ceilings);
+* ``block fwd`` / ``block dgrad`` / ``block wgrad``: the same three with 1x128 blocks of x and dy and 128x128
+  blocks of W.
+
 Operands are fresh normal random data (two input sets, alternated), cast to FP8 outside the timed region. Each
 variant is warmed up, then ``--trials`` rounds each time ``--iters`` back-to-back calls of every variant in a
 shuffled order (benchmarks/timing.py); reported: the median ms per call and TFLOP/s counted on the real rows
 (``2 * sum(group_sizes) * N * K``). A spot check compares the grouped GEMM's first group with the dense GEMM of
 the same rows.
 
-Until te_jax.ops.grouped_gemm exists, the custom call is made with ``jax.ffi.ffi_call`` here.
+The forward table makes the custom calls with ``jax.ffi.ffi_call`` (the kernels alone, no trace-time checks);
+the backward table calls ``te_jax.ops.grouped_gemm``.
 
-Usage: python benchmarks/bench_grouped_gemm.py [--only REGEX] [--iters 5] [--trials 5] [--no-ragged]
+Usage: python benchmarks/bench_grouped_gemm.py [--only REGEX] [--backward] [--iters 5] [--trials 5] [--no-ragged]
        [--out r.json] [--md r.md]
 """
 
@@ -35,6 +48,7 @@ import numpy as np
 
 import te_jax  # noqa: F401  (registers the FFI targets)
 from te_jax.ops import gemm as gemm_ops
+from te_jax.ops import grouped_gemm as gg
 from timing import selected, time_interleaved, write_results
 
 # (label, experts, top-k, tokens, K, N, skewed): issue 23's forward GEMMs.
@@ -130,6 +144,75 @@ def bench_shape(shape, args) -> dict:
     return result
 
 
+def bench_backward(shape, args) -> dict:
+    """The forward, dgrad and wgrad GEMMs of ``grouped_dense`` at ``shape`` (per-tensor and block; module doc)."""
+    label, experts, topk, tokens, k, n, skewed = shape
+    rows = tokens * topk
+    sizes_np = group_sizes(experts, rows, skewed)
+    if np.any(sizes_np % 128):
+        raise ValueError(f"bench_backward: {label}: group sizes {sizes_np} must be multiples of 128 (the block spans)")
+    sizes = jnp.asarray(sizes_np)
+    flops = 2.0 * sizes_np.sum() * n * k
+    e4m3, e5m2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+    one = jnp.ones((1,), jnp.float32)
+    sets = []
+    for key in jax.random.split(jax.random.key(hash(label) % 2**31 + 1), 2):
+        kx, kw, kd = jax.random.split(key, 3)
+        x = jax.random.normal(kx, (rows, k), jnp.float32).astype(e4m3)
+        w = jax.random.normal(kw, (experts, n, k), jnp.float32).astype(e4m3)  # W_g^T, [N, K]
+        dy = jax.random.normal(kd, (rows, n), jnp.float32).astype(e5m2)
+        wt = jnp.swapaxes(w, 1, 2)  # W_g, [K, N]: dgrad's operand
+        sets.append(dict(x=x, w=w, dy=dy, wt=wt, xt=x.T, dyt=dy.T, dy4=dy.astype(e4m3), dyt4=dy.T.astype(e4m3)))
+    bf16 = jnp.bfloat16
+
+    def fp8(a, b, group_axis, fast, align=16):
+        return gg.grouped_gemm_fp8(a, b, one, one, sizes, group_axis=group_axis, align=align, out_dtype=bf16,
+                                   fast_accum=fast)
+
+    def block(a, b, group_axis, b_2d):
+        a_s = jnp.ones((a.shape[0], a.shape[1] // 128), jnp.float32)
+        b_s = (jnp.ones((b.shape[0], b.shape[1] // 128, b.shape[2] // 128), jnp.float32) if b_2d
+               else jnp.ones((b.shape[0], b.shape[1] // 128), jnp.float32))
+        return gg.grouped_gemm_fp8_block(a, a_s, b, b_s, sizes, b_block_2d=b_2d, group_axis=group_axis, align=128,
+                                         out_dtype=bf16)
+
+    variants = {
+        "fwd fast": (lambda d: fp8(d["x"], d["w"], 0, True), ("x", "w")),
+        "fwd split": (lambda d: fp8(d["x"], d["w"], 0, False), ("x", "w")),
+        "dgrad split": (lambda d: fp8(d["dy"], d["wt"], 0, False), ("dy", "wt")),
+        "wgrad split": (lambda d: fp8(d["xt"], d["dyt"], 1, False), ("xt", "dyt")),
+        "dense fwd fast": (lambda d: gemm_ops.gemm_fp8(d["x"], d["w"][0], one, one, out_dtype=bf16, fast_accum=True),
+                           ("x", "w")),
+        "dense dgrad split": (lambda d: gemm_ops.gemm_fp8(d["dy"], d["wt"][0], one, one, out_dtype=bf16,
+                                                          fast_accum=False), ("dy", "wt")),
+        "block fwd": (lambda d: block(d["x"], d["w"], 0, True), ("x", "w")),
+        "block dgrad": (lambda d: block(d["dy4"], d["wt"], 0, True), ("dy4", "wt")),
+        "block wgrad": (lambda d: block(d["xt"], d["dyt4"], 1, False), ("xt", "dyt4")),
+    }
+    calls = {}
+    for name, (fn, keys) in variants.items():
+        jitted = jax.jit(lambda *ops, fn=fn, keys=keys: fn(dict(zip(keys, ops))))
+        calls[name] = (jitted, [tuple(d[key] for key in keys) for d in sets])
+    per_call = time_interleaved(calls, args.warmup, args.iters, args.trials)
+    result = {"shape": label, "experts": experts, "top_k": topk, "tokens": tokens, "k": k, "n": n,
+              "group_sizes": sizes_np.tolist(), "variants": {}}
+    for name, times in per_call.items():
+        ms = 1e3 * statistics.median(times)
+        result["variants"][name] = {"ms": ms, "tflops": flops / (ms * 1e-3) / 1e12}
+    return result
+
+
+def backward_markdown(results: list[dict]) -> str:
+    names = ["fwd fast", "fwd split", "dgrad split", "wgrad split", "dense fwd fast", "dense dgrad split",
+             "block fwd", "block dgrad", "block wgrad"]
+    lines = ["| shape | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for r in results:
+        v = r["variants"]
+        lines.append(f"| {r['shape']} | " + " | ".join(
+            f"{v[x]['ms']:.2f} ms ({v[x]['tflops']:.0f})" if x in v else "-" for x in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(results: list[dict]) -> str:
     names = ["fp8 grouped", "fp8 dense (ceiling)", "fp8 block grouped", "fp8 block dense", "bf16 ragged_dot",
              "bf16 batched einsum"]
@@ -155,15 +238,20 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--no-ragged", action="store_true", help="leave out jax.lax.ragged_dot (slow)")
+    p.add_argument("--backward", action="store_true",
+                   help="time grouped_dense's forward, dgrad and wgrad GEMMs instead (module doc)")
     p.add_argument("--out", default=None)
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}", flush=True)
+    bench, table = (bench_backward, backward_markdown) if args.backward else (bench_shape, markdown)
     results = []
     for shape in selected(SHAPES, args.only):
-        results.append(bench_shape(shape, args))
-        print(markdown(results[-1:]), flush=True)
-    md = markdown(results)
+        if args.backward and shape[6]:
+            continue  # the skewed sizes are not whole 128-row spans
+        results.append(bench(shape, args))
+        print(table(results[-1:]), flush=True)
+    md = table(results)
     print(md)
     write_results(args.out, args.md, {"results": results}, md)
     return 0

@@ -20,14 +20,16 @@ and the breakdown of the layer's time, each piece jitted and timed on its own in
 ``router`` (logits, top-k, load-balancing loss), ``permutation`` (permute and un-permute),
 ``expert FFN`` (both ``grouped_dense`` calls and the activation: GEMMs and casts) and ``casts`` (the
 quantizations alone: the rows and weights of both GEMMs, rowwise and columnwise, and the output
-gradients); ``expert FFN - casts`` estimates the GEMMs.
+gradients); ``expert FFN - casts`` estimates the GEMMs. ``--profile`` adds, per layer variant, a device trace of a few
+steps (``bench_profile.py``'s): the GPU's busy time split into GEMM, te_jax and XLA kernels, and the kernels that
+took longest.
 
 Every variant is timed in turns in one process (benchmarks/timing.py: shuffled rounds, medians) on fresh
 normal random inputs (two sets, alternated). TFLOP/s are counted on the real rows (``T * k``, no padding):
 ``3 * 2 * T * k * (H * 2F + F * H)`` per forward+backward. ``--tiny`` runs small shapes (CPU, seconds).
 
 Usage: python benchmarks/bench_moe.py [--tiny] [--only REGEX] [--skip-gemms] [--recipes delayed,current,block]
-       [--iters 5] [--trials 5] [--out r.json] [--md r.md]
+       [--profile] [--iters 5] [--trials 5] [--out r.json] [--md r.md]
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import bench_grouped_gemm
+import bench_profile
 import te_jax
 from te_jax import moe
 from te_jax import recipe as R
@@ -59,6 +62,7 @@ TINY_LAYERS = [("tiny", 4, 2, 256, 128, 128)]
 TINY_GEMMS = [("tiny gate+up", 4, 2, 256, 128, 256, False), ("tiny down", 4, 2, 256, 128, 128, False),
               ("tiny gate+up skewed", 4, 2, 256, 128, 256, True)]
 TRAIN_STEPS = 3
+PROFILE_STEPS, PROFILE_TOP = 3, 20  # --profile: steps traced per variant, kernels listed
 
 
 def _layer(experts, top_k, width):
@@ -210,8 +214,15 @@ def bench_layer(case, args) -> dict:
     best_bf16 = min(ms[name] for name in ("bf16 ragged_dot", "bf16 einsum cap 1.0") if name in ms)
     variants = {name: {"ms": ms[name], "tflops": flops / (ms[name] * 1e-3) / 1e12, "vs_best_bf16": best_bf16 / ms[name]}
                 for name in calls}
+    profiles = {}
+    if args.profile:
+        for name, (fn, sets) in calls.items():
+            events, wall_ms = bench_profile.profile_step(fn, sets, PROFILE_STEPS)
+            profiles[name] = {"wall_ms": wall_ms, **bench_profile.summarize(events, PROFILE_STEPS)}
+            profiles[name]["kernels"] = profiles[name]["kernels"][:PROFILE_TOP]
     return {"layer": label, "experts": experts, "top_k": top_k, "tokens": tokens, "hidden": hidden,
-            "width": width, "variants": variants, "breakdown_ms": {n: ms[n] for n in breakdown_calls}}
+            "width": width, "variants": variants, "breakdown_ms": {n: ms[n] for n in breakdown_calls},
+            "profiles": profiles}
 
 
 def layer_markdown(results: list[dict]) -> str:
@@ -228,6 +239,13 @@ def layer_markdown(results: list[dict]) -> str:
             ffn, casts = r["breakdown_ms"].get(f"{tag}: expert FFN"), r["breakdown_ms"].get(f"{tag}: casts")
             if ffn is not None and casts is not None:
                 lines.append(f"| {r['layer']} | {tag}: expert FFN - casts (GEMMs, est.) | {ffn - casts:.2f} |")
+    for r in results:
+        for name, prof in r.get("profiles", {}).items():
+            cats = ", ".join(f"{c} {v:.2f}" for c, v in prof["categories"].items())
+            lines += ["", f"**{r['layer']}, {name}** (device trace, {PROFILE_STEPS} steps): wall "
+                      f"{prof['wall_ms']:.2f} ms/step, GPU busy {prof['busy_ms']:.2f} ms ({cats})", "",
+                      "| kernel | kind | ms | calls |", "|---|---|---|---|"]
+            lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.3f} | {k['calls']:g} |" for k in prof["kernels"]]
     return "\n".join(lines) + "\n"
 
 
@@ -243,6 +261,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-ragged", action="store_true",
                    help="leave out jax.lax.ragged_dot (the GEMM table's, and the layer with autocast off): at the "
                         "DeepSeek layer's shape XLA:GPU runs out of memory on a bf16 [T*k, E, H] intermediate")
+    p.add_argument("--profile", action="store_true", help="a device trace of each layer variant (module doc)")
     p.add_argument("--out", default=None)
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)

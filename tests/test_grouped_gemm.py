@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import zlib
 
 import jax
@@ -349,6 +350,30 @@ def test_block_cuda_kernels():
         grouped_cuda.cuda_kernel(lay(1, jnp.float32, b2=True), E4, E4)
 
 
+def test_cuda_kernel_tables_match_the_sources():
+    """grouped_cuda's kernel tables list exactly the instantiations of csrc/cuda/grouped_gemm.cuh, each with its
+    source file."""
+    csrc = pathlib.Path(__file__).resolve().parent.parent / "csrc" / "cuda"
+    header = (csrc / "grouped_gemm.cuh").read_text()
+    kinds = {"kE4M3": jnp.dtype(E4), "kE5M2": jnp.dtype(E5), "kBf16": jnp.dtype(jnp.bfloat16),
+             "kF32": jnp.dtype(jnp.float32)}
+
+    def entries(macro):
+        body = header[header.index(f"#define {macro}(X)"):].split("\n\n")[0]
+        return [[p.strip() for p in args.split(",")] for args in re.findall(r"X\(([^)]*)\)", body)]
+
+    fp8 = entries("TE_JAX_GROUPED_FP8_KERNELS")
+    assert {(kinds[a], kinds[b], kinds[o], f == "true") for a, b, o, f in fp8} == grouped_cuda.CUDA_FP8_KERNELS
+    block = entries("TE_JAX_GROUPED_FP8_BLOCK_KERNELS")
+    assert {(kinds[a], kinds[b], kinds[o], rows == "128", int(axis.endswith("kContraction")))
+            for a, b, o, rows, axis in block} == grouped_cuda.CUDA_BLOCK_KERNELS
+    sources = "".join(p.read_text() for p in csrc.glob("grouped_gemm_sm90_*.cu"))
+    for a, b, o, f in fp8:
+        assert f"TE_JAX_INSTANTIATE_GROUPED_FP8({a}, {b}, {o}, {f})" in sources
+    for a, b, o, rows, axis in block:
+        assert f"TE_JAX_INSTANTIATE_GROUPED_FP8_BLOCK({a}, {b}, {o}, {rows}, {axis})" in sources
+
+
 def _cuda_hlo(f, *args) -> str:
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -358,11 +383,11 @@ def test_cuda_lowering():
     the MXFP8 emulation with its warning."""
     gs = jnp.asarray([32, 32], jnp.int32)
     one = jnp.ones((1,), jnp.float32)
-    bias = jnp.zeros((2, 128), jnp.bfloat16)
-    hlo = _cuda_hlo(lambda a, b: GG.grouped_gemm_fp8(a, b, one, one, gs, bias, backend="ffi"),
+    bias = jnp.zeros((2, 128), jnp.float16)
+    hlo = _cuda_hlo(lambda a, b: GG.grouped_gemm_fp8(a, b, one, one, gs, bias, out_dtype=jnp.float16, backend="ffi"),
                     jnp.zeros((64, 128), E4), jnp.zeros((2, 128, 128), E5))
     assert "@te_jax_grouped_gemm_fp8(" in hlo and "fast_accum = false" in hlo
-    assert "-> tensor<64x128xbf16>" in hlo and "tensor<2x128xf32>" in hlo  # result cast, bias given as float32
+    assert "-> tensor<64x128xf16>" in hlo and "tensor<2x128xf32>" in hlo  # result cast, bias given as float32
     a, s = jnp.zeros((128, 256), E4), jnp.ones((128, 2), jnp.float32)
     hlo = _cuda_hlo(lambda a, s: GG.grouped_gemm_fp8_block(a, s, a, s, gs, group_axis=1, backend="ffi"), a, s)
     assert "stablehlo.transpose" in hlo and "@te_jax_grouped_gemm_fp8_block(" in hlo

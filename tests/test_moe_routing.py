@@ -125,6 +125,30 @@ def test_permute_groups_rows_by_expert_stably(case, k):
         assert np.any(np.asarray(perm.group_sizes) == 0)
 
 
+def test_permutation_gradients_are_gathers():
+    """The gradients of permute and unpermute add no scatter to the program (a scatter-add costs several gathers
+    on a GPU): the forward's scatters (counting rows per expert) are all the gradient program has."""
+    x = jax.random.normal(jax.random.key(4), (T, H))
+    r = moe.route(routing_logits(5, T, E, "random"), 2)
+
+    def loss(x, gates):
+        x_sorted, perm = moe.permute(x, r.expert_ids, E)
+        return jnp.sum(moe.unpermute(x_sorted * 2.0, perm, gates) ** 2)
+
+    scatters = lambda f: jax.jit(f).lower(x, r.gates).as_text().count("stablehlo.scatter")  # noqa: E731
+    assert scatters(jax.grad(loss, argnums=(0, 1))) == scatters(loss)
+    got = jax.grad(loss, argnums=(0, 1))(x, r.gates)
+    # The same function through plain gathers, differentiated by JAX (scatter-add gradients).
+    def plain(x, gates):
+        perm = moe.sort_assignments(r.expert_ids, E)
+        rows = x[perm.sorted_assignment // 2] * 2.0
+        per = rows[perm.assignment_row].reshape(T, 2, H) * gates[..., None]
+        return jnp.sum((per[:, 0] + per[:, 1]) ** 2)
+    want = jax.grad(plain, argnums=(0, 1))(x, r.gates)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 def _pipeline_given(x, expert_ids, gates, w_in, w_out, k):
     x_sorted, perm = moe.permute(x, expert_ids, E)
     return moe.unpermute(grouped_ffn(w_in, w_out)(x_sorted, perm.group_sizes), perm, gates)

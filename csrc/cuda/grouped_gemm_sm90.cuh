@@ -99,7 +99,9 @@ struct Fp8GroupedKernel {
   using LayoutD = cutlass::layout::RowMajor;     // D [m, n]
   static constexpr int kAlignAB = 16;
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-  using TileShape = Shape<_256, _128, _128>;
+  // Split accumulation keeps a second float32 accumulator per thread (the promotion target): at 256x128
+  // that overflows the registers (ptxas spills and serializes the wgmma pipeline), so it takes 128x128.
+  using TileShape = std::conditional_t<kFastAccum, Shape<_256, _128, _128>, Shape<_128, _128, _128>>;
   using ClusterShape = Shape<_1, _2, _1>;
   using MainloopSchedule =
       std::conditional_t<kFastAccum, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,

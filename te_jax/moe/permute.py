@@ -11,12 +11,16 @@ order), and gathers one row of ``x`` per assignment::
 
 No token is dropped and every shape is static: ``x_sorted`` always has
 ``T * k`` rows; only ``group_sizes`` (int32 on the device, zeros allowed)
-depends on the routing. Both directions are gathers, so gradients flow to
-``x``, to ``y_sorted`` and to the gates.
+depends on the routing. Both directions, and both gradients, are gathers
+(``jax.custom_vjp``): autodiff of a gather is a scatter-add, which on a GPU
+costs several times a gather of the same rows; here each gradient row is
+gathered through the inverse permutation instead. Gradients flow to ``x``,
+to ``y_sorted`` and to the gates.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -78,9 +82,34 @@ def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.
             f"te_jax.moe.permute: x must be [tokens, hidden] and expert_ids [tokens, k]; got {x.shape} and "
             f"{expert_ids.shape}"
         )
-    num_experts_per_tok = expert_ids.shape[1]
     perm = sort_assignments(expert_ids, num_experts)
-    return x[perm.sorted_assignment // num_experts_per_tok], perm
+    return _gather_rows(expert_ids.shape[1], x, perm.sorted_assignment, perm.assignment_row), perm
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gather_rows(k: int, x: jax.Array, sorted_assignment: jax.Array, assignment_row: jax.Array) -> jax.Array:
+    """``x[sorted_assignment // k]``; its gradient sums each token's ``k`` rows, gathered by ``assignment_row``."""
+    return x[sorted_assignment // k]
+
+
+def _gather_rows_fwd(k, x, sorted_assignment, assignment_row):
+    return _gather_rows(k, x, sorted_assignment, assignment_row), assignment_row
+
+
+def _gather_rows_bwd(k, assignment_row, dx_sorted):
+    per_token = dx_sorted[assignment_row].astype(jnp.float32).reshape(-1, k, dx_sorted.shape[1])
+    return _sum_in_order(per_token).astype(dx_sorted.dtype), None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def _sum_in_order(t: jax.Array) -> jax.Array:
+    """``t [T, k, ...]`` summed over ``k`` in the order ``j = 0, 1, ...``."""
+    total = t[:, 0]
+    for j in range(1, t.shape[1]):
+        total = total + t[:, j]
+    return total
 
 
 def unpermute(y_sorted: jax.Array, perm: Permutation, gates: jax.Array) -> jax.Array:
@@ -106,9 +135,32 @@ def unpermute(y_sorted: jax.Array, perm: Permutation, gates: jax.Array) -> jax.A
             f"te_jax.moe.unpermute: y_sorted must be [tokens * k = {num_tokens * num_experts_per_tok}, hidden], "
             f"got {y_sorted.shape}"
         )
-    per_assignment = y_sorted[perm.assignment_row].reshape(num_tokens, num_experts_per_tok, -1)
+    return _combine(y_sorted, perm.sorted_assignment, perm.assignment_row, gates)
+
+
+@jax.custom_vjp
+def _combine(y_sorted, sorted_assignment, assignment_row, gates):
+    """``unpermute``'s sum; its gradients are gathers (``y_sorted``'s through ``sorted_assignment``)."""
+    num_tokens, k = gates.shape
+    per_assignment = y_sorted[assignment_row].reshape(num_tokens, k, -1)
     weighted = per_assignment.astype(jnp.float32) * gates.astype(jnp.float32)[..., None]
-    combined = weighted[:, 0]
-    for j in range(1, num_experts_per_tok):
-        combined = combined + weighted[:, j]
-    return combined.astype(y_sorted.dtype)
+    return _sum_in_order(weighted).astype(y_sorted.dtype)
+
+
+def _combine_fwd(y_sorted, sorted_assignment, assignment_row, gates):
+    return _combine(y_sorted, sorted_assignment, assignment_row, gates), (y_sorted, sorted_assignment, assignment_row,
+                                                                          gates)
+
+
+def _combine_bwd(res, dy):
+    y_sorted, sorted_assignment, assignment_row, gates = res
+    num_tokens, k = gates.shape
+    dy32 = dy.astype(jnp.float32)
+    gate_of_row = gates.astype(jnp.float32).reshape(-1)[sorted_assignment]
+    dy_sorted = (dy32[sorted_assignment // k] * gate_of_row[:, None]).astype(y_sorted.dtype)
+    per_assignment = y_sorted[assignment_row].reshape(num_tokens, k, -1).astype(jnp.float32)
+    dgates = jnp.sum(per_assignment * dy32[:, None], axis=-1)
+    return dy_sorted, None, None, dgates.astype(gates.dtype)
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
