@@ -296,11 +296,12 @@ def test_demo_runs(tmp_path, capsys):
     assert "tokens/s" in out and "vs bf16" in out and (tmp_path / "results.json").exists()
 
 
-def test_nnx_example_trains_with_every_recipe(capsys):
-    """examples/nnx_gpt.py's tiny preset, a few steps per recipe: the te_jax.nnx layers in a model."""
+def test_nnx_example_trains_with_each_recipe_kind(capsys):
+    """examples/nnx_gpt.py's tiny preset, a few steps per recipe: the te_jax.nnx layers in a model (the layers
+    themselves under every recipe: tests/test_nnx.py)."""
     from examples import nnx_gpt  # noqa: PLC0415
 
-    recipes = ["bf16", "delayed", "current", "block", "mxfp8", "nvfp4"]
+    recipes = ["bf16", "delayed", "block", "nvfp4"]
     results = nnx_gpt.main(["--recipe", ",".join(recipes), "--steps", "3", "--batch", "2", "--seq-len", "64",
                             "--eval-batches", "1", "--data-bytes", str(1 << 20)])
     assert [r["recipe"] for r in results] == recipes

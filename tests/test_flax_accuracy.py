@@ -11,8 +11,9 @@ A recipe that rounds stochastically (NVFP4's gradients) follows a different
 trajectory for each rounding key, and one trajectory is one sample of its
 final loss: over keys 9-16 NVFP4's runs spread from +3.7% to +4.8% over bf16
 on the CPU and from +3.8% to +5.3% on an H200 (benchmarks/bench_accuracy.py).
-Its test therefore compares the mean final loss over ROUNDING_KEYS, the
-recipe's expected loss, rather than whichever sample one key draws.
+Its test therefore compares the mean final loss over ROUNDING_KEYS (four of
+those keys), an estimate of the recipe's expected loss, rather than
+whichever sample one key draws.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ H, F, HEADS, KV_HEADS, LAYERS = 128, 256, 4, 2, 2  # multiples of 128: Float8 bl
 BATCH, SEQ, IN, OUT = 2, 64, 16, 8  # 128 tokens
 STEPS, LAST = 200, 20
 ROUNDING_KEY = 9  # seed of the stochastic-rounding keys in a single run
-ROUNDING_KEYS = tuple(range(9, 17))  # the seeds averaged for recipes that round stochastically
+ROUNDING_KEYS = tuple(range(9, 13))  # the seeds averaged for recipes that round stochastically
 
 
 class Model(nn.Module):

@@ -457,13 +457,15 @@ def _casts(text: str) -> dict[str, int]:
     return {n: names.count(n) for n in sorted(set(names))}
 
 
-def _grad_jaxpr(model, v, x, recipe):
+def _grad_jaxpr(model, v, x, recipe, run: bool = True):
+    """The jaxpr of the loss's value_and_grad, and its value (None unless ``run``: compiling costs)."""
     def loss(v):
         y = model.apply(v, x, None, rngs={"quantize": jax.random.key(0)})[0]
         return jnp.mean(y.astype(jnp.float32) ** 2)
 
     with te_jax.autocast(recipe=recipe):
-        return str(jax.make_jaxpr(te_jax.train.value_and_grad(loss))(v)), jax.jit(te_jax.train.value_and_grad(loss))(v)
+        grad = te_jax.train.value_and_grad(loss)
+        return str(jax.make_jaxpr(grad)(v)), jax.jit(grad)(v) if run else None
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current", "nvfp4"])
@@ -474,7 +476,7 @@ def test_scan_and_remat_keep_fp8_copies(recipe):
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(v))
     plain, (loss, g) = _grad_jaxpr(_stack(), v, x, RECIPES[recipe])
     saved, (loss_s, g_s) = _grad_jaxpr(_stack(tf.save_fp8_policy), v, x, RECIPES[recipe])
-    nothing, _ = _grad_jaxpr(_stack(jax.checkpoint_policies.nothing_saveable), v, x, RECIPES[recipe])
+    nothing, _ = _grad_jaxpr(_stack(jax.checkpoint_policies.nothing_saveable), v, x, RECIPES[recipe], run=False)
     assert _casts(saved) == _casts(plain)  # backward recomputes GEMMs, never a cast
     assert sum(_casts(nothing).values()) > sum(_casts(plain).values())
     assert "te_jax_quantized" in saved
@@ -502,7 +504,7 @@ def test_remat_keeps_dense_general_fp8_copies(recipe):
         v = stack().init(jax.random.key(0), x, None)
     plain, (loss, g) = _grad_jaxpr(stack(), v, x, RECIPES[recipe])
     saved, (loss_s, g_s) = _grad_jaxpr(stack(tf.save_fp8_policy), v, x, RECIPES[recipe])
-    nothing, _ = _grad_jaxpr(stack(jax.checkpoint_policies.nothing_saveable), v, x, RECIPES[recipe])
+    nothing, _ = _grad_jaxpr(stack(jax.checkpoint_policies.nothing_saveable), v, x, RECIPES[recipe], run=False)
     assert _casts(saved) == _casts(plain)
     assert sum(_casts(nothing).values()) > sum(_casts(plain).values())
     np.testing.assert_allclose(loss_s, loss, rtol=1e-6)
