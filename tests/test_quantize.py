@@ -152,21 +152,19 @@ def test_fp8_block_2d_colwise_is_transpose():
     assert_same_bits(s_t, s.T, "s_t")
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
+NVFP4_FLAGS = {"1d": {}, "2d": dict(block_2d=True), "rht": dict(rht=True), "sr": dict(stochastic_rounding=True),
+               "rht_sr": dict(rht=True, stochastic_rounding=True)}
+# Every flag set and layout in bfloat16; the other input dtypes with both copies (the layouts do not
+# depend on the input dtype).
+NVFP4_CASES = [(jnp.bfloat16, f, rc) for f in NVFP4_FLAGS for rc in LAYOUTS] + [
+    (d, f, (True, True)) for d in (jnp.float32, jnp.float16) for f in NVFP4_FLAGS]
+
+
 @pytest.mark.parametrize("kind", ["random", "specials", "tiny"])
-@pytest.mark.parametrize(
-    "flags",
-    [
-        dict(),
-        dict(block_2d=True),
-        dict(rht=True),
-        dict(stochastic_rounding=True),
-        dict(rht=True, stochastic_rounding=True),
-    ],
-    ids=["1d", "2d", "rht", "sr", "rht_sr"],
-)
-@pytest.mark.parametrize("rowwise,colwise", LAYOUTS)
-def test_nvfp4_matches_reference(dtype, kind, flags, rowwise, colwise):
+@pytest.mark.parametrize("dtype,flag_set,layout", NVFP4_CASES,
+                         ids=[f"{jnp.dtype(d).name}-{f}-{rc}" for d, f, rc in NVFP4_CASES])
+def test_nvfp4_matches_reference(dtype, kind, flag_set, layout):
+    flags, (rowwise, colwise) = NVFP4_FLAGS[flag_set], layout
     x = inputs(kind, (64, 80), dtype, seed=11)
     key = jax.random.key(42)
     got, want = run_both(qops.quantize_nvfp4, x, key, rowwise=rowwise, colwise=colwise, **flags)
