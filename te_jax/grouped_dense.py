@@ -17,12 +17,16 @@ GEMMs (``te_jax.ops.grouped_gemm``)::
     dgrad    dx = dy (rowwise, linear_grad_output) @ W_g^T (rowwise, per expert)      group_axis 0
     wgrad    dW_g = x_g^T @ dy_g                                                      group_axis 1
 
-For wgrad one gather, computed on the device from ``group_sizes``, lays x and
-dy out in spans aligned to the mode's block (``GROUP_ALIGN``), zero-padded
-(zeros add nothing: exact), and those are quantized columnwise by the
-input and grad_output quantizers with the rowwise copies' state (delayed
-scaling: the same scale; current scaling and NVFP4: the amax of the rows in
-groups, which is x's own when every row is in one). The weight of each expert is quantized on its own
+For wgrad, x and dy are laid out in spans aligned to the mode's block
+(``GROUP_ALIGN``), zero-padded (zeros add nothing: exact), by one gather
+computed on the device from ``group_sizes``. Per-tensor scaling (delayed,
+current) quantizes x and dy once, both copies in one pass, and gathers the
+columnwise copy's FP8 columns into the spans: one scale per tensor, the
+whole tensor's (current scaling: its amax over every row). The block modes,
+whose blocks must not straddle two groups, gather the high-precision rows
+and quantize the spans columnwise with the rowwise copies' state (NVFP4 and
+current-scaled roles: the amax of the rows in groups, which is x's own when
+every row is in one). The weight of each expert is quantized on its own
 (``jax.vmap`` of the weight quantizer), so per-tensor recipes scale each
 expert separately.
 
@@ -208,6 +212,26 @@ def _in_spans(t: jax.Array, group_sizes, plan: _GroupedPlan) -> jax.Array:
     return jnp.where(member[:, None], t[rows], jnp.zeros((), t.dtype))
 
 
+def _span_columns(t: ScaledTensor, group_sizes, plan: _GroupedPlan) -> ScaledTensor:
+    """The columnwise copy of a per-tensor ``t [M, C]`` with its rows laid out in aligned spans, zeros between."""
+    group, index, member = gg.grouped_positions(group_sizes, plan.spans, plan.align)
+    first = jnp.cumsum(jnp.maximum(group_sizes, 0)) - jnp.maximum(group_sizes, 0)
+    rows = jnp.clip(first[group] + index, 0, t.shape[0] - 1)
+    codes = lax.bitcast_convert_type(t.colwise_data, jnp.uint8)  # moved as bytes; code 0 is +0
+    cols = jnp.where(member[None, :], codes[:, rows], jnp.zeros((), jnp.uint8))
+    return name_quantized(dataclasses.replace(t, data=None, scale_inv=None, shape=(plan.spans, t.shape[1]),
+                                              colwise_data=lax.bitcast_convert_type(cols, t.colwise_data.dtype)))
+
+
+def _both_copies(g: GemmQuant, field: str, t: jax.Array, group_sizes, plan: _GroupedPlan):
+    """``t``'s rowwise copy and the columnwise copy of its spans (wgrad's operand), as the role's mode needs."""
+    qz = getattr(g.q, field)
+    if qz is not None and getattr(getattr(qz, "scaling_mode", None), "per_tensor", False):
+        tq = g.quantize(field, t, colwise=True, flatten_axis=1)
+        return _keep_rowwise(tq), _span_columns(tq, group_sizes, plan)
+    return g.quantize(field, t, flatten_axis=1), _quantize_spans(g, field, _in_spans(t, group_sizes, plan))
+
+
 def _quantize_spans(g: GemmQuant, field: str, t: jax.Array):
     """The columnwise copy of the span layout ``t``, with the role's state (not recorded again) and its own key."""
     qz = getattr(g.q, field)
@@ -262,12 +286,11 @@ def _grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dt
 
 def _forward(plan: _GroupedPlan, x, kernel, group_sizes, bias, state, key):
     g = GemmQuant(plan.q, state, key, plan.mesh_resource)
-    xq = g.quantize("input", x, flatten_axis=1)
+    xq, xs = _both_copies(g, "input", x, group_sizes, plan)
     kq = _quantize_weight(g, kernel)
     y = _grouped_matmul(xq, kq, group_sizes, (1, 0), group_axis=0, align=plan.align, bias=bias,
                         out_dtype=jnp.result_type(x.dtype, kernel.dtype), fast_accum=plan.q.fast_accum)
     y = to_varying(g.qdq("output", y, flatten_axis=1), plan.all_vary)
-    xs = _quantize_spans(g, "input", _in_spans(x, group_sizes, plan))
     res = (xs, _keep_rowwise(kq), group_sizes, g.st, g.grads, key)
     return (y, g.new_state()), res
 
@@ -289,11 +312,10 @@ def _bwd(plan: _GroupedPlan, res, cotangents):
     dy = cotangents[0]
     g = GemmQuant.backward(plan.q, st, key, plan.mesh_resource, None, _WHERE)
     fast = plan.q.backward_fast_accum
-    dyq = g.quantize("grad_output", dy, flatten_axis=1)
+    dyq, dys = _both_copies(g, "grad_output", dy, group_sizes, plan)
     dx = _grouped_matmul(dyq, k_res, group_sizes, (1, 1), group_axis=0, align=plan.align, out_dtype=plan.x_dtype,
                          fast_accum=fast)
     dx = g.qdq("grad_input", dx, flatten_axis=1)
-    dys = _quantize_spans(g, "grad_output", _in_spans(dy, group_sizes, plan))
     dk = _grouped_matmul(xs, dys, group_sizes, (0, 0), group_axis=1, align=plan.align, out_dtype=plan.k_dtype,
                          fast_accum=fast)
     dbias = None
