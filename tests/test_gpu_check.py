@@ -80,6 +80,28 @@ def test_train_runs(tmp_path):
     assert "--steps" not in jobs[1].argv
 
 
+def test_train_runs_share_a_gpu_with_their_memory_split(tmp_path):
+    jobs, _ = _jobs(["--train", "bf16@moe-1b,delayed@moe-1b", "--train-args", "--batch 4 --lr 1e-3",
+                     "--train-per-gpu", "3"], tmp_path)
+    for job in jobs:
+        assert job.share == 3 and job.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.300"
+        assert job.argv[-4:] == ["--batch", "4", "--lr", "1e-3"]
+    alone = _jobs(["--train", "delayed"], tmp_path)[0][0]
+    assert alone.share == 1 and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in alone.env
+
+
+def test_shared_jobs_fill_a_gpu_up_to_their_share_and_never_join_a_lone_job():
+    place, Job = gpu_check.gpu_jobs.place, gpu_check.gpu_jobs.Job
+    shared, lone, pair = Job("s", 1, 1, ["true"], share=3), Job("l", 1, 1, ["true"]), Job("p", 1, 2, ["true"])
+    assert place(shared, {"0": [3, 3], "1": [3]}) == ["1"]  # the least-held GPU first
+    assert place(shared, {"0": [3, 3, 3]}) is None  # full
+    assert place(shared, {"0": [1], "1": [2]}) is None  # a lone job's GPU, another share's
+    assert place(lone, {"0": [3], "1": []}) == ["1"] and place(lone, {"0": [3]}) is None
+    assert place(pair, {"0": [], "1": [3], "2": []}) == ["0", "2"]
+    with pytest.raises(ValueError, match="one GPU"):
+        Job("x", 1, 2, ["true"], share=2)
+
+
 def test_graphs_run_each_train_run_once_per_command_buffer_mode(tmp_path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_autotune_level=0")
     jobs, layout = _jobs(["--train", "delayed@125m:100,bf16@tiny", "--graphs"], tmp_path)
@@ -144,6 +166,8 @@ def test_multi_gpu_holds_two_gpus(tmp_path):
     (["--bench", "gemm", "--baseline-wheel", "old.whl", "--rounds", "0"], "--rounds takes a number >= 1"),
     (["--train", "delayed", "--graphs", "sometimes"], "--graphs takes xla, no-custom-calls, off"),
     (["--bench", "gemm", "--graphs"], "applies to --train runs"),
+    (["--train", "delayed", "--train-per-gpu", "0"], "--train-per-gpu takes a number >= 1"),
+    (["--bench", "gemm", "--train-args", "--batch 4"], "apply to --train runs"),
 ])
 def test_bad_arguments_say_what_to_do(tmp_path, argv, message):
     with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace("(", r"\(")):

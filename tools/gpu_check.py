@@ -21,6 +21,8 @@ Examples:
   python3 tools/gpu_check.py --wheel new.whl --baseline-wheel old.whl --rounds 2 \\
       --bench layers --bench-args layers="--sections mlp --trials 5"
   python3 tools/gpu_check.py --train delayed@125m:200,bf16@125m:200
+  python3 tools/gpu_check.py --train bf16@moe-1b,delayed@moe-1b,block@moe-1b --train-args "--batch 4" \\
+      --train-per-gpu 3   # a loss table: three runs at once on each GPU
   python3 tools/gpu_check.py --train delayed@125m:200 --graphs   # tokens/s with te_jax's calls out of / in CUDA graphs
   python3 tools/gpu_check.py --tests --bench gemm --dry-run    # print the jobs, run nothing
 """
@@ -48,7 +50,8 @@ import gpu_summary  # noqa: E402
 import xla_dump  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PRESET_STEPS = {"tiny": 200, "125m": 500, "1.3b": 500}  # examples/gpt/presets.py, for time estimates only
+# examples/gpt/presets.py, for time estimates only
+PRESET_STEPS = {"tiny": 200, "125m": 500, "1.3b": 500, "tiny-moe": 200, "moe-1b": 500}
 BUILD_FLAGS = ["-C", "cmake.define.TE_JAX_CUDA=ON", "-C", "cmake.define.CMAKE_CUDA_ARCHITECTURES=90a"]
 BENCH_ESTIMATE_S = 120
 TESTS_ESTIMATE_S = 300
@@ -107,7 +110,7 @@ def parse_train_run(run: str, default_preset: str = "125m") -> tuple[str, str, i
 
 def train_estimate_s(recipe: str, preset: str, steps: int | None) -> float:
     """Rough seconds for a training run: compilation and evaluation, then the steps."""
-    per_step = {"tiny": 0.05, "125m": 0.16}.get(preset, 1.3)
+    per_step = {"tiny": 0.05, "tiny-moe": 0.05, "125m": 0.16, "moe-1b": 0.4}.get(preset, 1.3)
     if recipe in ("mxfp8", "nvfp4", "flax-fp8"):
         per_step *= 1.5
     return 60 + (steps or PRESET_STEPS.get(preset, 500)) * per_step
@@ -155,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra arguments for one benchmark, e.g. layers=\"--sections mlp\" (repeatable)")
     p.add_argument("--train", action="append", default=[], metavar="RECIPE[@PRESET[:STEPS]][,...]",
                    help="examples/gpt/train.py runs, one GPU each (default preset 125m)")
+    p.add_argument("--train-args", default="", metavar="\"ARGS\"",
+                   help="extra examples/gpt/train.py arguments for every --train run, e.g. \"--batch 4\"")
+    p.add_argument("--train-per-gpu", type=int, default=1, metavar="N",
+                   help="up to N --train runs share one GPU, each with 0.9/N of its memory "
+                        "(XLA_PYTHON_CLIENT_MEM_FRACTION): for loss tables, not for tokens/s")
     p.add_argument("--graphs", nargs="?", const=GRAPHS_DEFAULT, metavar="MODE[,MODE]",
                    help="run every --train run once per examples/gpt/train.py --command-buffers MODE (xla: XLA's "
                         "CUDA graphs with te_jax's calls inside; no-custom-calls: te_jax's calls between the "
@@ -213,6 +221,8 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
             [python, "mesh_multidevice.py", "--meshes", "dp2,tp2",
              "--recipes", "delayed,current,delayed_split,current_split", "--check"],
             cwd=str(ROOT / "tests"), env=new_env))
+    if args.train_per_gpu < 1 or ((args.train_per_gpu > 1 or args.train_args) and not args.train):
+        raise SystemExit("gpu_check: --train-per-gpu takes a number >= 1; it and --train-args apply to --train runs")
     graph_modes = split_names([args.graphs]) if args.graphs is not None else [None]
     unknown = sorted(set(graph_modes) - {None, *COMMAND_BUFFER_MODES})
     if unknown or (args.graphs is not None and not args.train):
@@ -226,11 +236,14 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
             argv = [python, str(ROOT / "examples" / "gpt" / "train.py"), "--preset", preset, "--recipe", recipe,
                     "--no-progress", "--log-every", "100", "--json", str(layout.out / f"{job_name}.json")]
             argv += (["--steps", str(steps)] if steps else []) + (["--command-buffers", mode] if mode else [])
+            argv += shlex.split(args.train_args)
             # With --graphs, XLA dumps the train step, to show where te_jax's calls went (command_buffer_rows).
             dump_flags = f"--xla_dump_to={layout.dump(job_name)} --xla_dump_hlo_module_re={TRAIN_MODULE}"
             dump = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {dump_flags}".strip()}
+            shared = {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.9 / args.train_per_gpu:.3f}"} \
+                if args.train_per_gpu > 1 else {}
             jobs.append(gpu_jobs.Job(job_name, train_estimate_s(recipe, preset, steps), 1, argv,
-                                     env=new_env | (dump if mode else {})))
+                                     env=new_env | (dump if mode else {}) | shared, share=args.train_per_gpu))
     names = [job.name for job in jobs]
     if len(set(names)) != len(names):
         raise SystemExit(f"gpu_check: a job is listed twice: {names}")
@@ -379,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"install: new -> {layout.site('new')}"
               + (f", base {args.baseline_wheel} -> {layout.site('base')}" if args.baseline_wheel else ""))
         for job in jobs:
-            print(f"job {job.name}: {job.gpus_needed} GPU, ~{job.estimate_s:.0f} s, in {job.cwd}, "
+            shared = f" (shared by up to {job.share} jobs)" if job.share > 1 else ""
+            print(f"job {job.name}: {job.gpus_needed} GPU{shared}, ~{job.estimate_s:.0f} s, in {job.cwd}, "
                   f"{' '.join(f'{k}={v}' for k, v in job.env.items())} {shlex.join(job.argv)}")
         return 0
 

@@ -1,7 +1,9 @@
 """Runs jobs on a machine's GPUs in parallel, in order, within a deadline (used by tools/gpu_check.py).
 
 Jobs start in list order: the next job waits until enough GPUs are free, and is skipped (said so
-in the log) when its estimate no longer fits before the deadline. Each runs with
+in the log) when its estimate no longer fits before the deadline. A job with ``share`` N > 1 holds
+one GPU together with up to N - 1 other jobs of the same ``share`` (training runs whose loss is
+wanted, not their speed; each caps its own memory). Each runs with
 ``CUDA_VISIBLE_DEVICES`` set to the GPUs it holds, its output in ``<logs>/<name>.log``, and is
 killed (with everything it started) at the deadline. One JSON line per job goes to the log file:
 name, GPUs, exit status, seconds, and the output's tail on failure.
@@ -30,6 +32,8 @@ class Job:
         argv: the command.
         cwd: the folder it runs in.
         env: variables added to this process's environment.
+        share: how many jobs of this ``share`` may hold one GPU at once (1: the GPU is the job's alone;
+            more needs ``gpus_needed`` 1).
     """
 
     name: str
@@ -38,6 +42,11 @@ class Job:
     argv: list[str]
     cwd: str = "/tmp"
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    share: int = 1
+
+    def __post_init__(self):
+        if self.share < 1 or (self.share > 1 and self.gpus_needed != 1):
+            raise ValueError(f"gpu_jobs: job {self.name}: share {self.share} needs share >= 1, and one GPU when > 1")
 
 
 @dataclasses.dataclass
@@ -56,6 +65,18 @@ def tail(path: pathlib.Path, lines: int = 25) -> str:
         return ""
 
 
+def place(job: Job, holders: dict[str, list[int]]) -> list[str] | None:
+    """The GPUs ``job`` may take now (``holders``: each GPU's running jobs' shares), or None.
+
+    A job alone takes empty GPUs; a shared one the least-held GPU that holds only jobs of its share,
+    fewer than that share.
+    """
+    fits = [g for g, shares in holders.items()
+            if not shares or (job.share > 1 and len(shares) < job.share and set(shares) == {job.share})]
+    fits.sort(key=lambda g: len(holders[g]))
+    return fits[: job.gpus_needed] if len(fits) >= job.gpus_needed else None
+
+
 def run(jobs: list[Job], gpus: list[str], deadline: float, log: pathlib.Path, logs: pathlib.Path) -> int:
     """Runs ``jobs`` on ``gpus`` until all ended or ``deadline`` (a ``time.monotonic()`` value).
 
@@ -63,7 +84,7 @@ def run(jobs: list[Job], gpus: list[str], deadline: float, log: pathlib.Path, lo
         The number of jobs that did not succeed: failed, killed at the deadline, or skipped.
     """
     logs.mkdir(parents=True, exist_ok=True)
-    free = list(gpus)
+    holders: dict[str, list[int]] = {g: [] for g in gpus}
     running: list[_Running] = []
     pending = list(jobs)
     failures = 0
@@ -84,7 +105,8 @@ def run(jobs: list[Job], gpus: list[str], deadline: float, log: pathlib.Path, lo
                 r.process.wait()
                 code = "killed at deadline"
             running.remove(r)
-            free.extend(r.gpus)
+            for g in r.gpus:
+                holders[g].remove(r.job.share)
             entry = {"job": r.job.name, "gpus": ",".join(r.gpus), "rc": code, "seconds": round(now - r.started, 1)}
             if code != 0:
                 failures += 1
@@ -102,10 +124,12 @@ def run(jobs: list[Job], gpus: list[str], deadline: float, log: pathlib.Path, lo
                 failures += 1
                 pending.pop(0)
                 continue
-            if len(free) < job.gpus_needed:
+            held = place(job, holders)
+            if held is None:
                 break
             pending.pop(0)
-            held, free = free[: job.gpus_needed], free[job.gpus_needed :]
+            for g in held:
+                holders[g].append(job.share)
             env = dict(os.environ, **job.env, CUDA_VISIBLE_DEVICES=",".join(held))
             with (logs / f"{job.name}.log").open("w") as out:
                 process = subprocess.Popen(job.argv, cwd=job.cwd, env=env, stdout=out, stderr=subprocess.STDOUT,
