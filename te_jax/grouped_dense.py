@@ -24,9 +24,8 @@ current) quantizes x and dy once, both copies in one pass, and gathers the
 columnwise copy's FP8 columns into the spans: one scale per tensor, the
 whole tensor's (current scaling: its amax over every row). The block modes,
 whose blocks must not straddle two groups, gather the high-precision rows
-and quantize the spans columnwise with the rowwise copies' state (NVFP4 and
-current-scaled roles: the amax of the rows in groups, which is x's own when
-every row is in one). The weight of each expert is quantized on its own
+and quantize the spans columnwise with the rowwise copies' state (NVFP4:
+the amax of the rows in groups, which is x's own when every row is in one). The weight of each expert is quantized on its own
 (``jax.vmap`` of the weight quantizer), so per-tensor recipes scale each
 expert separately.
 
@@ -204,19 +203,22 @@ class _GroupedPlan(Plan):
     bias_dtype: Any  # None: no bias
 
 
-def _in_spans(t: jax.Array, group_sizes, plan: _GroupedPlan) -> jax.Array:
-    """``t [M, C]``'s group rows laid out in aligned spans ``[spans, C]``, zeros between (one gather)."""
+def _span_rows(group_sizes, plan: _GroupedPlan, num_rows: int):
+    """For each row of the span layout: the row of ``[num_rows, C]`` it holds, and whether it holds one."""
     group, index, member = gg.grouped_positions(group_sizes, plan.spans, plan.align)
     first = jnp.cumsum(jnp.maximum(group_sizes, 0)) - jnp.maximum(group_sizes, 0)
-    rows = jnp.clip(first[group] + index, 0, t.shape[0] - 1)
+    return jnp.clip(first[group] + index, 0, num_rows - 1), member
+
+
+def _in_spans(t: jax.Array, group_sizes, plan: _GroupedPlan) -> jax.Array:
+    """``t [M, C]``'s group rows laid out in aligned spans ``[spans, C]``, zeros between (one gather)."""
+    rows, member = _span_rows(group_sizes, plan, t.shape[0])
     return jnp.where(member[:, None], t[rows], jnp.zeros((), t.dtype))
 
 
 def _span_columns(t: ScaledTensor, group_sizes, plan: _GroupedPlan) -> ScaledTensor:
     """The columnwise copy of a per-tensor ``t [M, C]`` with its rows laid out in aligned spans, zeros between."""
-    group, index, member = gg.grouped_positions(group_sizes, plan.spans, plan.align)
-    first = jnp.cumsum(jnp.maximum(group_sizes, 0)) - jnp.maximum(group_sizes, 0)
-    rows = jnp.clip(first[group] + index, 0, t.shape[0] - 1)
+    rows, member = _span_rows(group_sizes, plan, t.shape[0])
     codes = lax.bitcast_convert_type(t.colwise_data, jnp.uint8)  # moved as bytes; code 0 is +0
     cols = jnp.where(member[None, :], codes[:, rows], jnp.zeros((), jnp.uint8))
     return name_quantized(dataclasses.replace(t, data=None, scale_inv=None, shape=(plan.spans, t.shape[1]),
