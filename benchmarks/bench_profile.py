@@ -30,12 +30,21 @@ import jax
 import bench_layers as bl
 from timing import selected, write_results
 
+COLLECTIVE_PATTERN = re.compile(r"nccl", re.IGNORECASE)
+ATTENTION_PATTERN = re.compile(r"flash|fmha|sdpa|attention", re.IGNORECASE)
 GEMM_PATTERN = re.compile(r"gemm|nvjet|sm90_xmma|cutlass|cublas|xmma", re.IGNORECASE)
 TE_PATTERN = re.compile(r"te_jax|Kernel<|Kernel$|Kernel\(")
+CATEGORIES = ("gemm", "attention", "te_jax", "collective", "xla")
 
 
 def category(name: str) -> str:
-    """``gemm``, ``te_jax`` (our kernels: their names end in Kernel) or ``xla`` (fusions, copies, reductions)."""
+    """One of ``CATEGORIES`` for a kernel name: NCCL collectives, cuDNN's fused attention (before the GEMMs:
+    its names may say gemm), cuBLAS/cuBLASLt/CUTLASS GEMMs, te_jax's kernels (their names end in Kernel), and
+    ``xla``: XLA's fusions, copies and reductions."""
+    if COLLECTIVE_PATTERN.search(name):
+        return "collective"
+    if ATTENTION_PATTERN.search(name):
+        return "attention"
     if GEMM_PATTERN.search(name):
         return "gemm"
     if TE_PATTERN.search(name):
@@ -123,15 +132,16 @@ def summarize(events: list[dict], steps: int) -> dict:
 
 
 def markdown(rows: list[dict], top: int) -> str:
-    lines = ["| section | variant | wall ms/step (profiled) | GPU busy ms | GEMM ms | te_jax kernels ms | XLA ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| section | variant | wall ms/step (profiled) | GPU busy ms | " + " | ".join(f"{c} ms" for c in CATEGORIES)
+             + " |", "|---" * (len(CATEGORIES) + 4) + "|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['section']} | {r['name']} | - | - | - | - | {r['error'][:100]} |")
+            lines.append(f"| {r['section']} | {r['name']} | - | - | " + " | ".join("-" for _ in CATEGORIES[1:])
+                         + f" | {r['error'][:100]} |")
             continue
         c = r["categories"]
         lines.append(f"| {r['section']} | {r['name']} | {r['wall_ms']:.3f} | {r['busy_ms']:.3f} | "
-                     f"{c.get('gemm', 0):.3f} | {c.get('te_jax', 0):.3f} | {c.get('xla', 0):.3f} |")
+                     + " | ".join(f"{c.get(k, 0):.3f}" for k in CATEGORIES) + " |")
     for r in rows:
         if "error" in r:
             continue
