@@ -22,10 +22,12 @@ else
   echo "run_tests: nvcc not found; skipping the CUDA compile check"
 fi
 
-# The suite is mostly XLA compilation, and XLA:CPU's LLVM optimizations are most of that: level 0
-# compiles the suite's programs in about two thirds of the time (no fast-math at either level, but
-# sums may run in another order: tests/test_distributed.py). Flags given in XLA_FLAGS come after, so
-# they override it.
-export XLA_FLAGS="--xla_backend_optimization_level=0 ${XLA_FLAGS:-}"
+# On a machine without a GPU the suite is mostly XLA:CPU compilation, and LLVM's optimizations are
+# most of that: level 0 compiles the suite's programs in about two thirds of the time (no fast-math at
+# either level, but sums may run in another order: tests/test_distributed.py). Flags given in
+# XLA_FLAGS come after, so they override it. A GPU machine keeps XLA's defaults (tools/gpu_check.py).
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  export XLA_FLAGS="--xla_backend_optimization_level=0 ${XLA_FLAGS:-}"
+fi
 # Two workers, one core each.
 $PY -m pytest -q -n 2 "$@"
