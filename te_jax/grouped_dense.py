@@ -25,9 +25,9 @@ columnwise copy's FP8 columns into the spans: one scale per tensor, the
 whole tensor's (current scaling: its amax over every row). The block modes,
 whose blocks must not straddle two groups, gather the high-precision rows
 and quantize the spans columnwise with the rowwise copies' state (NVFP4:
-the amax of the rows in groups, which is x's own when every row is in one). The weight of each expert is quantized on its own
-(``jax.vmap`` of the weight quantizer), so per-tensor recipes scale each
-expert separately.
+the amax of the rows in groups, which is x's own when every row is in one).
+The weight of each expert is quantized on its own (``jax.vmap`` of the
+weight quantizer), so per-tensor recipes scale each expert separately.
 
 State. Delayed scaling keeps one amax history per expert weight: the
 "linear_weight" state has a leading G axis (``init_state``). The inputs of

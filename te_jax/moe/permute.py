@@ -155,11 +155,12 @@ def _combine_fwd(y_sorted, sorted_assignment, assignment_row, gates):
 def _combine_bwd(res, dy):
     y_sorted, sorted_assignment, assignment_row, gates = res
     num_tokens, k = gates.shape
-    dy32 = dy.astype(jnp.float32)
     gate_of_row = gates.astype(jnp.float32).reshape(-1)[sorted_assignment]
-    dy_sorted = (dy32[sorted_assignment // k] * gate_of_row[:, None]).astype(y_sorted.dtype)
+    # Rows are gathered in their own dtype and widened after: the gathers move half the bytes.
+    dy_rows = dy[sorted_assignment // k].astype(jnp.float32)
+    dy_sorted = (dy_rows * gate_of_row[:, None]).astype(y_sorted.dtype)
     per_assignment = y_sorted[assignment_row].reshape(num_tokens, k, -1).astype(jnp.float32)
-    dgates = jnp.sum(per_assignment * dy32[:, None], axis=-1)
+    dgates = jnp.sum(per_assignment * dy.astype(jnp.float32)[:, None], axis=-1)
     return dy_sorted, None, None, dgates.astype(gates.dtype)
 
 
