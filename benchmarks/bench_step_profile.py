@@ -1,6 +1,6 @@
 """Where the GPT example's training step spends its GPU time, per recipe: kernels by category from a device trace.
 
-    python benchmarks/bench_step_profile.py --preset 125m --recipes bf16,delayed,current,block
+    python benchmarks/bench_step_profile.py --preset 125m,1.3b --recipes bf16,delayed,current,block
     python benchmarks/bench_step_profile.py --preset tiny --batch 4 --seq-len 64 --steps 2   # CPU smoke run
 
 Each recipe's step is the example's own (``examples.gpt.train.build_run``: AdamW, FP8 state, jitted with
@@ -14,7 +14,7 @@ A diagnostic, not a timing to quote: the profiler stretches each kernel a little
 recipe at a time. examples/gpt/train.py gives tokens/s. On the CPU the trace holds no GPU kernels, so
 only the wall times are filled.
 
-Usage: python benchmarks/bench_step_profile.py [--preset 125m] [--recipes bf16,delayed,current,block]
+Usage: python benchmarks/bench_step_profile.py [--preset 125m[,1.3b]] [--recipes bf16,delayed,current,block]
        [--batch B] [--seq-len S] [--warmup 3] [--steps 5] [--top 15] [--out r.json] [--md r.md]
 """
 
@@ -36,9 +36,9 @@ from examples.gpt import train as gpt  # noqa: E402
 from timing import write_results  # noqa: E402
 
 
-def profile_recipe(recipe: str, args, corpus) -> dict:
+def profile_recipe(preset: str, recipe: str, args, corpus) -> dict:
     """The recipe's step: wall ms per step and the GPU's kernels by category and by name, per step."""
-    cfg = gpt.RunConfig(preset=args.preset, recipe=recipe, batch=args.batch, seq_len=args.seq_len).resolved()
+    cfg = gpt.RunConfig(preset=preset, recipe=recipe, batch=args.batch, seq_len=args.seq_len).resolved()
     run = gpt.build_run(cfg)
     tokens = jax.device_put(data_lib.train_batch(corpus, 0, cfg.batch, cfg.seq_len, cfg.seed), run.batch_sharding)
     state, metrics = run.state, None
@@ -60,14 +60,14 @@ def profile_recipe(recipe: str, args, corpus) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     cats = bench_profile.CATEGORIES
-    lines = ["| recipe | wall ms/step | GPU busy | " + " | ".join(cats) + " | gaps |",
-             "|---" * (len(cats) + 4) + "|"]
+    lines = ["| preset | recipe | wall ms/step | GPU busy | " + " | ".join(cats) + " | gaps |",
+             "|---" * (len(cats) + 5) + "|"]
     for r in rows:
         c = r["categories"]
-        lines.append(f"| {r['recipe']} | {r['wall_ms']:.2f} | {r['busy_ms']:.2f} | "
+        lines.append(f"| {r['preset']} | {r['recipe']} | {r['wall_ms']:.2f} | {r['busy_ms']:.2f} | "
                      + " | ".join(f"{c.get(k, 0.0):.2f}" for k in cats) + f" | {r['gaps_ms']:.2f} |")
     for r in rows:
-        lines += ["", f"**{r['recipe']}**: the kernels that took longest, per step", "",
+        lines += ["", f"**{r['preset']} {r['recipe']}**: the kernels that took longest, per step", "",
                   "| kernel | category | ms | calls |", "|---|---|---|---|"]
         lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.3f} | {k['calls']:g} |" for k in r["kernels"]]
     return "\n".join(lines) + "\n"
@@ -75,7 +75,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="125m")
+    p.add_argument("--preset", default="125m", help="one preset or several, comma separated")
     p.add_argument("--recipes", default="bf16,delayed,current,block")
     p.add_argument("--batch", type=int, help="global batch (sequences); default: the preset's")
     p.add_argument("--seq-len", type=int, help="default: the preset's")
@@ -88,9 +88,10 @@ def main(argv=None) -> int:
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, preset {args.preset}", flush=True)
     corpus = data_lib.load(None, 16 << 20)
     rows = []
-    for recipe in [r for r in args.recipes.split(",") if r]:
-        rows.append(profile_recipe(recipe, args, corpus))
-        print(markdown(rows[-1:]), flush=True)
+    for preset in [p for p in args.preset.split(",") if p]:
+        for recipe in [r for r in args.recipes.split(",") if r]:
+            rows.append(profile_recipe(preset, recipe, args, corpus))
+            print(markdown(rows[-1:]), flush=True)
     md = markdown(rows)
     print(md)
     write_results(args.out, args.md, {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},

@@ -17,17 +17,14 @@ GEMMs (``te_jax.ops.grouped_gemm``)::
     dgrad    dx = dy (rowwise, linear_grad_output) @ W_g^T (rowwise, per expert)      group_axis 0
     wgrad    dW_g = x_g^T @ dy_g                                                      group_axis 1
 
-For wgrad, x and dy are laid out in spans aligned to the mode's block
-(``GROUP_ALIGN``), zero-padded (zeros add nothing: exact), by one gather
-computed on the device from ``group_sizes``. Per-tensor scaling (delayed,
-current) quantizes x and dy once, both copies in one pass, and gathers the
-columnwise copy's FP8 columns into the spans: one scale per tensor, the
-whole tensor's (current scaling: its amax over every row). The block modes,
-whose blocks must not straddle two groups, gather the high-precision rows
-and quantize the spans columnwise with the rowwise copies' state (NVFP4:
-the amax of the rows in groups, which is x's own when every row is in one).
-The weight of each expert is quantized on its own (``jax.vmap`` of the
-weight quantizer), so per-tensor recipes scale each expert separately.
+For wgrad one gather, computed on the device from ``group_sizes``, lays x and
+dy out in spans aligned to the mode's block (``GROUP_ALIGN``), zero-padded
+(zeros add nothing: exact), and those are quantized columnwise by the
+input and grad_output quantizers with the rowwise copies' state (delayed
+scaling: the same scale; current scaling and NVFP4: the amax of the rows in
+groups, which is x's own when every row is in one). The weight of each expert is quantized on its own
+(``jax.vmap`` of the weight quantizer), so per-tensor recipes scale each
+expert separately.
 
 State. Delayed scaling keeps one amax history per expert weight: the
 "linear_weight" state has a leading G axis (``init_state``). The inputs of
@@ -203,35 +200,12 @@ class _GroupedPlan(Plan):
     bias_dtype: Any  # None: no bias
 
 
-def _span_rows(group_sizes, plan: _GroupedPlan, num_rows: int):
-    """For each row of the span layout: the row of ``[num_rows, C]`` it holds, and whether it holds one."""
-    group, index, member = gg.grouped_positions(group_sizes, plan.spans, plan.align)
-    first = jnp.cumsum(jnp.maximum(group_sizes, 0)) - jnp.maximum(group_sizes, 0)
-    return jnp.clip(first[group] + index, 0, num_rows - 1), member
-
-
 def _in_spans(t: jax.Array, group_sizes, plan: _GroupedPlan) -> jax.Array:
     """``t [M, C]``'s group rows laid out in aligned spans ``[spans, C]``, zeros between (one gather)."""
-    rows, member = _span_rows(group_sizes, plan, t.shape[0])
+    group, index, member = gg.grouped_positions(group_sizes, plan.spans, plan.align)
+    first = jnp.cumsum(jnp.maximum(group_sizes, 0)) - jnp.maximum(group_sizes, 0)
+    rows = jnp.clip(first[group] + index, 0, t.shape[0] - 1)
     return jnp.where(member[:, None], t[rows], jnp.zeros((), t.dtype))
-
-
-def _span_columns(t: ScaledTensor, group_sizes, plan: _GroupedPlan) -> ScaledTensor:
-    """The columnwise copy of a per-tensor ``t [M, C]`` with its rows laid out in aligned spans, zeros between."""
-    rows, member = _span_rows(group_sizes, plan, t.shape[0])
-    codes = lax.bitcast_convert_type(t.colwise_data, jnp.uint8)  # moved as bytes; code 0 is +0
-    cols = jnp.where(member[None, :], codes[:, rows], jnp.zeros((), jnp.uint8))
-    return name_quantized(dataclasses.replace(t, data=None, scale_inv=None, shape=(plan.spans, t.shape[1]),
-                                              colwise_data=lax.bitcast_convert_type(cols, t.colwise_data.dtype)))
-
-
-def _both_copies(g: GemmQuant, field: str, t: jax.Array, group_sizes, plan: _GroupedPlan):
-    """``t``'s rowwise copy and the columnwise copy of its spans (wgrad's operand), as the role's mode needs."""
-    qz = getattr(g.q, field)
-    if qz is not None and getattr(getattr(qz, "scaling_mode", None), "per_tensor", False):
-        tq = g.quantize(field, t, colwise=True, flatten_axis=1)
-        return _keep_rowwise(tq), _span_columns(tq, group_sizes, plan)
-    return g.quantize(field, t, flatten_axis=1), _quantize_spans(g, field, _in_spans(t, group_sizes, plan))
 
 
 def _quantize_spans(g: GemmQuant, field: str, t: jax.Array):
@@ -288,11 +262,12 @@ def _grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dt
 
 def _forward(plan: _GroupedPlan, x, kernel, group_sizes, bias, state, key):
     g = GemmQuant(plan.q, state, key, plan.mesh_resource)
-    xq, xs = _both_copies(g, "input", x, group_sizes, plan)
+    xq = g.quantize("input", x, flatten_axis=1)
     kq = _quantize_weight(g, kernel)
     y = _grouped_matmul(xq, kq, group_sizes, (1, 0), group_axis=0, align=plan.align, bias=bias,
                         out_dtype=jnp.result_type(x.dtype, kernel.dtype), fast_accum=plan.q.fast_accum)
     y = to_varying(g.qdq("output", y, flatten_axis=1), plan.all_vary)
+    xs = _quantize_spans(g, "input", _in_spans(x, group_sizes, plan))
     res = (xs, _keep_rowwise(kq), group_sizes, g.st, g.grads, key)
     return (y, g.new_state()), res
 
@@ -314,10 +289,11 @@ def _bwd(plan: _GroupedPlan, res, cotangents):
     dy = cotangents[0]
     g = GemmQuant.backward(plan.q, st, key, plan.mesh_resource, None, _WHERE)
     fast = plan.q.backward_fast_accum
-    dyq, dys = _both_copies(g, "grad_output", dy, group_sizes, plan)
+    dyq = g.quantize("grad_output", dy, flatten_axis=1)
     dx = _grouped_matmul(dyq, k_res, group_sizes, (1, 1), group_axis=0, align=plan.align, out_dtype=plan.x_dtype,
                          fast_accum=fast)
     dx = g.qdq("grad_input", dx, flatten_axis=1)
+    dys = _quantize_spans(g, "grad_output", _in_spans(dy, group_sizes, plan))
     dk = _grouped_matmul(xs, dys, group_sizes, (0, 0), group_axis=1, align=plan.align, out_dtype=plan.k_dtype,
                          fast_accum=fast)
     dbias = None
