@@ -138,6 +138,9 @@ EP_CASES = ("ep8:none", "dp2xep4:none", "ep8:delayed", "dp2xep4:delayed")
 # One MoE step compiled on the mesh: the row counts, the rows and the results forward; the transposes of
 # the two row exchanges backward.
 ALL_TO_ALLS = {"forward": 3, "grad": 5}
+# Float32 sums in another order: the mesh's loss has differed from one device's by up to 1.08e-6 relative (about
+# nine ulps) on one CPU model and by less on another, so the bound leaves room for a few times that.
+REORDER_RTOL = 4e-6
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +160,8 @@ def test_expert_parallel_layer_equals_one_device(ep_results, name):
     expert weight's amax is its own) and every device holds the same."""
     case = ep_results[name]
     assert "error" not in case, case["error"]
-    assert case["loss_rel_diff"] <= 1e-6 and case["dx_rel_diff"] <= 1e-6, case
-    assert max(case["param_rel_diff"].values()) <= 1e-6, case["param_rel_diff"]
+    assert case["loss_rel_diff"] <= REORDER_RTOL and case["dx_rel_diff"] <= REORDER_RTOL, case
+    assert max(case["param_rel_diff"].values()) <= REORDER_RTOL, case["param_rel_diff"]
     if name.endswith("delayed"):
         assert case["fp8_meta_equal"] and case["fp8_meta_same_on_every_device"], case
     assert case["forward_collectives"]["all-to-all"] == ALL_TO_ALLS["forward"], case["forward_collectives"]
