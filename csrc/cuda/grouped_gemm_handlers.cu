@@ -415,6 +415,12 @@ ffi::Error PrepareBf16(const char* t, const ffi::AnyBuffer& a, const ffi::AnyBuf
 }
 
 ffi::Error DispatchBf16(const GroupedFp8Call& c, cudaStream_t stream) {
+  if (c.axis == GroupAxis::kRows && c.k == 0) {  // an empty contraction (no K tiles): every product is zero
+    if (cudaMemsetAsync(c.out, 0, static_cast<size_t>(c.m * c.n) * 2, stream) != cudaSuccess) {
+      return Launched(c, "zeroing the output");
+    }
+    return ffi::Error::Success();
+  }
 #define TE_JAX_RUN(layout) \
   if (c.bf16_layout == Bf16Layout::layout) return RunGroupedBf16<Bf16Layout::layout>(c, stream);
   TE_JAX_GROUPED_BF16_KERNELS(TE_JAX_RUN)

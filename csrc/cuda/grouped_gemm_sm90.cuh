@@ -1,9 +1,10 @@
 // The grouped FP8 and bfloat16 GEMMs on sm_90a: CUTLASS's pointer-array
 // grouped kernel (TMA, warp-specialized cooperative; FP8 with or without fast
 // accumulation, FP8 block-scaled, or bfloat16), fed by a setup kernel that
-// computes every group's problem from group_sizes on the device. See grouped_gemm.cuh. Included only by the
-// grouped_gemm_sm90_*.cu sources, one kernel instantiation each (so a
-// parallel build compiles them side by side), built for sm_90a alone.
+// computes every group's problem from group_sizes on the device. See
+// grouped_gemm.cuh. Included only by the grouped_gemm_sm90_*.cu sources, one
+// kernel instantiation each (so a parallel build compiles them side by side),
+// built for sm_90a alone.
 #pragma once
 
 #include <algorithm>
