@@ -1,9 +1,10 @@
 """The grouped GEMM's sharding rule on 4 fake CPU devices; run by tests/test_grouped_gemm.py in a subprocess
 with XLA_FLAGS=--xla_force_host_platform_device_count=4.
 
-Prints one JSON line per case: whether the sharded call (groups sharded over "ep" with their experts, the
-rest replicated) equals the one-device call bit for bit, the output's sharding, and the collectives in
-the compiled HLO.
+Cases: per-tensor FP8, Float8 block and bfloat16, each with its rows (group_axis 0) and its groups along the
+contraction (group_axis 1). Prints one JSON line per case: whether the sharded call (groups sharded over "ep"
+with their experts, the rest replicated) equals the one-device call bit for bit, the output's sharding, and the
+collectives in the compiled HLO.
 """
 
 from __future__ import annotations
@@ -61,6 +62,29 @@ def main() -> None:
         hlo = h.lower(aq, sizes).compile().as_text()
         print(json.dumps({"case": f"{name}:spans", "equal": bool(np.array_equal(np.asarray(got), np.asarray(want))),
                           "spec": str(got.sharding.spec), "collectives": _counts(hlo)}), flush=True)
+    _bf16_cases(mesh, x, w, bias, sizes, rng)
+
+
+def _bf16_cases(mesh, x, w, bias, sizes, rng) -> None:
+    """The bfloat16 call: forward rows (b's experts over "ep") and the wgrad (out's groups over "ep"; the
+    groups are rows of both operands)."""
+    ep = NamedSharding(mesh, P("ep"))
+    xb, wb = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    f = jax.jit(lambda x, w, s, b: GG.grouped_gemm_bf16(x, w, s, b))
+    want = f(xb, wb, sizes, bias)
+    args = (xb, jax.device_put(wb, ep), sizes, jax.device_put(bias, ep))
+    got = f(*args)
+    hlo = f.lower(*args).compile().as_text()
+    print(json.dumps({"case": "bf16:rows", "equal": bool(np.array_equal(np.asarray(got), np.asarray(want))),
+                      "spec": str(got.sharding.spec), "collectives": _counts(hlo)}), flush=True)
+    dy = jnp.asarray(rng.normal(size=(M, N)), jnp.bfloat16)
+    wgrad = lambda x, dy, s: GG.grouped_gemm_bf16(x, dy, s, group_axis=1)  # noqa: E731
+    h = jax.jit(wgrad, out_shardings=NamedSharding(mesh, P("ep", None, None)))
+    want = jax.jit(wgrad)(xb, dy, sizes)
+    got = h(xb, dy, sizes)
+    hlo = h.lower(xb, dy, sizes).compile().as_text()
+    print(json.dumps({"case": "bf16:spans", "equal": bool(np.array_equal(np.asarray(got), np.asarray(want))),
+                      "spec": str(got.sharding.spec), "collectives": _counts(hlo)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -418,7 +418,8 @@ def test_groups_sharded_with_their_experts():
     here = pathlib.Path(__file__).parent
     proc = run_on_fake_devices([here / "grouped_gemm_multidevice.py"], devices=4, cwd=here)
     cases = {c["case"]: c for c in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
-    assert set(cases) == {"fp8:rows", "fp8:spans", "block:rows", "block:spans"}, proc.stderr[-4000:]
+    assert set(cases) == {"fp8:rows", "fp8:spans", "block:rows", "block:spans", "bf16:rows", "bf16:spans"}, \
+        proc.stderr[-4000:]
     for name, case in cases.items():
         assert case["equal"], case
         if name.endswith("rows"):

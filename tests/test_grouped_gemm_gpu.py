@@ -1,8 +1,9 @@
 """The grouped GEMMs on a GPU against their reference twin (te_jax.ops.grouped_gemm, backend="reference").
 
 Every (operand dtypes, out dtype, fast_accum, group_axis) that te_jax.grouped_dense issues for the per-tensor
-recipes, the Float8 block kernels (both group axes), the MXFP8 / NVFP4 emulation, the trace-time refusals, and
-te_jax.grouped_dense forward and backward for every recipe with backend "ffi" against backend "reference".
+recipes, the Float8 block kernels (both group axes), the bfloat16 kernels (three layouts), the MXFP8 / NVFP4
+emulation, the trace-time refusals, and te_jax.grouped_dense forward and backward for every recipe with backend
+"ffi" against backend "reference".
 """
 
 from __future__ import annotations
@@ -250,6 +251,61 @@ def test_handler_without_kernel_is_an_error_naming_the_target():
 def test_small_workspace_is_an_error():
     with pytest.raises(Exception, match="te_jax_grouped_gemm_fp8.*workspace"):
         _raw_fp8_call(BF16, 256)
+
+
+# ---- bfloat16 (te_jax_grouped_gemm_bf16): the three layouts at MoE-like shapes -------------------------------
+
+def _bf16(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(BF16)
+
+
+@pytest.mark.parametrize("b_kn", [True, False])  # forward (W [G, K, N] as stored), dgrad (W^T: [G, N, K])
+@pytest.mark.parametrize("sizes, m", [
+    ([700, 0, 1300, 37, 910, 0, 129, 1020], 4096),  # empty groups, rows past the sum
+    ([3000, 3000], 4096),                            # sum > M: group 1 is cut
+    ([4096], 4096),                                  # all rows in one group
+])
+def test_bf16_rows(sizes, m, b_kn):
+    rng = np.random.default_rng(len(sizes) + m + b_kn)
+    groups, k, n = len(sizes), 1024, 1536
+    a = _bf16(rng, (m, k))
+    b = _bf16(rng, (groups, k, n) if b_kn else (groups, n, k))
+    gs = jnp.asarray(sizes, jnp.int32)
+    out, ref = _both(lambda *xs, backend: GG.grouped_gemm_bf16(*xs, b_kn=b_kn, backend=backend), a, b, gs)
+    # float32 accumulation of bfloat16 products on both sides (different orders): one bfloat16 rounding.
+    _assert_close(out, ref, BF16, 1e-5, _row_parts(sizes, m))
+
+
+@pytest.mark.parametrize("bias_dtype", [BF16, F32])
+def test_bf16_rows_with_bias(bias_dtype):
+    rng = np.random.default_rng(7)
+    sizes, m, k, n = [100, 0, 60, 200], 512, 256, 384
+    a, b = _bf16(rng, (m, k)), _bf16(rng, (len(sizes), k, n))
+    bias = jnp.asarray(rng.standard_normal((len(sizes), n)), F32).astype(bias_dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out, ref = _both(lambda *xs, backend: GG.grouped_gemm_bf16(*xs, backend=backend), a, b, gs, bias)
+    _assert_close(out, ref, BF16, 1e-5, _row_parts(sizes, m))
+
+
+@pytest.mark.parametrize("sizes, r", [
+    ([700, 0, 1300, 37, 910, 0, 129, 1020], 4200),  # unaligned rows, empty groups, rows past the sum
+    ([3000, 3000], 4096),                            # sum > R: group 1 is cut
+    ([0, 0], 64),                                    # every group empty: zeros
+])
+def test_bf16_wgrad(sizes, r):
+    """group_axis 1: x [R, P], dy [R, Q] grouped along their rows; out[g] = x_g^T @ dy_g [P, Q]."""
+    rng = np.random.default_rng(sum(sizes) + r)
+    p, q = 1024, 1536
+    a, b = _bf16(rng, (r, p)), _bf16(rng, (r, q))
+    gs = jnp.asarray(sizes, jnp.int32)
+    out, ref = _both(lambda *xs, backend: GG.grouped_gemm_bf16(*xs, group_axis=1, backend=backend), a, b, gs)
+    _assert_close(out, ref, BF16, 1e-5, range(len(sizes)))
+
+
+def test_bf16_refuses_untileable_shapes_at_trace_time():
+    a, b = jnp.zeros((64, 36), BF16), jnp.zeros((2, 36, 64), BF16)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        jax.jit(lambda a, b: GG.grouped_gemm_bf16(a, b, jnp.asarray([32, 32], jnp.int32), backend="ffi")).lower(a, b)
 
 
 # ---- grouped_dense, every recipe: backend "ffi" against "reference" ---------------------------------------

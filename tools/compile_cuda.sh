@@ -42,10 +42,12 @@ out=$(mktemp -d)
 flags=(-std=c++17 -O0 --expt-relaxed-constexpr --ftz=true -Xcompiler=-fPIC -Icsrc -isystem "$ffi_inc"
        -isystem "$inc_dir" -isystem "$nb_inc" -isystem "$py_inc" -isystem "$cutlass_inc" -Werror=all-warnings)
 # One source per CUTLASS kernel template (each takes about 70 s of one core): the per-tensor one with
-# split accumulation (the FP8 promotion mainloop, E5M2 x E4M3, float32 out) and the block one with
-# the contraction grouped (K-block-major scales). The other grouped_gemm_sm90_*.cu instantiate the
-# same two templates with other types, schedules or scale layouts; the GPU build compiles them.
-CUTLASS_CHECKED=(grouped_gemm_sm90_e5m2_e4m3_f32_exact.cu grouped_gemm_sm90_block_wgrad_e4m3_e4m3_f32.cu)
+# split accumulation (the FP8 promotion mainloop, E5M2 x E4M3, float32 out), the block one with
+# the contraction grouped (K-block-major scales) and the bfloat16 wgrad (M- and N-major operands,
+# the only layout no FP8 kernel has). The other grouped_gemm_sm90_*.cu instantiate the same three
+# templates with other types, schedules or layouts; the GPU build compiles them.
+CUTLASS_CHECKED=(grouped_gemm_sm90_e5m2_e4m3_f32_exact.cu grouped_gemm_sm90_block_wgrad_e4m3_e4m3_f32.cu
+                 grouped_gemm_sm90_bf16_wgrad.cu)
 shopt -s nullglob
 for name in "${CUTLASS_CHECKED[@]}"; do
   [ -f "csrc/cuda/$name" ] || { echo "compile_cuda: CUTLASS_CHECKED names csrc/cuda/$name, which is gone"; exit 1; }

@@ -287,6 +287,21 @@ auto BindGroupedGemmFp8Block(Binder b) {
       .template Attr<bool>("b_block_2d");
 }
 
+// te_jax_grouped_gemm_bf16 (no align: group_axis 1 stacks the groups' rows unpadded)
+template <typename Binder>
+auto BindGroupedGemmBf16(Binder b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()               // A
+      .template Arg<ffi::AnyBuffer>()               // B
+      .template Arg<ffi::AnyBuffer>()               // group_sizes
+      .template Arg<ffi::AnyBuffer>()               // bias
+      .template Ret<ffi::AnyBuffer>()               // out
+      .template Ret<ffi::AnyBuffer>()               // workspace
+      .template Attr<int64_t>("group_axis")
+      .template Attr<bool>("has_bias")
+      .template Attr<bool>("b_kn");
+}
+
 // te_jax_grouped_gemm_mxfp8
 template <typename Binder>
 auto BindGroupedGemmMxfp8(Binder b) {

@@ -27,6 +27,7 @@
 #define TE_JAX_GROUPED_GEMM_TARGETS(X)                  \
   X(te_jax_grouped_gemm_fp8, GroupedGemmFp8)            \
   X(te_jax_grouped_gemm_fp8_block, GroupedGemmFp8Block) \
+  X(te_jax_grouped_gemm_bf16, GroupedGemmBf16)          \
   X(te_jax_grouped_gemm_mxfp8, GroupedGemmMxfp8)        \
   X(te_jax_grouped_gemm_nvfp4, GroupedGemmNvfp4)
 

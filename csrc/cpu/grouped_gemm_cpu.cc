@@ -9,6 +9,12 @@
 // B with the dense handlers' helpers (gemm_cpu.h), a per-tensor value taken per
 // group when there is one per group, multiplies each group in float32, adds
 // the bias in float32 and casts. `fast_accum` is ignored; the workspace is untouched.
+//
+// te_jax_grouped_gemm_bf16 takes bfloat16 operands in their natural layouts
+// (group_axis 0: B [G, K, N] with b_kn, else [G, N, K]; group_axis 1: A
+// [R, P] and B [R, Q] with the groups' rows stacked, unpadded, out[g] =
+// A_g^T @ B_g) and brings them to the layouts above (transposes in float32)
+// before the same per-group product.
 #include <algorithm>
 #include <cstdint>
 #include <string>
@@ -256,6 +262,99 @@ ffi::Error GroupedGemmFp8Block(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
+// `x` ([rows, cols] row-major floats) transposed to [cols, rows].
+std::vector<float> Transposed(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  std::vector<float> t(x.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = x[r * cols + c];
+  }
+  return t;
+}
+
+// The bfloat16 call's shapes, in the GroupedShape of the layouts above (group_axis 1: P, Q, R).
+ffi::ErrorOr<GroupedShape> Bf16ShapeOf(std::string_view target, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                                       const ffi::AnyBuffer& sizes, const ffi::AnyBuffer& bias,
+                                       const ffi::AnyBuffer& out, int64_t axis, bool b_kn, bool has_bias) {
+  for (const auto* x : {&a, &b, &out}) {
+    if (x->element_type() != ffi::DataType::BF16) return ffi::Unexpected(Fail(target, "a, b and out must be bfloat16"));
+  }
+  auto ad = a.dimensions();
+  auto bd = b.dimensions();
+  if (axis == 0 && (ad.size() != 2 || bd.size() != 3 || bd[b_kn ? 1 : 2] != ad[1])) {
+    return ffi::Unexpected(Fail(target, std::string("group_axis 0 needs A [M, K] and B ") +
+                                            (b_kn ? "[G, K, N]" : "[G, N, K]") + "; got A " + DimsToString(ad) +
+                                            " and B " + DimsToString(bd)));
+  }
+  if (axis == 1 && (ad.size() != 2 || bd.size() != 2 || bd[0] != ad[0])) {
+    return ffi::Unexpected(Fail(target, "group_axis 1 needs A [R, P] and B [R, Q] with one R; got A " +
+                                            DimsToString(ad) + " and B " + DimsToString(bd)));
+  }
+  auto groups = GroupsOf(target, sizes, axis, 1, ad[0]);
+  if (groups.has_error()) return ffi::Unexpected(groups.error());
+  GroupedShape s;
+  s.groups = groups.value();
+  const int64_t g = s.groups.count;
+  std::vector<int64_t> want_out;
+  if (axis == 0) {
+    if (bd[0] != g) {
+      return ffi::Unexpected(Fail(target, "B has " + std::to_string(bd[0]) + " matrices but group_sizes has " +
+                                              std::to_string(g) + " groups"));
+    }
+    s.a_rows = ad[0];
+    s.k = ad[1];
+    s.n = bd[b_kn ? 2 : 1];
+    s.b_rows = g * s.n;
+    want_out = {ad[0], s.n};
+  } else {
+    if (has_bias) return ffi::Unexpected(Fail(target, "a bias applies to group_axis 0 only"));
+    s.a_rows = ad[1];
+    s.k = ad[0];
+    s.n = bd[1];
+    s.b_rows = s.n;
+    want_out = {g, ad[1], s.n};
+  }
+  auto od = out.dimensions();
+  if (!std::equal(want_out.begin(), want_out.end(), od.begin(), od.end())) {
+    return ffi::Unexpected(Fail(target, "out must be " + DimsToString(want_out) + ", got " + DimsToString(od)));
+  }
+  const std::vector<int64_t> want_bias = has_bias ? std::vector<int64_t>{g, s.n} : std::vector<int64_t>{0};
+  auto bias_d = bias.dimensions();
+  if (!std::equal(want_bias.begin(), want_bias.end(), bias_d.begin(), bias_d.end())) {
+    return ffi::Unexpected(Fail(target, "bias must be " + DimsToString(want_bias) + " (has_bias=" +
+                                            (has_bias ? "true" : "false") + "), got " + DimsToString(bias_d)));
+  }
+  if (has_bias && bias.element_type() != ffi::DataType::BF16 && bias.element_type() != ffi::DataType::F32) {
+    return ffi::Unexpected(Fail(target, "bias must be bfloat16 or float32"));
+  }
+  return s;
+}
+
+ffi::Error GroupedGemmBf16(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace, int64_t group_axis,
+                           bool has_bias, bool b_kn) {
+  constexpr std::string_view kTarget = "te_jax_grouped_gemm_bf16";
+  if (group_axis != 0 && group_axis != 1) return Fail(kTarget, "group_axis must be 0 or 1");
+  auto s_or = Bf16ShapeOf(kTarget, a, b, group_sizes, bias, *out, group_axis, b_kn, has_bias);
+  if (s_or.has_error()) return s_or.error();
+  const GroupedShape& s = s_or.value();
+  std::vector<float> av = ToFloat(a), bv = ToFloat(b);
+  if (group_axis == 1) {  // [R, P], [R, Q] -> [P, R], [Q, R]: the groups along the columns
+    av = Transposed(av, s.k, s.a_rows);
+    bv = Transposed(bv, s.k, s.n);
+  } else if (b_kn) {  // each [K, N] -> [N, K]
+    std::vector<float> t(bv.size());
+    const int64_t per = s.k * s.n;
+    for (int64_t g = 0; g < s.groups.count; ++g) {
+      const std::vector<float> one(bv.begin() + g * per, bv.begin() + (g + 1) * per);
+      const std::vector<float> one_t = Transposed(one, s.k, s.n);
+      std::copy(one_t.begin(), one_t.end(), t.begin() + g * per);
+    }
+    bv = std::move(t);
+  }
+  Multiply(s, av, bv, bias, *out);
+  return ffi::Error::Success();
+}
+
 ffi::Error GroupedGemmMxfp8(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer b, ffi::AnyBuffer b_s,
                             ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::AnyBuffer> workspace, int64_t group_axis, int64_t align, bool has_bias) {
@@ -318,6 +417,7 @@ ffi::Error GroupedGemmNvfp4(ffi::AnyBuffer a, ffi::AnyBuffer a_s, ffi::AnyBuffer
 
 TE_JAX_CPU_HANDLER(GroupedGemmFp8, GroupedGemmFp8);
 TE_JAX_CPU_HANDLER(GroupedGemmFp8Block, GroupedGemmFp8Block);
+TE_JAX_CPU_HANDLER(GroupedGemmBf16, GroupedGemmBf16);
 TE_JAX_CPU_HANDLER(GroupedGemmMxfp8, GroupedGemmMxfp8);
 TE_JAX_CPU_HANDLER(GroupedGemmNvfp4, GroupedGemmNvfp4);
 

@@ -1,5 +1,5 @@
-// The grouped FP8 GEMM on the device (contract: the grouped GEMM custom calls
-// of te_jax/ops/grouped_gemm.py). One call is a tiny setup kernel that reads
+// The grouped FP8 and bfloat16 GEMMs on the device (contract: the grouped GEMM
+// custom calls of te_jax/ops/grouped_gemm.py). One call is a tiny setup kernel that reads
 // group_sizes on the device and writes every group's problem shape, operand
 // pointers, strides and alpha (the product of the scale_invs) into the
 // workspace, then ONE CUTLASS pointer-array grouped GEMM launch (sm_90a), then
@@ -29,7 +29,17 @@ enum class OutKind { kF32, kBf16, kF16 };
 // [G, M, N]. (M, N, K here are P, Q, Kc of the contract for kContraction.)
 enum class GroupAxis { kRows = 0, kContraction = 1 };
 
+// The layouts of the bfloat16 grouped GEMM (te_jax_grouped_gemm_bf16), one
+// kernel each. kForward (group_axis 0, b_kn): A [M, K], B [G, K, N], out
+// [M, N]. kDgrad (group_axis 0, !b_kn): A [M, K], B [G, N, K], out [M, N].
+// kWgrad (group_axis 1): A [R, P] and B [R, Q] with the groups' rows stacked,
+// out [G, P, Q], out[g] = A_g^T @ B_g. (The call's m, n, k are M, N, K, and
+// P, Q, R for kWgrad.)
+enum class Bf16Layout { kForward, kDgrad, kWgrad };
+
 // Everything one per-tensor-scaled grouped FP8 GEMM needs (device pointers).
+// The bfloat16 grouped GEMM fills the same struct: a_kind, b_kind and every
+// scale pointer unused (null), out_kind kBf16, align 1, bf16_layout set.
 struct GroupedFp8Call {
   const char* target;             // the FFI target, for error messages
   GroupAxis axis;
@@ -38,6 +48,7 @@ struct GroupedFp8Call {
   bool fast_accum;
   int64_t groups, m, n, k;
   int64_t align;                  // kContraction: the span alignment of K
+  Bf16Layout bf16_layout;         // the bfloat16 call only
   const void* a;
   const void* b;
   const float* a_scale_inv;       // per-tensor: [1] or [groups]; nullptr in the block mode
@@ -72,6 +83,13 @@ ffi::Error RunGroupedFp8(const GroupedFp8Call& call, cudaStream_t stream);
 template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, int kBScaleRows, GroupAxis kAxis>
 ffi::Error RunGroupedFp8Block(const GroupedFp8Call& call, cudaStream_t stream);
 
+// The bfloat16 grouped GEMM of layout kLayout (bfloat16 A and B, float32
+// accumulation, bfloat16 out), defined in grouped_gemm_sm90_bf16_*.cu for the
+// entries of TE_JAX_GROUPED_BF16_KERNELS. Writes only the groups' rows /
+// matrices, as RunGroupedFp8.
+template <Bf16Layout kLayout>
+ffi::Error RunGroupedBf16(const GroupedFp8Call& call, cudaStream_t stream);
+
 // The instantiated kernels, X(a kind, b kind, out kind, fast_accum). Each is
 // one source file grouped_gemm_sm90_<a>_<b>_<out>_<accum>.cu. The bfloat16
 // ones serve the hot products of bfloat16 models directly: the forward (E4M3 x
@@ -101,6 +119,14 @@ ffi::Error RunGroupedFp8Block(const GroupedFp8Call& call, cudaStream_t stream);
   X(kE4M3, kE4M3, kF32, 1, GroupAxis::kRows)       \
   X(kE4M3, kE4M3, kBf16, 1, GroupAxis::kContraction) \
   X(kE4M3, kE4M3, kF32, 1, GroupAxis::kContraction)
+
+// The bfloat16 kernels, X(layout), one source file grouped_gemm_sm90_bf16_<layout>.cu
+// each: the forward (B N-major), the dgrad (B K-major) and the wgrad (A and B
+// M- and N-major, the rows of each group contracted).
+#define TE_JAX_GROUPED_BF16_KERNELS(X) \
+  X(kForward)                          \
+  X(kDgrad)                            \
+  X(kWgrad)
 
 }  // namespace grouped
 }  // namespace te_jax

@@ -3,10 +3,12 @@
 //   te_jax_grouped_gemm_fp8        -> GroupedGemmFp8Cuda       per-tensor FP8, CUTLASS sm_90a (grouped_gemm.cuh)
 //   te_jax_grouped_gemm_fp8_block  -> GroupedGemmFp8BlockCuda  1x128 A x 128x128 or 1x128 B scales, CUTLASS sm_90a
 //                                                              (group_axis 1: K-block-major scales)
+//   te_jax_grouped_gemm_bf16       -> GroupedGemmBf16Cuda      bfloat16 x bfloat16 -> bfloat16, float32 accumulation,
+//                                                              CUTLASS sm_90a (forward, dgrad and wgrad layouts)
 //   te_jax_grouped_gemm_mxfp8      -> GroupedGemmMxfp8Cuda     an error: the Python side emulates these on sm_90
 //   te_jax_grouped_gemm_nvfp4      -> GroupedGemmNvfp4Cuda     an error: the Python side emulates these on sm_90
 //
-// Each FP8 handler: check the call, then the grouped GEMM (setup kernel + one
+// Each FP8 / bfloat16 handler: check the call, then the grouped GEMM (setup kernel + one
 // CUTLASS launch), the zeroing kernel for what no group writes, and the bias
 // kernel when there is a bias. group_sizes stays on the device.
 #include <cuda_bf16.h>
@@ -341,6 +343,104 @@ ffi::Error GroupedGemmFp8Block(cudaStream_t stream, int32_t device, ffi::AnyBuff
   return Run(c, guard.device(), out_bytes, bias, has_bias, stream, DispatchBlock);
 }
 
+// Checks the bfloat16 call's operands, group sizes, output and bias against
+// the contract (te_jax.ops.grouped_gemm.grouped_gemm_bf16) and fills `c`.
+ffi::Error PrepareBf16(const char* t, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& sizes,
+                       const ffi::AnyBuffer& bias, ffi::AnyBuffer& out, ffi::AnyBuffer& workspace, int64_t group_axis,
+                       bool b_kn, bool has_bias, GroupedFp8Call* c) {
+  c->target = t;
+  if (group_axis != 0 && group_axis != 1) {
+    return Invalid(t, "group_axis must be 0 or 1, got " + std::to_string(group_axis));
+  }
+  c->axis = group_axis == 0 ? GroupAxis::kRows : GroupAxis::kContraction;
+  if (a.element_type() != ffi::DataType::BF16 || b.element_type() != ffi::DataType::BF16 ||
+      out.element_type() != ffi::DataType::BF16) {
+    return Invalid(t, "a, b and out must be bfloat16");
+  }
+  if (sizes.element_type() != ffi::DataType::S32 || sizes.dimensions().size() != 1) {
+    return Invalid(t, "group_sizes must be int32 [G], got " + ShapeOf(sizes));
+  }
+  const int64_t g = sizes.dimensions()[0];
+  auto dims = [](const ffi::AnyBuffer& x, size_t i) { return static_cast<int64_t>(x.dimensions()[i]); };
+  if (c->axis == GroupAxis::kRows) {
+    const bool ranks = a.dimensions().size() == 2 && b.dimensions().size() == 3 && out.dimensions().size() == 2;
+    const int64_t bk = ranks ? dims(b, b_kn ? 1 : 2) : -1, bn = ranks ? dims(b, b_kn ? 2 : 1) : -1;
+    if (!ranks || dims(b, 0) != g || bk != dims(a, 1) || dims(out, 0) != dims(a, 0) || dims(out, 1) != bn) {
+      return Invalid(t, std::string("group_axis 0 takes a [M, K], b ") + (b_kn ? "[G, K, N]" : "[G, N, K]") +
+                            ", out [M, N]; got a " + ShapeOf(a) + ", b " + ShapeOf(b) + ", out " + ShapeOf(out) +
+                            ", G = " + std::to_string(g));
+    }
+    c->bf16_layout = b_kn ? Bf16Layout::kForward : Bf16Layout::kDgrad;
+    c->m = dims(a, 0);
+    c->n = bn;
+    c->k = dims(a, 1);
+    if (c->k % 8 != 0 || c->n % 8 != 0) {
+      return Invalid(t, "the CUDA grouped GEMM needs K and N to be multiples of 8, got K = " + std::to_string(c->k) +
+                            ", N = " + std::to_string(c->n));
+    }
+  } else {
+    if (a.dimensions().size() != 2 || b.dimensions().size() != 2 || out.dimensions().size() != 3 ||
+        dims(b, 0) != dims(a, 0) || dims(out, 0) != g || dims(out, 1) != dims(a, 1) || dims(out, 2) != dims(b, 1)) {
+      return Invalid(t, "group_axis 1 takes a [R, P], b [R, Q], out [G, P, Q]; got a " + ShapeOf(a) + ", b " +
+                            ShapeOf(b) + ", out " + ShapeOf(out) + ", G = " + std::to_string(g));
+    }
+    c->bf16_layout = Bf16Layout::kWgrad;
+    c->m = dims(a, 1);  // P
+    c->n = dims(b, 1);  // Q
+    c->k = dims(a, 0);  // R, the grouped rows
+    if (c->m % 8 != 0 || c->n % 8 != 0) {
+      return Invalid(t, "the CUDA grouped GEMM needs P and Q to be multiples of 8, got P = " + std::to_string(c->m) +
+                            ", Q = " + std::to_string(c->n));
+    }
+  }
+  if (c->m > INT32_MAX || c->n > INT32_MAX || c->k > INT32_MAX) return Invalid(t, "a dimension exceeds 2^31 - 1");
+  if (has_bias) {
+    if (c->axis != GroupAxis::kRows) return Invalid(t, "a bias is only for group_axis 0");
+    if (bias.dimensions().size() != 2 || static_cast<int64_t>(bias.dimensions()[0]) != g ||
+        static_cast<int64_t>(bias.dimensions()[1]) != c->n ||
+        (bias.element_type() != ffi::DataType::F32 && bias.element_type() != ffi::DataType::BF16)) {
+      return Invalid(t, "bias must be [G, N] of float32 or bfloat16, got " + ShapeOf(bias));
+    }
+  }
+  c->out_kind = OutKind::kBf16;
+  c->groups = g;
+  c->align = 1;  // group_axis 1: the groups' rows follow each other unpadded
+  c->a = a.untyped_data();
+  c->b = b.untyped_data();
+  c->group_sizes = static_cast<const int32_t*>(sizes.untyped_data());
+  c->out = out.untyped_data();
+  c->workspace = workspace.untyped_data();
+  c->workspace_bytes = workspace.size_bytes();
+  return ffi::Error::Success();
+}
+
+ffi::Error DispatchBf16(const GroupedFp8Call& c, cudaStream_t stream) {
+  if (c.axis == GroupAxis::kRows && c.k == 0) {  // an empty contraction (no K tiles): every product is zero
+    if (cudaMemsetAsync(c.out, 0, static_cast<size_t>(c.m * c.n) * 2, stream) != cudaSuccess) {
+      return Launched(c, "zeroing the output");
+    }
+    return ffi::Error::Success();
+  }
+#define TE_JAX_RUN(layout) \
+  if (c.bf16_layout == Bf16Layout::layout) return RunGroupedBf16<Bf16Layout::layout>(c, stream);
+  TE_JAX_GROUPED_BF16_KERNELS(TE_JAX_RUN)
+#undef TE_JAX_RUN
+  return Invalid(c.target, "the CUDA grouped GEMM has no bfloat16 kernel for this layout");
+}
+
+ffi::Error GroupedGemmBf16(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                           ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> workspace, int64_t group_axis, bool has_bias, bool b_kn) {
+  const char* t = "te_jax_grouped_gemm_bf16";
+  gemm::DeviceGuard guard;
+  TE_RETURN_IF_ERROR(guard.Enter(device));
+  GroupedFp8Call c{};
+  TE_RETURN_IF_ERROR(PrepareBf16(t, a, b, group_sizes, bias, *out, *workspace, group_axis, b_kn, has_bias, &c));
+  // The rows (group_axis 0) or matrices (1) no group writes are zeroed by Run, which reads c.m, c.n as out's
+  // row count and width (P, Q for group_axis 1) and c.k as the grouped extent of group_axis 1 (R).
+  return Run(c, guard.device(), 2, bias, has_bias, stream, DispatchBf16);
+}
+
 ffi::Error NotOnCuda(const char* target, const char* why) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented, std::string(target) + ": " + why);
 }
@@ -366,6 +466,7 @@ ffi::Error GroupedGemmNvfp4(cudaStream_t, ffi::AnyBuffer, ffi::AnyBuffer, ffi::A
 
 TE_JAX_CUDA_DEVICE_HANDLER(GroupedGemmFp8, grouped::GroupedGemmFp8);
 TE_JAX_CUDA_DEVICE_HANDLER(GroupedGemmFp8Block, grouped::GroupedGemmFp8Block);
+TE_JAX_CUDA_DEVICE_HANDLER(GroupedGemmBf16, grouped::GroupedGemmBf16);
 TE_JAX_CUDA_HANDLER(GroupedGemmMxfp8, grouped::GroupedGemmMxfp8);
 TE_JAX_CUDA_HANDLER(GroupedGemmNvfp4, grouped::GroupedGemmNvfp4);
 

@@ -1,9 +1,10 @@
-// The per-tensor-scaled grouped FP8 GEMM on sm_90a: CUTLASS's pointer-array
-// grouped kernel (TMA, warp-specialized cooperative, FP8 with or without fast
-// accumulation), fed by a setup kernel that computes every group's problem
-// from group_sizes on the device. See grouped_gemm.cuh. Included only by the
-// grouped_gemm_sm90_*.cu sources, one kernel instantiation each (so a
-// parallel build compiles them side by side), built for sm_90a alone.
+// The grouped FP8 and bfloat16 GEMMs on sm_90a: CUTLASS's pointer-array
+// grouped kernel (TMA, warp-specialized cooperative; FP8 with or without fast
+// accumulation, FP8 block-scaled, or bfloat16), fed by a setup kernel that
+// computes every group's problem from group_sizes on the device. See
+// grouped_gemm.cuh. Included only by the grouped_gemm_sm90_*.cu sources, one
+// kernel instantiation each (so a parallel build compiles them side by side),
+// built for sm_90a alone.
 #pragma once
 
 #include <algorithm>
@@ -90,6 +91,83 @@ __device__ inline GroupGeometry GeometryOf(const GroupedFp8Call& c, int64_t g, i
   return geo;
 }
 
+// One group's GEMM of the bfloat16 call of layout kLayout (grouped_gemm.cuh),
+// in CUTLASS's (m, n, k) terms with each operand's leading dimension (the
+// stride of its non-contiguous axis). kForward and kDgrad: A [M, K] K-major, B
+// N-major (kForward: [G, K, N]) or K-major ([G, N, K]), D [M, N]; group g's
+// rows start at `start` (cut at M). kWgrad: m = P, n = Q and the group's rows
+// are the contraction: A M-major (row r of the group at (off + r) * P), B
+// N-major (at (off + r) * Q), D = out[g] [P, Q]; rows past R are cut.
+template <Bf16Layout kLayout>
+__device__ inline GroupGeometry Bf16GeometryOf(const GroupedFp8Call& c, int64_t g, int64_t start, int32_t size) {
+  GroupGeometry geo{};
+  geo.alpha = 1.0f;
+  if constexpr (kLayout == Bf16Layout::kWgrad) {
+    const int64_t off = min(start, c.k);
+    const int64_t rows = min(static_cast<int64_t>(max(size, 0)), c.k - off);
+    geo.m = rows > 0 ? static_cast<int>(c.m) : 0;  // m 0: no tiles (the handler zeroes out[g])
+    geo.n = static_cast<int>(c.n);
+    geo.k = rows > 0 ? static_cast<int>(rows) : 8;
+    geo.a_offset = off * c.m;
+    geo.b_offset = off * c.n;
+    geo.d_offset = g * c.m * c.n;
+    geo.lda = c.m;
+    geo.ldb = c.n;
+    geo.ldd = c.n;
+  } else {
+    const int64_t off = min(start, c.m);
+    geo.m = static_cast<int>(min(static_cast<int64_t>(max(size, 0)), c.m - off));
+    geo.n = static_cast<int>(c.n);
+    geo.k = static_cast<int>(c.k);
+    geo.a_offset = off * c.k;
+    geo.b_offset = g * c.n * c.k;
+    geo.d_offset = off * c.n;
+    geo.lda = c.k;
+    geo.ldb = kLayout == Bf16Layout::kForward ? c.n : c.k;
+    geo.ldd = c.n;
+  }
+  return geo;
+}
+
+// The setup arrays of one grouped GEMM (problem shapes, operand pointers,
+// strides, alphas), carved from the front of the workspace.
+template <class ElementA, class ElementB, class ElementD, class StrideA, class StrideB, class StrideD, class Shape3>
+struct PtrArrays {
+  Shape3* problems;
+  const ElementA** a;
+  const ElementB** b;
+  ElementD** d;
+  StrideA* stride_a;
+  StrideB* stride_b;
+  StrideD* stride_d;
+  float* alpha;
+
+  static size_t Bytes(int64_t g) {
+    return RoundUpBytes(g * sizeof(Shape3)) + 3 * RoundUpBytes(g * sizeof(void*)) +
+           RoundUpBytes(g * sizeof(StrideA)) + RoundUpBytes(g * sizeof(StrideB)) +
+           RoundUpBytes(g * sizeof(StrideD)) + RoundUpBytes(g * sizeof(float));
+  }
+
+  static PtrArrays Carve(void* base, int64_t g) {
+    auto* p = static_cast<char*>(base);
+    auto take = [&p](size_t bytes) {
+      void* q = p;
+      p += RoundUpBytes(bytes);
+      return q;
+    };
+    PtrArrays r;
+    r.problems = static_cast<Shape3*>(take(g * sizeof(Shape3)));
+    r.a = static_cast<const ElementA**>(take(g * sizeof(void*)));
+    r.b = static_cast<const ElementB**>(take(g * sizeof(void*)));
+    r.d = static_cast<ElementD**>(take(g * sizeof(void*)));
+    r.stride_a = static_cast<StrideA*>(take(g * sizeof(StrideA)));
+    r.stride_b = static_cast<StrideB*>(take(g * sizeof(StrideB)));
+    r.stride_d = static_cast<StrideD*>(take(g * sizeof(StrideD)));
+    r.alpha = static_cast<float*>(take(g * sizeof(float)));
+    return r;
+  }
+};
+
 // The CUTLASS grouped GEMM of one dtype combination and accumulation mode.
 template <class ElementA, class ElementB, class ElementD, bool kFastAccum>
 struct Fp8GroupedKernel {
@@ -130,47 +208,14 @@ struct Fp8GroupedKernel {
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 
   // The setup arrays, carved from the front of the workspace.
-  struct Arrays;
+  using Arrays = PtrArrays<ElementA, ElementB, ElementD, StrideA, StrideB, StrideD, Shape3>;
+  __device__ static GroupGeometry Geometry(const GroupedFp8Call& c, int64_t g, int64_t start, int32_t size) {
+    return GeometryOf(c, g, start, size);
+  }
   __device__ static void SetupScales(const GroupedFp8Call&, int64_t, const GroupGeometry&, Arrays&) {}
   static auto MainloopArguments(const Arrays& a) {
     return typename Mainloop::Arguments{a.a, a.stride_a, a.b, a.stride_b};
   }
-
-  struct Arrays {
-    Shape3* problems;
-    const ElementA** a;
-    const ElementB** b;
-    ElementD** d;
-    StrideA* stride_a;
-    StrideB* stride_b;
-    StrideD* stride_d;
-    float* alpha;
-
-    static size_t Bytes(int64_t g) {
-      return RoundUpBytes(g * sizeof(Shape3)) + 3 * RoundUpBytes(g * sizeof(void*)) +
-             RoundUpBytes(g * sizeof(StrideA)) + RoundUpBytes(g * sizeof(StrideB)) +
-             RoundUpBytes(g * sizeof(StrideD)) + RoundUpBytes(g * sizeof(float));
-    }
-
-    static Arrays Carve(void* base, int64_t g) {
-      auto* p = static_cast<char*>(base);
-      auto take = [&p](size_t bytes) {
-        void* q = p;
-        p += RoundUpBytes(bytes);
-        return q;
-      };
-      Arrays r;
-      r.problems = static_cast<Shape3*>(take(g * sizeof(Shape3)));
-      r.a = static_cast<const ElementA**>(take(g * sizeof(void*)));
-      r.b = static_cast<const ElementB**>(take(g * sizeof(void*)));
-      r.d = static_cast<ElementD**>(take(g * sizeof(void*)));
-      r.stride_a = static_cast<StrideA*>(take(g * sizeof(StrideA)));
-      r.stride_b = static_cast<StrideB*>(take(g * sizeof(StrideB)));
-      r.stride_d = static_cast<StrideD*>(take(g * sizeof(StrideD)));
-      r.alpha = static_cast<float*>(take(g * sizeof(float)));
-      return r;
-    }
-  };
 };
 
 // The CUTLASS grouped GEMM with float32 block scales applied in the mainloop:
@@ -239,6 +284,10 @@ struct Fp8BlockGroupedKernel {
     }
   };
 
+  __device__ static GroupGeometry Geometry(const GroupedFp8Call& c, int64_t g, int64_t start, int32_t size) {
+    return GeometryOf(c, g, start, size);
+  }
+
   // Fills the block mode's arrays of group g (the scale pointers and layouts).
   __device__ static void SetupScales(const GroupedFp8Call& c, int64_t g, const GroupGeometry& geo, Arrays& arrays) {
     arrays.sfa[g] = c.a_s + geo.sfa_offset;
@@ -265,11 +314,85 @@ struct Fp8BlockGroupedKernel {
   }
 };
 
+// The CUTLASS grouped bfloat16 GEMM of one layout (Bf16Layout): bfloat16 A
+// and B, float32 accumulation, bfloat16 D, alpha 1 (the alpha array is
+// filled with ones). kForward: A K-major, B N-major; kDgrad: A and B K-major
+// (as the FP8 kernels); kWgrad: A M-major, B N-major. 128x256x64 tiles (each
+// of the two consumer warpgroups holds a 64x256 float32 accumulator, 128
+// registers per thread) in 1x2 clusters. (Element is a parameter, always
+// bfloat16, so that the CUTLASS builders stay dependent: GCC, as nvcc's host
+// compiler, rejects the epilogue builder evaluated at the template's definition.)
+template <Bf16Layout kLayout, class Element>
+struct Bf16GroupedKernel {
+  using ElementA = Element;
+  using ElementB = Element;
+  using ElementD = Element;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  // CUTLASS's views: A (m, k), B (n, k). RowMajor A: k contiguous; ColumnMajor A: m contiguous.
+  // RowMajor B: n contiguous; ColumnMajor B: k contiguous.
+  using LayoutA = std::conditional_t<kLayout == Bf16Layout::kWgrad, cutlass::layout::ColumnMajor,
+                                     cutlass::layout::RowMajor>;
+  using LayoutB = std::conditional_t<kLayout == Bf16Layout::kDgrad, cutlass::layout::ColumnMajor,
+                                     cutlass::layout::RowMajor>;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlign = 8;  // 16 bytes of bfloat16 (TMA)
+  using TileShape = Shape<_128, _256, _64>;
+  using ClusterShape = Shape<_1, _2, _1>;
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutD*, kAlign,  // no source C
+      ElementD, LayoutD*, kAlign, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, LayoutA*, kAlign, ElementB, LayoutB*, kAlign,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+  static_assert(std::is_same_v<StrideA, std::conditional_t<kLayout == Bf16Layout::kWgrad, Stride<_1, int64_t, _0>,
+                                                           Stride<int64_t, _1, _0>>>,
+                "A: (m, k) strides (1, lda) for kWgrad, (lda, 1) otherwise");
+  static_assert(std::is_same_v<StrideB, std::conditional_t<kLayout == Bf16Layout::kDgrad, Stride<int64_t, _1, _0>,
+                                                           Stride<_1, int64_t, _0>>>,
+                "B: (n, k) strides (ldb, 1) for kDgrad, (1, ldb) otherwise");
+
+  using Arrays = PtrArrays<ElementA, ElementB, ElementD, StrideA, StrideB, StrideD, Shape3>;
+  __device__ static GroupGeometry Geometry(const GroupedFp8Call& c, int64_t g, int64_t start, int32_t size) {
+    return Bf16GeometryOf<kLayout>(c, g, start, size);
+  }
+  __device__ static void SetupScales(const GroupedFp8Call&, int64_t, const GroupGeometry&, Arrays&) {}
+  static auto MainloopArguments(const Arrays& a) {
+    return typename Mainloop::Arguments{a.a, a.stride_a, a.b, a.stride_b};
+  }
+};
+
+// A stride (x, y, batch) with exactly one of x, y dynamic: that one set to `ld`
+// (the leading dimension), the static unit stride and batch stride as they are.
+template <class Stride3>
+__device__ inline Stride3 LeadingStride(int64_t ld) {
+  constexpr bool kFirst = !is_static<decltype(get<0>(Stride3{}))>::value;
+  constexpr bool kSecond = !is_static<decltype(get<1>(Stride3{}))>::value;
+  static_assert(kFirst != kSecond && is_static<decltype(get<2>(Stride3{}))>::value,
+                "a grouped operand has one contiguous axis and one leading dimension");
+  Stride3 s{};
+  if constexpr (kFirst) {
+    get<0>(s) = ld;
+  } else {
+    get<1>(s) = ld;
+  }
+  return s;
+}
+
 // One block: each thread takes groups g, g + blockDim, ... and sums the sizes
 // (or aligned spans) of the groups before it (G is at most a few thousand).
 template <class K>
 __global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedFp8Call c, typename K::Arrays arrays) {
-  static_assert(std::is_same_v<typename K::StrideA, cute::Stride<int64_t, _1, _0>>);
   using ElementA = typename K::Gemm::ElementA;
   using ElementB = typename K::Gemm::ElementB;
   using ElementD = typename K::Gemm::ElementD;
@@ -279,21 +402,15 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedFp8Call c, t
       const int64_t s = max(c.group_sizes[h], 0);
       start += c.axis == GroupAxis::kRows ? s : (s + c.align - 1) / c.align * c.align;
     }
-    const GroupGeometry geo = GeometryOf(c, g, start, c.group_sizes[g]);
+    const GroupGeometry geo = K::Geometry(c, g, start, c.group_sizes[g]);
     arrays.problems[g] = typename K::Shape3(geo.m, geo.n, geo.k);
     arrays.a[g] = static_cast<const ElementA*>(c.a) + geo.a_offset;
     arrays.b[g] = static_cast<const ElementB*>(c.b) + geo.b_offset;
     arrays.d[g] = static_cast<ElementD*>(c.out) + geo.d_offset;
-    // Each stride is (leading dimension, 1, 0): only the leading dimension is dynamic.
-    typename K::StrideA sa{};
-    typename K::StrideB sb{};
-    typename K::StrideD sd{};
-    get<0>(sa) = geo.lda;
-    get<0>(sb) = geo.ldb;
-    get<0>(sd) = geo.ldd;
-    arrays.stride_a[g] = sa;
-    arrays.stride_b[g] = sb;
-    arrays.stride_d[g] = sd;
+    // Each stride is (leading dimension, 1, 0) or (1, leading dimension, 0): only the leading dimension is dynamic.
+    arrays.stride_a[g] = LeadingStride<typename K::StrideA>(geo.lda);
+    arrays.stride_b[g] = LeadingStride<typename K::StrideB>(geo.ldb);
+    arrays.stride_d[g] = LeadingStride<typename K::StrideD>(geo.ldd);
     arrays.alpha[g] = geo.alpha;
     K::SetupScales(c, g, geo, arrays);
   }
@@ -409,6 +526,11 @@ ffi::Error RunGroupedFp8Block(const GroupedFp8Call& c, cudaStream_t stream) {
   return sm90::Run<K>(c, stream);
 }
 
+template <Bf16Layout kLayout>
+ffi::Error RunGroupedBf16(const GroupedFp8Call& c, cudaStream_t stream) {
+  return sm90::Run<sm90::Bf16GroupedKernel<kLayout, cutlass::bfloat16_t>>(c, stream);
+}
+
 // Instantiates RunGroupedFp8 for one entry of TE_JAX_GROUPED_FP8_KERNELS.
 #define TE_JAX_INSTANTIATE_GROUPED_FP8(ka, kb, ko, fast) \
   template ffi::Error RunGroupedFp8<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, fast>(const GroupedFp8Call&, cudaStream_t);
@@ -417,6 +539,10 @@ ffi::Error RunGroupedFp8Block(const GroupedFp8Call& c, cudaStream_t stream) {
 #define TE_JAX_INSTANTIATE_GROUPED_FP8_BLOCK(ka, kb, ko, rows, axis)                                       \
   template ffi::Error RunGroupedFp8Block<Fp8Kind::ka, Fp8Kind::kb, OutKind::ko, rows, axis>(const GroupedFp8Call&, \
                                                                                            cudaStream_t);
+
+// Instantiates RunGroupedBf16 for one entry of TE_JAX_GROUPED_BF16_KERNELS.
+#define TE_JAX_INSTANTIATE_GROUPED_BF16(layout) \
+  template ffi::Error RunGroupedBf16<Bf16Layout::layout>(const GroupedFp8Call&, cudaStream_t);
 
 }  // namespace grouped
 }  // namespace te_jax

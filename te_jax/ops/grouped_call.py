@@ -15,7 +15,8 @@ every other axis is gathered (A's rows and K, B's N, and for
 ``group_axis=1`` P, Q and Kc). With ``group_axis=0`` each device multiplies
 the rows of its own groups and one all-reduce (psum) over the group axes
 combines the row blocks; with ``group_axis=1`` each device writes its groups'
-slices of out and nothing is exchanged.
+slices of out and nothing is exchanged. The bfloat16 call shards the same
+way (its group_axis 1 groups are rows of A and B, shifted along axis 0).
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def _lower(platform: str, ctx, *args, lay: GroupedLayout):
         args = (*args[:-1], _cast(ctx, args[-1], bias_aval, bias_aval.update(dtype=_F32)))
         ctx = ctx.replace(avals_in=[*ctx.avals_in[:-1], bias_aval.update(dtype=_F32)])
     call_ctx = ctx.replace(avals_out=[kernel_aval, jax.core.ShapedArray((size,), jnp.uint8)])
-    attrs = {"group_axis": np.int64(run.group_axis), "align": np.int64(run.align), "has_bias": run.has_bias,
-             **dict(run.attrs)}
+    attrs = {"group_axis": np.int64(run.group_axis), "has_bias": run.has_bias, **dict(run.attrs)}
+    if run.mode is not None:  # the bfloat16 call has no align (its group_axis 1 rows are unpadded)
+        attrs["align"] = np.int64(run.align)
     out = jax.ffi.ffi_lowering(run.target)(call_ctx, *args, **attrs)[0]
     if kernel_aval.dtype != out_aval.dtype:
         out = _cast(ctx, out, kernel_aval, out_aval)
@@ -81,9 +83,7 @@ def _lower(platform: str, ctx, *args, lay: GroupedLayout):
 
 def _abstract_eval(*avals, lay: GroupedLayout):
     a, b, sizes = avals[lay.roles.index("a")], avals[lay.roles.index("b")], avals[len(lay.roles)]
-    if lay.group_axis == 0:
-        return jax.core.ShapedArray((a.shape[0], b.shape[-2]), lay.out_dtype)
-    return jax.core.ShapedArray((sizes.shape[0], a.shape[0], b.shape[0]), lay.out_dtype)
+    return jax.core.ShapedArray(lay.out_shape(a.shape, b.shape, sizes.shape[0]), lay.out_dtype)
 
 
 _grouped_p = Primitive("te_jax_grouped_gemm")
@@ -163,7 +163,11 @@ def _partition(lay: GroupedLayout, mesh, arg_shapes, result_shape):
                     i = lay.roles.index(role)
                     per = lay.pack if role in ("a", "b") else lay.k_block
                     k_block_major = role in ("a_s", "b_s") and lay.mode is ScalingMode.FP8_BLOCK
-                    args[i] = jnp.roll(args[i], -(start // per), axis=0 if k_block_major else -1)
+                    args[i] = jnp.roll(args[i], -(start // per), axis=0 if k_block_major else lay.span_axis)
+            if lay.align == 1:  # unpadded spans are the sizes: cut at the grouped extent, as the kernel does
+                a = args[lay.roles.index("a")]
+                extent = a.shape[lay.span_axis] * (lay.pack if lay.span_axis == -1 else 1)
+                mine = jnp.diff(jnp.minimum(jnp.cumsum(mine), extent - start), prepend=0)
         args[len(lay.roles)] = mine
         out = _ffi_call(lay, *args)
         if lay.group_axis == 0:

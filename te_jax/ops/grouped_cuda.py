@@ -6,7 +6,9 @@ float32 split-accumulation kernel of the dtype pair runs and the lowering
 casts its result (``cuda_kernel``); what no kernel can run is refused at trace
 time with what to change (``check_cuda``, ``cuda_kernel``). MXFP8, NVFP4 and
 every mode on a GPU other than sm_90 run the emulation
-(``te_jax.ops.grouped_reference.emulate``; ``emulation_message``).
+(``te_jax.ops.grouped_reference.emulate``; ``emulation_message``). The
+bfloat16 call (``GroupedLayout.mode`` None) runs one CUTLASS sm_90a kernel per
+layout (``CUDA_BF16_KERNELS``), likewise emulated on other GPUs.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from te_jax.ops.grouped_layout import GROUP_ALIGN, GroupedLayout
 from te_jax.quantize import modes
 from te_jax.quantize.modes import ScalingMode
 
-__all__ = ["CUDA_BLOCK_KERNELS", "CUDA_FP8_KERNELS", "check_cuda", "cuda_kernel", "emulation_message",
-           "grouped_workspace_bytes"]
+__all__ = ["CUDA_BF16_KERNELS", "CUDA_BLOCK_KERNELS", "CUDA_FP8_KERNELS", "check_cuda", "cuda_kernel",
+           "emulation_message", "grouped_workspace_bytes"]
 
 # What the CUDA kernels tile: K and N (group_axis 0), P, Q and Kc (group_axis 1) multiples of these.
 _CUDA_MULTIPLE = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMode.MXFP8: 32,
@@ -39,6 +41,10 @@ CUDA_FP8_KERNELS = frozenset({(_E4M3, _E4M3, _BF16, True), (_E5M2, _E4M3, _BF16,
 CUDA_BLOCK_KERNELS = frozenset({(_E4M3, _E4M3, _BF16, True, 0), (_E4M3, _E4M3, _F32, True, 0),
                                 (_E4M3, _E4M3, _F32, False, 0), (_E4M3, _E4M3, _BF16, False, 1),
                                 (_E4M3, _E4M3, _F32, False, 1)})
+# TE_JAX_GROUPED_BF16_KERNELS: (group_axis, b_kn) of the bfloat16 layouts (forward, dgrad, wgrad).
+CUDA_BF16_KERNELS = frozenset({(0, True), (0, False), (1, False)})
+# The bfloat16 kernels' TMA needs 16-byte rows: K and N (group_axis 0), P and Q (1) multiples of 8.
+_BF16_MULTIPLE = 8
 
 
 def grouped_workspace_bytes(num_groups: int) -> int:
@@ -49,10 +55,16 @@ def grouped_workspace_bytes(num_groups: int) -> int:
 def emulation_message(lay: GroupedLayout, capability: float | None) -> str | None:
     """The warning for lowering ``lay`` for a GPU of ``capability``, or None when a CUDA kernel runs it.
 
-    None for per-tensor FP8 and Float8 block on compute capability 9.0 or an unknown one (None).
+    None for per-tensor FP8, Float8 block and bfloat16 on compute capability 9.0 or an unknown one (None).
     """
-    if lay.mode in _CUDA_MODES and (capability is None or capability == _CUDA_CAPABILITY):
+    if (lay.mode is None or lay.mode in _CUDA_MODES) and (capability is None or capability == _CUDA_CAPABILITY):
         return None
+    if lay.mode is None:
+        return (f"te_jax: grouped bfloat16 GEMMs ({lay.target}) on a GPU of compute capability {capability:.1f} run "
+                "the documented emulation: XLA's bfloat16 ragged dot accumulating in float32 "
+                "(docs/grouped_gemm_cuda.md), which expands into one masked GEMM per group (G times the FLOPs). "
+                "The native grouped kernel runs on compute capability 9.0. Silence with "
+                "warnings.filterwarnings('ignore', category=GemmEmulationWarning).")
     label = modes.mode_spec(lay.mode).label
     where = "this GPU" if capability is None else f"a GPU of compute capability {capability:.1f}"
     return (f"te_jax: grouped {label} GEMMs ({lay.target}) on {where} run the documented emulation: each operand "
@@ -64,6 +76,9 @@ def emulation_message(lay: GroupedLayout, capability: float | None) -> str | Non
 
 def check_cuda(lay: GroupedLayout, a_shape, b_shape) -> None:
     """Checks that the CUDA kernels tile the operands ``a_shape``, ``b_shape`` and ``lay.align``."""
+    if lay.mode is None:
+        _check_cuda_bf16(lay, a_shape, b_shape)
+        return
     multiple = _CUDA_MULTIPLE[lay.mode]
     if lay.group_axis == 0:
         dims = {"K": a_shape[-1] * lay.pack, "N": b_shape[-2]}
@@ -78,6 +93,20 @@ def check_cuda(lay: GroupedLayout, a_shape, b_shape) -> None:
                          f"{lay.align}")
 
 
+def _check_cuda_bf16(lay: GroupedLayout, a_shape, b_shape) -> None:
+    """The bfloat16 call's checks: K and N (group_axis 0) or P and Q (1) multiples of 8; unpadded groups."""
+    if lay.group_axis == 0:
+        dims = {"K": a_shape[-1], "N": lay.out_shape(a_shape, b_shape, b_shape[0])[-1]}
+    else:
+        dims = {"P": a_shape[-1], "Q": b_shape[-1]}
+    bad = {k: v for k, v in dims.items() if v % _BF16_MULTIPLE}
+    if bad:
+        raise ValueError(f"te_jax: {lay.target} on CUDA needs {', '.join(dims)} to be multiples of {_BF16_MULTIPLE} "
+                         f"(16-byte rows for TMA), got {bad}; pad those axes")
+    if lay.align != 1:
+        raise ValueError(f"te_jax: {lay.target} takes unpadded groups (align 1), got align {lay.align}")
+
+
 def cuda_kernel(lay: GroupedLayout, a_dtype, b_dtype) -> GroupedLayout:
     """The layout of the CUDA kernel that runs ``lay`` (its ``out_dtype`` may be float32, cast afterwards).
 
@@ -86,6 +115,12 @@ def cuda_kernel(lay: GroupedLayout, a_dtype, b_dtype) -> GroupedLayout:
     """
     a_dtype, b_dtype, out = jnp.dtype(a_dtype), jnp.dtype(b_dtype), jnp.dtype(lay.out_dtype)
     attrs = dict(lay.attrs)
+    if lay.mode is None:
+        if (a_dtype, b_dtype, out) != (_BF16, _BF16, _BF16) or (lay.group_axis, attrs["b_kn"]) not in CUDA_BF16_KERNELS:
+            raise ValueError(f"te_jax: {lay.target} on CUDA has bfloat16 x bfloat16 -> bfloat16 kernels for "
+                             f"group_axis 0 (b_kn True or False) and group_axis 1 (b_kn False), got {a_dtype.name} x "
+                             f"{b_dtype.name} -> {out.name}, group_axis {lay.group_axis}, b_kn {attrs['b_kn']}")
+        return lay
     if lay.mode is ScalingMode.FP8_TENSOR:
         for cand_out, fast in ((out, attrs["fast_accum"]), (out, False), (_F32, False)):
             if (a_dtype, b_dtype, cand_out, fast) in CUDA_FP8_KERNELS:

@@ -1,4 +1,4 @@
-"""Grouped GEMM op: one FP8 / Float8-block / MXFP8 / NVFP4 product per group (mixture-of-experts).
+"""Grouped GEMM op: one FP8 / Float8-block / MXFP8 / NVFP4 / bfloat16 product per group (mixture-of-experts).
 
 Two layouts, chosen by the static ``group_axis``; ``group_sizes`` is int32
 ``[G]`` on the device (data dependent, zeros allowed):
@@ -23,6 +23,11 @@ Groups reaching past M (past Kc) are cut there. Per-tensor values (FP8
 group). Block scales are as the dense GEMM's (``te_jax.ops.gemm``) for
 ``A`` and for each matrix of ``B``.
 
+``grouped_gemm_bf16`` multiplies unquantized bfloat16 operands in their
+natural layouts (no transposes needed by the caller; see its docstring):
+``B [G, K, N]`` or ``[G, N, K]`` for group_axis 0, and for group_axis 1 (the
+wgrad) ``A [R, P]``, ``B [R, Q]`` grouped along their rows, unpadded.
+
 ``grouped_gemm_fp8`` and friends take explicit operands, validate them at
 trace time (``te_jax.ops.grouped_layout``) and run the
 ``te_jax_grouped_gemm_*`` custom call or, with the "reference" backend, the
@@ -32,11 +37,12 @@ precision, bias in float32, cast). ``grouped_gemm`` multiplies ScaledTensors,
 picking the rowwise or columnwise copy of each.
 
 The custom call itself (a primitive lowered per platform, partitioned with
-the experts) lives in ``te_jax.ops.grouped_call``. On a GPU, per-tensor FP8
-and Float8 block run the CUTLASS sm_90a kernels (docs/grouped_gemm_cuda.md;
-the choice is ``te_jax.ops.grouped_cuda``); MXFP8, NVFP4 and every mode on a
-GPU other than sm_90 run the emulation (``GemmEmulationWarning``): operands
-dequantized to bfloat16, XLA's ragged dot accumulating in float32.
+the experts) lives in ``te_jax.ops.grouped_call``. On a GPU, per-tensor FP8,
+Float8 block and bfloat16 run the CUTLASS sm_90a kernels
+(docs/grouped_gemm_cuda.md; the choice is ``te_jax.ops.grouped_cuda``);
+MXFP8, NVFP4 and every mode on a GPU other than sm_90 run the emulation
+(``GemmEmulationWarning``): operands dequantized to bfloat16 (bfloat16 ones
+as they are), XLA's ragged dot accumulating in float32.
 """
 
 from __future__ import annotations
@@ -57,19 +63,19 @@ from te_jax.quantize import modes
 from te_jax.quantize.modes import ScalingMode
 from te_jax.quantize.scaled_tensor import ScaledTensor
 
-__all__ = ["GROUP_ALIGN", "grouped_gemm", "grouped_gemm_fp8", "grouped_gemm_fp8_block", "grouped_gemm_mxfp8",
-           "grouped_gemm_nvfp4", "grouped_positions", "grouped_workspace_bytes", "in_spans"]
+__all__ = ["GROUP_ALIGN", "grouped_gemm", "grouped_gemm_bf16", "grouped_gemm_fp8", "grouped_gemm_fp8_block",
+           "grouped_gemm_mxfp8", "grouped_gemm_nvfp4", "grouped_positions", "grouped_workspace_bytes", "in_spans"]
 
 
-# ---- the four ops ------------------------------------------------------------------------
+# ---- the five ops ------------------------------------------------------------------------
 
 
 def _run(lay: GroupedLayout, args: tuple, group_sizes, bias, out_dtype, backend):
     """Checks out_dtype and bias, then runs the custom call or its reference twin."""
     out_dtype = check_out_dtype(out_dtype)
     num_groups = group_sizes.shape[0]
-    b = args[lay.roles.index("b")]
-    bias = check_bias(bias, lay.group_axis, num_groups, b.shape[-2], out_dtype)
+    a, b = args[lay.roles.index("a")], args[lay.roles.index("b")]
+    bias = check_bias(bias, lay.group_axis, num_groups, lay.out_shape(a.shape, b.shape, num_groups)[-1], out_dtype)
     if backend_lib.resolve(backend) == "reference":
         da, db = dequantize(lay, args, group_sizes)
         return reference(da, db, group_sizes, lay.group_axis, lay.align, bias, out_dtype)
@@ -174,6 +180,65 @@ def grouped_gemm_nvfp4(a, a_s, a_amax, b, b_s, b_amax, group_sizes, bias=None, *
     lay = GroupedLayout(ScalingMode.NVFP4, "te_jax_grouped_gemm_nvfp4", ("a", "a_s", "a_t", "b", "b_s", "b_t"),
                         group_axis, int(align), pack=mode.pack, k_block=mode.block_cols)
     return _run(lay, (a, a_s, a_amax, b, b_s, b_amax), group_sizes, bias, out_dtype, backend)
+
+
+def _check_bf16_layout(a, b, num_groups: int, group_axis, b_kn: bool) -> None:
+    """Checks the bfloat16 operands' shapes for ``group_axis`` (``b_kn``: B ``[G, K, N]``, else ``[G, N, K]``)."""
+    if group_axis not in (0, 1) or isinstance(group_axis, bool):
+        raise ValueError(f"te_jax: group_axis must be 0 (rows grouped) or 1 (wgrad: rows contracted per group), got "
+                         f"{group_axis!r}")
+    if group_axis == 1:
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[0]:
+            raise ValueError(f"te_jax: grouped_gemm_bf16 with group_axis=1 needs A [R, P] and B [R, Q] with one R "
+                             f"(the grouped rows); got A {a.shape} and B {b.shape}")
+        return
+    want = "[G, K, N] (b_kn=True)" if b_kn else "[G, N, K] (b_kn=False)"
+    if a.ndim != 2 or b.ndim != 3 or b.shape[1 if b_kn else 2] != a.shape[1]:
+        raise ValueError(f"te_jax: grouped_gemm_bf16 with group_axis=0 needs A [M, K] and B {want} with one K; got "
+                         f"A {a.shape} and B {b.shape}")
+    if b.shape[0] != num_groups:
+        raise ValueError(f"te_jax: B has {b.shape[0]} matrices but group_sizes has {num_groups} groups; give one "
+                         "size per expert")
+
+
+def grouped_gemm_bf16(a, b, group_sizes, bias=None, *, group_axis: int = 0, b_kn: bool = True,
+                      out_dtype=jnp.bfloat16, backend=None):
+    """Unquantized bfloat16 grouped GEMM, float32 accumulation, bfloat16 out (the high-precision MoE path).
+
+    Layouts (group g is the rows ``[off_g, off_g + m_g)``, ``off_g = sum_{h<g} m_h``, cut at the rows; negative
+    sizes count as zero):
+
+    * ``group_axis=0``: ``a [M, K]``; ``b [G, K, N]`` with ``b_kn`` (a weight as stored: ``y = x @ W_g``) or
+      ``[G, N, K]`` without (the dgrad with the stored weight: ``dx = dy @ W_g^T``); returns ``[M, N]``, zeros
+      in the rows past ``sum(m)``. An optional bias ``[G, N]`` is added to group g's rows.
+    * ``group_axis=1`` (wgrad): ``a [R, P]``, ``b [R, Q]`` grouped along their rows, unpadded; returns
+      ``[G, P, Q]``, ``out[g] = a_g^T @ b_g`` (zeros for an empty group). ``b_kn`` is ignored.
+
+    On CUDA (sm_90) a CUTLASS grouped kernel runs, which needs K and N (group_axis 0), P and Q (group_axis 1) to
+    be multiples of 8; other GPUs run XLA's ragged dot (``GemmEmulationWarning``).
+
+    Args:
+      a, b: bfloat16 operands as above.
+      group_sizes: int32 ``[G]``.
+      bias: ``[G, N]`` bfloat16 or float32 (group_axis 0 only), or None.
+      group_axis: 0 (rows grouped) or 1 (rows grouped and contracted per group).
+      b_kn: group_axis 0: whether ``b`` is ``[G, K, N]`` (True) or ``[G, N, K]`` (False).
+      out_dtype: bfloat16 (the only one).
+      backend: "ffi" or "reference" (default: ``te_jax.backend``'s context).
+    """
+    for name, x in (("a", a), ("b", b)):
+        if not hasattr(x, "dtype") or jnp.dtype(x.dtype) != jnp.bfloat16:
+            raise TypeError(f"te_jax: grouped_gemm_bf16 takes bfloat16 operands, got {name} of dtype "
+                            f"{getattr(x, 'dtype', type(x).__name__)}; cast it with .astype(jnp.bfloat16) (or "
+                            "quantize both operands and call grouped_gemm)")
+    if jnp.dtype(out_dtype) != jnp.bfloat16:
+        raise TypeError(f"te_jax: grouped_gemm_bf16 writes bfloat16 only, got out_dtype {out_dtype}; cast the result")
+    b_kn = check_flag("b_kn", b_kn)
+    num_groups = check_group_sizes(group_sizes)
+    _check_bf16_layout(a, b, num_groups, group_axis, b_kn)
+    lay = GroupedLayout(None, "te_jax_grouped_gemm_bf16", ("a", "b"), group_axis, 1,
+                        attrs=(("b_kn", b_kn and group_axis == 0),))
+    return _run(lay, (a, b), group_sizes, bias, out_dtype, backend)
 
 
 # ---- ScaledTensors -----------------------------------------------------------------------

@@ -131,9 +131,14 @@ class GroupedLayout:
     Roles: "a"/"b" the operands, "a_s"/"b_s" block scales, "a_t"/"b_t" per-tensor
     values (``[1]`` or ``[G]``), "sizes" the group sizes, "bias" (always passed;
     ``[0]`` without one).
+
+    ``mode`` None is the bfloat16 call (``te_jax_grouped_gemm_bf16``, roles
+    "a", "b"): its operands keep their natural layouts, ``B [G, K, N]`` (attr
+    ``b_kn``) or ``[G, N, K]`` for group_axis 0, and ``A [R, P]``, ``B [R, Q]``
+    with the groups' rows stacked (align 1) for group_axis 1.
     """
 
-    mode: ScalingMode
+    mode: ScalingMode | None
     target: str
     roles: tuple[str, ...]
     group_axis: int
@@ -147,3 +152,18 @@ class GroupedLayout:
     @property
     def all_roles(self) -> tuple[str, ...]:
         return (*self.roles, "sizes", "bias")
+
+    @property
+    def span_axis(self) -> int:
+        """The axis of A and B along which group_axis 1's groups lie: the contraction (last) of ``[P, Kc]``, or
+        the rows (0) of the bfloat16 call's ``[R, P]``."""
+        return 0 if self.mode is None else -1
+
+    def out_shape(self, a_shape, b_shape, num_groups: int) -> tuple[int, ...]:
+        """The shape of the call's result for operands of ``a_shape`` and ``b_shape``."""
+        if self.group_axis == 0:
+            b_kn = self.mode is None and dict(self.attrs)["b_kn"]
+            return (a_shape[0], b_shape[-1] if b_kn else b_shape[-2])
+        if self.mode is None:
+            return (num_groups, a_shape[1], b_shape[1])
+        return (num_groups, a_shape[0], b_shape[0])

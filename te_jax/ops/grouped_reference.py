@@ -7,6 +7,10 @@
   grouped kernel for the mode (``te_jax.ops.grouped_cuda``): the operands
   dequantized to bfloat16, XLA's ragged dot accumulating in float32, the bias,
   a cast.
+
+The bfloat16 call (``GroupedLayout.mode`` None) has nothing to dequantize: its
+operands are brought to the layouts above (``B [G, N, K]``; group_axis 1
+``A [P, R]``, ``B [Q, R]`` with unpadded spans) and take the same paths.
 """
 
 from __future__ import annotations
@@ -47,13 +51,27 @@ def _deq_groups(group_sizes, group_axis: int, align: int, a_shape, k: int, deq_a
     return _per_group(deq_a, a_values, cols, 1), _per_group(deq_b, b_values, cols, 1)
 
 
+def _bf16_operands(lay: GroupedLayout, a, b):
+    """The bfloat16 call's operands in the quantized modes' layouts, in their own dtype.
+
+    group_axis 0: ``B [G, K, N]`` (``b_kn``) transposed to ``[G, N, K]``; group_axis 1: ``A [R, P]`` and
+    ``B [R, Q]`` transposed to ``[P, R]`` and ``[Q, R]`` (the groups along the contraction, align 1).
+    """
+    if lay.group_axis == 1:
+        return a.T, b.T
+    return a, (jnp.swapaxes(b, 1, 2) if dict(lay.attrs)["b_kn"] else b)
+
+
 def dequantize(lay: GroupedLayout, args, group_sizes):
     """Both operands of the custom call's ``args`` (in ``lay.roles`` order) dequantized to float32.
 
-    The block mode's scales of group_axis 1 arrive K-block-major (``[Kc/128, rows]``) and are read back.
+    The block mode's scales of group_axis 1 arrive K-block-major (``[Kc/128, rows]``) and are read back. The
+    bfloat16 call's operands are converted and transposed (``_bf16_operands``).
     """
     x = dict(zip(lay.roles, args))
     a, b = x["a"], x["b"]
+    if lay.mode is None:
+        return tuple(t.astype(jnp.float32) for t in _bf16_operands(lay, a, b))
     k = a.shape[-1] * lay.pack
     if lay.mode is ScalingMode.FP8_TENSOR:
         return _deq_groups(group_sizes, lay.group_axis, lay.align, a.shape, k,
@@ -97,7 +115,10 @@ def emulate(lay: GroupedLayout, *args):
     Operands dequantized to bfloat16, XLA's ragged dot accumulating in float32, bias, cast to ``lay.out_dtype``.
     """
     group_sizes, bias = args[len(lay.roles)], args[-1]
-    da, db = (t.astype(jnp.bfloat16) for t in dequantize(lay, args[:len(lay.roles)], group_sizes))
+    if lay.mode is None:  # bfloat16 already: no float32 copies
+        da, db = _bf16_operands(lay, args[0], args[1])
+    else:
+        da, db = (t.astype(jnp.bfloat16) for t in dequantize(lay, args[:len(lay.roles)], group_sizes))
     sizes = jnp.maximum(group_sizes, 0)
     if lay.group_axis == 0:
         ends = jnp.minimum(jnp.cumsum(sizes), da.shape[0])  # groups past M are cut
