@@ -69,6 +69,25 @@ ffi::ErrorOr<Groups> GroupsOf(std::string_view target, const ffi::AnyBuffer& siz
   return g;
 }
 
+// out must be `want_out`; the bias [G, N] of the out dtype or float32 with has_bias, else [0].
+ffi::Error CheckOutAndBias(std::string_view target, const ffi::AnyBuffer& out, const ffi::AnyBuffer& bias,
+                           const std::vector<int64_t>& want_out, int64_t g, int64_t n, bool has_bias) {
+  auto od = out.dimensions();
+  if (!std::equal(want_out.begin(), want_out.end(), od.begin(), od.end())) {
+    return Fail(target, "out must be " + DimsToString(want_out) + ", got " + DimsToString(od));
+  }
+  const std::vector<int64_t> want_bias = has_bias ? std::vector<int64_t>{g, n} : std::vector<int64_t>{0};
+  auto bias_d = bias.dimensions();
+  if (!std::equal(want_bias.begin(), want_bias.end(), bias_d.begin(), bias_d.end())) {
+    return Fail(target, "bias must be " + DimsToString(want_bias) + " (has_bias=" + (has_bias ? "true" : "false") +
+                            "), got " + DimsToString(bias_d));
+  }
+  if (has_bias && bias.element_type() != out.element_type() && bias.element_type() != ffi::DataType::F32) {
+    return Fail(target, "bias must have the output's dtype or float32");
+  }
+  return ffi::Error::Success();
+}
+
 // Operand shapes, out and bias of either layout; `pack` K elements per stored column (NVFP4: 2).
 ffi::ErrorOr<GroupedShape> ShapeOf(std::string_view target, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                                    const ffi::AnyBuffer& sizes, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& out,
@@ -108,19 +127,7 @@ ffi::ErrorOr<GroupedShape> ShapeOf(std::string_view target, const ffi::AnyBuffer
   if (!IsHighPrecision(out.element_type())) {
     return ffi::Unexpected(Fail(target, "out must be float32, bfloat16 or float16"));
   }
-  auto od = out.dimensions();
-  if (!std::equal(want_out.begin(), want_out.end(), od.begin(), od.end())) {
-    return ffi::Unexpected(Fail(target, "out must be " + DimsToString(want_out) + ", got " + DimsToString(od)));
-  }
-  const std::vector<int64_t> want_bias = has_bias ? std::vector<int64_t>{g, s.n} : std::vector<int64_t>{0};
-  auto bias_d = bias.dimensions();
-  if (!std::equal(want_bias.begin(), want_bias.end(), bias_d.begin(), bias_d.end())) {
-    return ffi::Unexpected(Fail(target, "bias must be " + DimsToString(want_bias) + " (has_bias=" +
-                                            (has_bias ? "true" : "false") + "), got " + DimsToString(bias_d)));
-  }
-  if (has_bias && bias.element_type() != out.element_type() && bias.element_type() != ffi::DataType::F32) {
-    return ffi::Unexpected(Fail(target, "bias must have the output's dtype or float32"));
-  }
+  TE_RETURN_IF_ERROR_OR(CheckOutAndBias(target, out, bias, want_out, g, s.n, has_bias));
   return s;
 }
 
@@ -313,19 +320,7 @@ ffi::ErrorOr<GroupedShape> Bf16ShapeOf(std::string_view target, const ffi::AnyBu
     s.b_rows = s.n;
     want_out = {g, ad[1], s.n};
   }
-  auto od = out.dimensions();
-  if (!std::equal(want_out.begin(), want_out.end(), od.begin(), od.end())) {
-    return ffi::Unexpected(Fail(target, "out must be " + DimsToString(want_out) + ", got " + DimsToString(od)));
-  }
-  const std::vector<int64_t> want_bias = has_bias ? std::vector<int64_t>{g, s.n} : std::vector<int64_t>{0};
-  auto bias_d = bias.dimensions();
-  if (!std::equal(want_bias.begin(), want_bias.end(), bias_d.begin(), bias_d.end())) {
-    return ffi::Unexpected(Fail(target, "bias must be " + DimsToString(want_bias) + " (has_bias=" +
-                                            (has_bias ? "true" : "false") + "), got " + DimsToString(bias_d)));
-  }
-  if (has_bias && bias.element_type() != ffi::DataType::BF16 && bias.element_type() != ffi::DataType::F32) {
-    return ffi::Unexpected(Fail(target, "bias must be bfloat16 or float32"));
-  }
+  TE_RETURN_IF_ERROR_OR(CheckOutAndBias(target, out, bias, want_out, g, s.n, has_bias));
   return s;
 }
 

@@ -153,6 +153,41 @@ ffi::Error DispatchBlock(const GroupedFp8Call& c, cudaStream_t stream) {
                  "B blocks -> float32; group_axis 1 with 1x128 blocks -> float32; te_jax.ops.grouped_gemm casts)");
 }
 
+// group_sizes must be int32 [G]; sets *g.
+ffi::Error CheckGroupSizes(const char* t, const ffi::AnyBuffer& sizes, int64_t* g) {
+  if (sizes.element_type() != ffi::DataType::S32 || sizes.dimensions().size() != 1) {
+    return Invalid(t, "group_sizes must be int32 [G], got " + ShapeOf(sizes));
+  }
+  *g = sizes.dimensions()[0];
+  return ffi::Error::Success();
+}
+
+// A bias (has_bias) must be [G, N] of float32 or the out dtype, for group_axis 0 only.
+ffi::Error CheckBias(const GroupedFp8Call& c, const ffi::AnyBuffer& bias, bool has_bias, int64_t g,
+                     ffi::DataType out_type) {
+  if (!has_bias) return ffi::Error::Success();
+  if (c.axis != GroupAxis::kRows) return Invalid(c.target, "a bias is only for group_axis 0");
+  if (bias.dimensions().size() != 2 || static_cast<int64_t>(bias.dimensions()[0]) != g ||
+      static_cast<int64_t>(bias.dimensions()[1]) != c.n ||
+      (bias.element_type() != ffi::DataType::F32 && bias.element_type() != out_type)) {
+    return Invalid(c.target, "bias must be [G, N] of float32 or the out dtype, got " + ShapeOf(bias));
+  }
+  return ffi::Error::Success();
+}
+
+// Fills `c`'s group count, span alignment and device pointers once the shapes are checked.
+void FillBuffers(GroupedFp8Call* c, int64_t g, int64_t align, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
+                 const ffi::AnyBuffer& sizes, ffi::AnyBuffer& out, ffi::AnyBuffer& workspace) {
+  c->groups = g;
+  c->align = align;
+  c->a = a.untyped_data();
+  c->b = b.untyped_data();
+  c->group_sizes = static_cast<const int32_t*>(sizes.untyped_data());
+  c->out = out.untyped_data();
+  c->workspace = workspace.untyped_data();
+  c->workspace_bytes = workspace.size_bytes();
+}
+
 // Checks the operands, group sizes, output and bias against the contract and
 // fills `c` with them (the scales are each mode's).
 ffi::Error Prepare(const char* t, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, const ffi::AnyBuffer& sizes,
@@ -168,10 +203,8 @@ ffi::Error Prepare(const char* t, const ffi::AnyBuffer& a, const ffi::AnyBuffer&
   if (!OutKindOf(out.element_type(), &c->out_kind, out_bytes)) {
     return Invalid(t, "out must be float32, bfloat16 or float16");
   }
-  if (sizes.element_type() != ffi::DataType::S32 || sizes.dimensions().size() != 1) {
-    return Invalid(t, "group_sizes must be int32 [G], got " + ShapeOf(sizes));
-  }
-  const int64_t g = sizes.dimensions()[0];
+  int64_t g = 0;
+  TE_RETURN_IF_ERROR(CheckGroupSizes(t, sizes, &g));
   auto dims = [](const ffi::AnyBuffer& x, size_t i) { return static_cast<int64_t>(x.dimensions()[i]); };
   if (c->axis == GroupAxis::kRows) {
     if (a.dimensions().size() != 2 || b.dimensions().size() != 3 || out.dimensions().size() != 2 ||
@@ -198,22 +231,8 @@ ffi::Error Prepare(const char* t, const ffi::AnyBuffer& a, const ffi::AnyBuffer&
                           std::to_string(c->k) + ", N = " + std::to_string(c->n));
   }
   if (c->m > INT32_MAX || c->n > INT32_MAX || c->k > INT32_MAX) return Invalid(t, "a dimension exceeds 2^31 - 1");
-  if (has_bias) {
-    if (c->axis != GroupAxis::kRows) return Invalid(t, "a bias is only for group_axis 0");
-    if (bias.dimensions().size() != 2 || static_cast<int64_t>(bias.dimensions()[0]) != g ||
-        static_cast<int64_t>(bias.dimensions()[1]) != c->n ||
-        (bias.element_type() != ffi::DataType::F32 && bias.element_type() != out.element_type())) {
-      return Invalid(t, "bias must be [G, N] of float32 or the out dtype, got " + ShapeOf(bias));
-    }
-  }
-  c->groups = g;
-  c->align = align;
-  c->a = a.untyped_data();
-  c->b = b.untyped_data();
-  c->group_sizes = static_cast<const int32_t*>(sizes.untyped_data());
-  c->out = out.untyped_data();
-  c->workspace = workspace.untyped_data();
-  c->workspace_bytes = workspace.size_bytes();
+  TE_RETURN_IF_ERROR(CheckBias(*c, bias, has_bias, g, out.element_type()));
+  FillBuffers(c, g, align, a, b, sizes, out, workspace);
   return ffi::Error::Success();
 }
 
@@ -357,10 +376,8 @@ ffi::Error PrepareBf16(const char* t, const ffi::AnyBuffer& a, const ffi::AnyBuf
       out.element_type() != ffi::DataType::BF16) {
     return Invalid(t, "a, b and out must be bfloat16");
   }
-  if (sizes.element_type() != ffi::DataType::S32 || sizes.dimensions().size() != 1) {
-    return Invalid(t, "group_sizes must be int32 [G], got " + ShapeOf(sizes));
-  }
-  const int64_t g = sizes.dimensions()[0];
+  int64_t g = 0;
+  TE_RETURN_IF_ERROR(CheckGroupSizes(t, sizes, &g));
   auto dims = [](const ffi::AnyBuffer& x, size_t i) { return static_cast<int64_t>(x.dimensions()[i]); };
   if (c->axis == GroupAxis::kRows) {
     const bool ranks = a.dimensions().size() == 2 && b.dimensions().size() == 3 && out.dimensions().size() == 2;
@@ -394,23 +411,9 @@ ffi::Error PrepareBf16(const char* t, const ffi::AnyBuffer& a, const ffi::AnyBuf
     }
   }
   if (c->m > INT32_MAX || c->n > INT32_MAX || c->k > INT32_MAX) return Invalid(t, "a dimension exceeds 2^31 - 1");
-  if (has_bias) {
-    if (c->axis != GroupAxis::kRows) return Invalid(t, "a bias is only for group_axis 0");
-    if (bias.dimensions().size() != 2 || static_cast<int64_t>(bias.dimensions()[0]) != g ||
-        static_cast<int64_t>(bias.dimensions()[1]) != c->n ||
-        (bias.element_type() != ffi::DataType::F32 && bias.element_type() != ffi::DataType::BF16)) {
-      return Invalid(t, "bias must be [G, N] of float32 or bfloat16, got " + ShapeOf(bias));
-    }
-  }
   c->out_kind = OutKind::kBf16;
-  c->groups = g;
-  c->align = 1;  // group_axis 1: the groups' rows follow each other unpadded
-  c->a = a.untyped_data();
-  c->b = b.untyped_data();
-  c->group_sizes = static_cast<const int32_t*>(sizes.untyped_data());
-  c->out = out.untyped_data();
-  c->workspace = workspace.untyped_data();
-  c->workspace_bytes = workspace.size_bytes();
+  TE_RETURN_IF_ERROR(CheckBias(*c, bias, has_bias, g, out.element_type()));
+  FillBuffers(c, g, 1, a, b, sizes, out, workspace);  // align 1: group_axis 1's rows follow each other unpadded
   return ffi::Error::Success();
 }
 
