@@ -8,6 +8,8 @@ For each shape, ``x [rows, K]`` (rows sorted by expert, ``group_sizes`` on the d
 * ``fp8 dense (ceiling)``: te_jax's dense ``gemm_fp8`` of the same total size, ``[rows, K] x [N, K]^T``;
 * ``fp8 block grouped``: te_jax_grouped_gemm_fp8_block, 1x128 blocks of x and 128x128 blocks of W (the
   DeepSeek-V3 recipe's layout), bfloat16 out; ``fp8 block dense``: te_jax's ``gemm_fp8_block`` of the same total;
+* ``bf16 grouped``: te_jax_grouped_gemm_bf16 (``grouped_gemm_bf16``, the weight as stored ``[E, K, N]``), the
+  kernel of ``grouped_dense`` with autocast off;
 * ``bf16 ragged_dot``: ``jax.lax.ragged_dot`` on bfloat16 operands;
 * ``bf16 batched einsum``: the experts as a batch of equal-size groups (balanced routing only; its best case).
 
@@ -119,9 +121,10 @@ def bench_shape(shape, args) -> dict:
     calls["fp8 block dense"] = (jax.jit(lambda a, a_s, b, b_s: gemm_ops.gemm_fp8_block(
         a, a_s, b, b_s, b_block_2d=True, out_dtype=jnp.bfloat16)),
         [(x8, x_s, w8[0], w_s[0]) for x8, x_s, w8, w_s, _ in block_sets])
+    # ragged_dot and grouped_gemm_bf16 take the weight as stored, [E, K, N].
+    rd_sets = [(x, jnp.swapaxes(w, 1, 2), sizes) for x, w in sets]
+    calls["bf16 grouped"] = (jax.jit(lambda x, w, s: gg.grouped_gemm_bf16(x, w, s)), rd_sets)
     if not args.no_ragged:
-        # ragged_dot takes rhs [E, K, N].
-        rd_sets = [(x, jnp.swapaxes(w, 1, 2), sizes) for x, w in sets]
         calls["bf16 ragged_dot"] = (jax.jit(lambda x, w, s: jax.lax.ragged_dot(x, w, s)), rd_sets)
     if not skewed:
         bt_sets = [(x.reshape(experts, rows // experts, k), w) for x, w in sets]
@@ -214,8 +217,8 @@ def backward_markdown(results: list[dict]) -> str:
 
 
 def markdown(results: list[dict]) -> str:
-    names = ["fp8 grouped", "fp8 dense (ceiling)", "fp8 block grouped", "fp8 block dense", "bf16 ragged_dot",
-             "bf16 batched einsum"]
+    names = ["fp8 grouped", "fp8 dense (ceiling)", "fp8 block grouped", "fp8 block dense", "bf16 grouped",
+             "bf16 ragged_dot", "bf16 batched einsum"]
     lines = ["| shape | " + " | ".join(names) + " | grouped / dense | grouped vs einsum | block vs einsum | spot check |",
              "|---" * (len(names) + 5) + "|"]
     for r in results:

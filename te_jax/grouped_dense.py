@@ -180,7 +180,45 @@ def grouped_dense(
 
 
 def _high_precision(x, kernel, group_sizes, bias):
-    """What a loop of ``lax.dot_general`` over the groups computes, rows past the groups zero."""
+    """What a loop of ``lax.dot_general`` over the groups computes, rows past the groups zero.
+
+    bfloat16 operands whose K and N are multiples of 8 (and a bfloat16 bias or none) run te_jax's bfloat16
+    grouped GEMM on a GPU (``_grouped_bf16``); everything else, and every CPU, runs XLA's ragged dot.
+    """
+    bf16 = jnp.dtype(jnp.bfloat16)
+    if (jnp.dtype(x.dtype) == bf16 and jnp.dtype(kernel.dtype) == bf16 and x.shape[1] % 8 == 0
+            and kernel.shape[2] % 8 == 0 and (bias is None or jnp.dtype(bias.dtype) == bf16)):
+        return lax.platform_dependent(x, kernel, group_sizes, bias, cuda=_grouped_bf16, default=_ragged)
+    return _ragged(x, kernel, group_sizes, bias)
+
+
+@jax.custom_vjp
+def _grouped_bf16(x, kernel, group_sizes, bias):
+    """``_ragged`` with te_jax's bfloat16 grouped GEMMs: forward, dgrad and wgrad in the operands' layouts."""
+    return gg.grouped_gemm_bf16(x, kernel, group_sizes, bias, group_axis=0, b_kn=True)
+
+
+def _grouped_bf16_fwd(x, kernel, group_sizes, bias):
+    return _grouped_bf16(x, kernel, group_sizes, bias), (x, kernel, group_sizes, bias is not None)
+
+
+def _grouped_bf16_bwd(res, dy):
+    x, kernel, group_sizes, has_bias = res
+    dx = gg.grouped_gemm_bf16(dy, kernel, group_sizes, group_axis=0, b_kn=False)
+    dk = gg.grouped_gemm_bf16(x, dy, group_sizes, group_axis=1)
+    dbias = None
+    if has_bias:
+        group, _, member = gg.grouped_positions(group_sizes, dy.shape[0])
+        rows = jnp.where(member[:, None], dy.astype(jnp.float32), 0.0)
+        dbias = jax.ops.segment_sum(rows, group, num_segments=group_sizes.shape[0]).astype(dy.dtype)
+    return dx, dk, None, dbias
+
+
+_grouped_bf16.defvjp(_grouped_bf16_fwd, _grouped_bf16_bwd)
+
+
+def _ragged(x, kernel, group_sizes, bias):
+    """XLA's ragged dot (its own gradients), the bias, zeros past the groups."""
     group, _, member = gg.grouped_positions(group_sizes, x.shape[0])
     y = lax.ragged_dot(x, kernel, group_sizes)
     if bias is not None:

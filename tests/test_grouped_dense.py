@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,8 @@ from te_jax.dense import DenseQuantizers
 from te_jax.grouped_dense import grouped_dense, init_state
 from te_jax.ops import grouped_gemm as GG
 from te_jax.quantize import CurrentScalingQuantizer, DelayedScalingQuantizer
+
+GD = importlib.import_module("te_jax.grouped_dense")  # the module (te_jax.grouped_dense is also the function)
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 G, M, K, N = 4, 192, 128, 128
@@ -182,6 +186,37 @@ def test_bf16():
     gs = jnp.asarray(SIZES["zeros"], jnp.int32)
     out = _fwd_bwd(lambda x, w, b: grouped_dense(x, w, gs, b, quantizers=q)[0], x, w, b, c)
     assert all(t.dtype == jnp.bfloat16 for t in out)
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
+def test_bf16_grouped_kernel_path(sizes):
+    """The GPU's unquantized bfloat16 path (te_jax's grouped GEMM for forward, dgrad and wgrad; here its CPU
+    twin) against the float32 per-group loop on the same bfloat16 values: float32 accumulation and one bfloat16
+    rounding, so within 2^-8 (relative norm) for y, dx, dW and the bias gradient (summed in float32); the rows
+    past the groups are zero and get zero gradients."""
+    x, w, b, c = _data(dtype=jnp.bfloat16)
+    gs = jnp.asarray(SIZES[sizes], jnp.int32)
+    got = _fwd_bwd(lambda x, w, b: GD._grouped_bf16(x, w, gs, b), x, w, b, c)
+    f32 = [t.astype(jnp.float32) for t in (x, w, b)]
+    want = _fwd_bwd(lambda x, w, b: _loop(x, w, b, SIZES[sizes]), *f32, c)
+    for u, v in zip(got, want):
+        assert u.dtype == jnp.bfloat16
+        assert _rel(u, v) <= 2**-8, _rel(u, v)
+    tail = int(sum(SIZES[sizes]))
+    assert not np.any(np.asarray(got[0][tail:], np.float32)) and not np.any(np.asarray(got[1][tail:], np.float32))
+
+
+def test_high_precision_path_choice():
+    """bfloat16 operands with K and N multiples of 8 stage te_jax's bfloat16 grouped GEMM for CUDA (XLA's ragged
+    dot on CPU); float32 operands or a K that is not a multiple of 8 stage the ragged dot alone."""
+    gs = jnp.asarray(SIZES["zeros"], jnp.int32)
+    x, w, b, _ = _data(dtype=jnp.bfloat16)
+    staged = str(jax.make_jaxpr(lambda x, w: grouped_dense(x, w, gs)[0])(x, w))
+    assert "platform_index" in staged and "te_jax_grouped_gemm" in staged and "ragged_dot" in staged
+    x32, w32, _, _ = _data()
+    assert "te_jax_grouped_gemm" not in str(jax.make_jaxpr(lambda x, w: grouped_dense(x, w, gs)[0])(x32, w32))
+    odd = str(jax.make_jaxpr(lambda x, w: grouped_dense(x, w, gs)[0])(x[:, :12], w[:, :12]))
+    assert "te_jax_grouped_gemm" not in odd
 
 
 def test_delayed_state_step_by_step():
