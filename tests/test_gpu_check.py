@@ -77,7 +77,15 @@ def test_train_runs(tmp_path):
     assert first[first.index("--recipe") + 1] == "delayed"
     assert first[first.index("--steps") + 1] == "40"
     assert first[first.index("--json") + 1] == str(layout.out / "train_delayed_1.3b_40.json")
-    assert "--steps" not in jobs[1].argv
+    assert "--steps" not in jobs[1].argv and "--seed" not in first
+
+
+def test_train_runs_with_a_seed_get_their_own_name(tmp_path):
+    jobs, _ = _jobs(["--train", "bf16@moe-1b,bf16@moe-1b/1,bf16@tiny:20/2"], tmp_path)
+    assert [j.name for j in jobs] == ["train_bf16_moe-1b", "train_bf16_moe-1b_seed1", "train_bf16_tiny_20_seed2"]
+    assert "--seed" not in jobs[0].argv
+    for job, seed in zip(jobs[1:], ("1", "2")):
+        assert job.argv[job.argv.index("--seed") + 1] == seed
 
 
 def test_train_runs_share_a_gpu_with_their_memory_split(tmp_path):
@@ -161,6 +169,7 @@ def test_multi_gpu_holds_two_gpus(tmp_path):
     (["--bench", "gemm", "--bench-args", "gemm"], "NAME="),
     (["--train", "delayed@125m:many"], "RECIPE[@PRESET[:STEPS]]"),
     (["--train", "@125m"], "RECIPE[@PRESET[:STEPS]]"),
+    (["--train", "bf16@125m/one"], "RECIPE[@PRESET[:STEPS]][/SEED]"),
     (["--bench", "gemm", "--rounds", "2"], "only with --baseline-wheel"),
     (["--bench", "gemm", "--estimate", "bench=soon"], "NAME=SECONDS"),
     (["--bench", "gemm", "--baseline-wheel", "old.whl", "--rounds", "0"], "--rounds takes a number >= 1"),

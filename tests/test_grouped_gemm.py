@@ -23,7 +23,7 @@ from qtest_util import run_on_fake_devices
 
 from te_jax.ops import gemm as dense_gemm
 from te_jax.ops.gemm_call import GemmEmulationWarning
-from te_jax.ops import grouped_cuda, grouped_reference
+from te_jax.ops import grouped_call, grouped_cuda, grouped_reference
 from te_jax.ops import grouped_gemm as GG
 from te_jax.ops.grouped_layout import GroupedLayout
 from te_jax.quantize import CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
@@ -379,8 +379,8 @@ def _cuda_hlo(f, *args) -> str:
 
 
 def test_cuda_lowering():
-    """Lowered for a GPU (no GPU needed): the float32 kernel then a cast, the K-block-major block wgrad scales,
-    the MXFP8 emulation with its warning."""
+    """Lowered for a GPU (no GPU needed): the float32 kernel then a cast, the K-block-major block wgrad scales
+    (the emulation's lowering: test_cuda_lowering_of_the_emulation)."""
     gs = jnp.asarray([32, 32], jnp.int32)
     one = jnp.ones((1,), jnp.float32)
     bias = jnp.zeros((2, 128), jnp.float16)
@@ -391,11 +391,6 @@ def test_cuda_lowering():
     a, s = jnp.zeros((128, 256), E4), jnp.ones((128, 2), jnp.float32)
     hlo = _cuda_hlo(lambda a, s: GG.grouped_gemm_fp8_block(a, s, a, s, gs, group_axis=1, backend="ffi"), a, s)
     assert "stablehlo.transpose" in hlo and "@te_jax_grouped_gemm_fp8_block(" in hlo
-    mx = (jnp.zeros((64, 128), E4), jnp.full((64, 4), 127, jnp.uint8), jnp.zeros((2, 128, 128), E4),
-          jnp.full((2, 128, 4), 127, jnp.uint8))
-    with pytest.warns(GemmEmulationWarning, match="emulation"):
-        hlo = _cuda_hlo(lambda *x: GG.grouped_gemm_mxfp8(*x, gs, backend="ffi"), *mx)
-    assert "ragged_dot" in hlo and "custom_call" not in hlo
 
 
 def test_grouped_positions():
@@ -428,10 +423,12 @@ def test_groups_sharded_with_their_experts():
             assert case["collectives"]["all-reduce"] == 0 and case["spec"] == "P('ep', None, None)", case
 
 
-@pytest.mark.parametrize("group_axis", [0, 1])
-@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
-def test_gpu_emulation_matches_reference(mode, group_axis):
-    """The MXFP8 / NVFP4 emulation a GPU lowering runs (bfloat16 operands, ragged dot), run here on XLA:CPU."""
+def _emulation_case(mode: str, group_axis: int, has_bias: bool = False):
+    """Random MXFP8 / NVFP4 operands of a grouped call: (layout, operand values, group sizes, bias, op, align).
+
+    group_axis 1: the random codes fill every span's padding too (each group contracts over its whole span) and
+    the columns past the last span (no group's).
+    """
     rng = np.random.default_rng(11)
     sizes = [37, 0, 60, 20]
     gs = jnp.asarray(sizes, jnp.int32)
@@ -452,11 +449,58 @@ def test_gpu_emulation_matches_reference(mode, group_axis):
         amax_a, amax_b = jnp.asarray([3.0], jnp.float32), jnp.asarray([5.0], jnp.float32)
         roles, values = ("a", "a_s", "a_t", "b", "b_s", "b_t"), (a, a_s, amax_a, b, b_s, amax_b)
         align, pack, block, op = 32, 2, 16, GG.grouped_gemm_nvfp4
-    # group_axis 1: the random codes fill every span's padding too (each group contracts over its whole span)
-    # and the columns past the last span (no group's).
+    bias = jnp.asarray(rng.standard_normal((len(sizes), 64)) * 4, jnp.float32) if has_bias else None
     lay = GroupedLayout(GG.ScalingMode.MXFP8 if mode == "mxfp8" else GG.ScalingMode.NVFP4, "", roles, group_axis,
-                        align, out_dtype=jnp.dtype(jnp.float32), pack=pack, k_block=block)
+                        align, out_dtype=jnp.dtype(jnp.float32), has_bias=has_bias, pack=pack, k_block=block)
+    return lay, values, gs, bias, op, align
+
+
+@pytest.mark.parametrize("group_axis", [0, 1])
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_gpu_emulation_matches_reference(mode, group_axis):
+    """The MXFP8 / NVFP4 ragged-dot emulation a non-sm_90 GPU lowers (bfloat16 operands), run here on XLA:CPU."""
+    lay, values, gs, _, op, align = _emulation_case(mode, group_axis)
     got = grouped_reference.emulate(lay, *values, gs, jnp.zeros((0,), jnp.float32))
     want = op(*values, gs, group_axis=group_axis, align=align, out_dtype=jnp.float32, backend="reference")
     rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
     assert got.shape == want.shape and rel < (1e-6 if mode == "mxfp8" else 2**-7), rel
+
+
+@pytest.mark.parametrize("group_axis,has_bias", [(0, False), (0, True), (1, False)])
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_bf16_kernel_emulation_matches_reference(mode, group_axis, has_bias):
+    """The sm_90 emulation (bfloat16 operands, the bfloat16 grouped call), run here through the call's CPU twin:
+    the reference within one bfloat16 rounding of the result (and NVFP4's rounding of its operands); rows past
+    the groups, and the empty group's matrix, zero."""
+    lay, values, gs, bias, op, align = _emulation_case(mode, group_axis, has_bias)
+    got = grouped_call._emulate_with_bf16_kernel(lay, *values, gs, jnp.zeros((0,), jnp.float32) if bias is None
+                                                 else bias)
+    want = op(*values, gs, bias, group_axis=group_axis, align=align, out_dtype=jnp.float32, backend="reference")
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    assert rel < (2**-8 if mode == "mxfp8" else 2**-7 + 2**-8), rel
+    if group_axis == 0:
+        assert not np.any(np.asarray(got[117:]))
+    else:
+        assert not np.any(np.asarray(got[1]))
+
+
+def test_cuda_lowering_of_the_emulation():
+    """Lowered for a GPU (no GPU here: sm_90 assumed): MXFP8 runs the bfloat16 grouped call when it tiles the
+    dequantized operands (multiples of 8), XLA's ragged dot when it does not; both warn."""
+    lay, values, gs, _, _, _ = _emulation_case("mxfp8", 0)
+    a, a_s, b, b_s = values
+
+    def lowered(b, b_s):
+        f = jax.jit(lambda *v: GG.grouped_gemm_mxfp8(*v, gs, out_dtype=jnp.bfloat16, backend="ffi"))
+        with pytest.warns(GemmEmulationWarning, match="emulation"):
+            return f.trace(a, a_s, b, b_s).lower(lowering_platforms=("cuda",)).as_text()
+
+    hlo = lowered(b, b_s)
+    assert "@te_jax_grouped_gemm_bf16(" in hlo and "ragged_dot" not in hlo
+    hlo = lowered(b[:, :60], b_s[:, :60])  # N 60: the bfloat16 kernel needs multiples of 8
+    assert "te_jax_grouped_gemm_bf16" not in hlo and "ragged_dot" in hlo
+    assert grouped_cuda.bf16_kernel_emulates(lay, 9.0, a.shape, b.shape)
+    assert not grouped_cuda.bf16_kernel_emulates(lay, 10.0, a.shape, b.shape)
+    assert "bfloat16 grouped kernel" in grouped_cuda.emulation_message(lay, 9.0, True)
+    assert "ragged dot" in grouped_cuda.emulation_message(lay, 10.0, False)

@@ -222,10 +222,12 @@ def test_emulation(mode, group_axis):
     else:
         op, args = GG.grouped_gemm_nvfp4, (a, a_s, jnp.asarray([3.0], F32), b, b_s, jnp.asarray([5.0], F32), gs)
     # group_axis 1: random codes in every span's padding too (each group contracts over its whole span).
-    with pytest.warns(GemmEmulationWarning, match="emulation"):
+    # On sm_90 the emulation multiplies with the bfloat16 grouped kernel (these shapes tile), which rounds the
+    # result to bfloat16 once.
+    with pytest.warns(GemmEmulationWarning, match="emulation.*bfloat16 grouped kernel"):
         out, ref = _both(lambda *xs, backend: op(*xs, group_axis=group_axis, out_dtype=F32, backend=backend), *args)
     # MXFP8 dequantizes exactly to bfloat16; NVFP4's global decode scale rounds once per element.
-    _assert_close(out, ref, F32, 1e-5 if mode == "mxfp8" else 2**-7, parts)
+    _assert_close(out, ref, F32, 2**-8 if mode == "mxfp8" else 2**-7 + 2**-8, parts)
 
 
 # ---- the custom call's own errors -------------------------------------------------------------------------

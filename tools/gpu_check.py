@@ -21,8 +21,8 @@ Examples:
   python3 tools/gpu_check.py --wheel new.whl --baseline-wheel old.whl --rounds 2 \\
       --bench layers --bench-args layers="--sections mlp --trials 5"
   python3 tools/gpu_check.py --train delayed@125m:200,bf16@125m:200
-  python3 tools/gpu_check.py --train bf16@moe-1b,delayed@moe-1b,block@moe-1b --train-args "--batch 4" \\
-      --train-per-gpu 3   # a loss table: three runs at once on each GPU
+  python3 tools/gpu_check.py --train bf16@moe-1b,bf16@moe-1b/1,delayed@moe-1b,block@moe-1b \\
+      --train-args "--batch 4" --train-per-gpu 3   # a loss table (bf16 twice: seeds 0 and 1), three runs per GPU
   python3 tools/gpu_check.py --train delayed@125m:200 --graphs   # tokens/s with te_jax's calls out of / in CUDA graphs
   python3 tools/gpu_check.py --tests --bench gemm --dry-run    # print the jobs, run nothing
 """
@@ -99,13 +99,14 @@ def parse_bench_args(items: list[str]) -> dict[str, list[str]]:
     return parsed
 
 
-def parse_train_run(run: str, default_preset: str = "125m") -> tuple[str, str, int | None]:
-    """Splits ``RECIPE[@PRESET[:STEPS]]`` into (recipe, preset, steps or None: the preset's)."""
+def parse_train_run(run: str, default_preset: str = "125m") -> tuple[str, str, int | None, int | None]:
+    """Splits ``RECIPE[@PRESET[:STEPS]][/SEED]`` into (recipe, preset, steps or None: the preset's, seed or None)."""
+    run, slash, seed = run.partition("/")
     recipe, _, spec = run.partition("@")
     preset, _, steps = (spec or default_preset).partition(":")
-    if not recipe or not preset or (steps and not steps.isdigit()):
-        raise SystemExit(f"gpu_check: --train takes RECIPE[@PRESET[:STEPS]], got {run!r}")
-    return recipe, preset, int(steps) if steps else None
+    if not recipe or not preset or (steps and not steps.isdigit()) or (slash and not seed.isdigit()):
+        raise SystemExit(f"gpu_check: --train takes RECIPE[@PRESET[:STEPS]][/SEED], got {run + slash + seed!r}")
+    return recipe, preset, int(steps) if steps else None, int(seed) if slash else None
 
 
 def train_estimate_s(recipe: str, preset: str, steps: int | None) -> float:
@@ -156,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run benchmarks/bench_NAME.py (repeatable)")
     p.add_argument("--bench-args", action="append", default=[], metavar="NAME=\"ARGS\"",
                    help="extra arguments for one benchmark, e.g. layers=\"--sections mlp\" (repeatable)")
-    p.add_argument("--train", action="append", default=[], metavar="RECIPE[@PRESET[:STEPS]][,...]",
-                   help="examples/gpt/train.py runs, one GPU each (default preset 125m)")
+    p.add_argument("--train", action="append", default=[], metavar="RECIPE[@PRESET[:STEPS]][/SEED][,...]",
+                   help="examples/gpt/train.py runs, one GPU each (default preset 125m; a SEED is passed as "
+                        "--seed, e.g. bf16@moe-1b/1 for a second bf16 run, the noise floor of a loss table)")
     p.add_argument("--train-args", default="", metavar="\"ARGS\"",
                    help="extra examples/gpt/train.py arguments for every --train run, e.g. \"--batch 4\"")
     p.add_argument("--train-per-gpu", type=int, default=1, metavar="N",
@@ -229,13 +231,14 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
         raise SystemExit(f"gpu_check: --graphs takes {', '.join(COMMAND_BUFFER_MODES)} (comma-separated) and "
                          f"applies to --train runs; got {args.graphs!r}" + ("" if args.train else " without --train"))
     for run in split_names(args.train):
-        recipe, preset, steps = parse_train_run(run)
+        recipe, preset, steps, seed = parse_train_run(run)
         for mode in graph_modes:
             job_name = (f"train_{recipe}_{preset}" + (f"_{steps}" if steps else "")
-                        + (f"_graphs-{mode}" if mode else ""))
+                        + (f"_seed{seed}" if seed is not None else "") + (f"_graphs-{mode}" if mode else ""))
             argv = [python, str(ROOT / "examples" / "gpt" / "train.py"), "--preset", preset, "--recipe", recipe,
                     "--no-progress", "--log-every", "100", "--json", str(layout.out / f"{job_name}.json")]
             argv += (["--steps", str(steps)] if steps else []) + (["--command-buffers", mode] if mode else [])
+            argv += ["--seed", str(seed)] if seed is not None else []
             argv += shlex.split(args.train_args)
             # With --graphs, XLA dumps the train step, to show where te_jax's calls went (command_buffer_rows).
             dump_flags = f"--xla_dump_to={layout.dump(job_name)} --xla_dump_hlo_module_re={TRAIN_MODULE}"

@@ -5,8 +5,10 @@
 bias or ``[0]``). On CPU the lowering is the custom call. For CUDA it picks
 the kernel (``te_jax.ops.grouped_cuda``), casting a float32 kernel's result to
 the requested out dtype, or, where no native kernel exists, lowers the
-emulation (``te_jax.ops.grouped_reference.emulate``) with a
-``GemmEmulationWarning``.
+emulation with a ``GemmEmulationWarning``: on sm_90 MXFP8 and NVFP4 are
+dequantized to bfloat16 and multiplied by the bfloat16 kernel
+(``_emulate_with_bf16_kernel``) where it tiles them, else
+``te_jax.ops.grouped_reference.emulate`` runs XLA's ragged dot.
 
 Sharding (``custom_partitioning``): the groups may be sharded with their
 experts, that is B's G axis (and the bias's, and ``[G]`` per-tensor values)
@@ -36,15 +38,16 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import te_jax._ffi  # noqa: F401  (registers the FFI targets)
 from te_jax.ops.gemm_call import GemmEmulationWarning, _cuda_compute_capability
-from te_jax.ops.grouped_cuda import check_cuda, cuda_kernel, emulation_message, grouped_workspace_bytes
+from te_jax.ops.grouped_cuda import (bf16_kernel_emulates, check_cuda, cuda_kernel, emulation_message,
+                                     grouped_workspace_bytes)
 from te_jax.ops.grouped_layout import GroupedLayout, span_lengths
-from te_jax.ops.grouped_reference import emulate
+from te_jax.ops.grouped_reference import dequantize, emulate
 from te_jax.ops.partition import AxisClaims, device_local
 from te_jax.quantize.modes import ScalingMode
 
 __all__ = ["call"]
 
-_F32 = jnp.dtype(jnp.float32)
+_F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 
 
 def _cast(ctx, value, aval_in, aval_out):
@@ -59,10 +62,13 @@ def _lower(platform: str, ctx, *args, lay: GroupedLayout):
     out_aval = ctx.avals_out[0]
     run = lay
     if platform == "cuda":
-        message = emulation_message(lay, _cuda_compute_capability())
+        capability = _cuda_compute_capability()
+        bf16_kernel = bf16_kernel_emulates(lay, capability, a.shape, b.shape)
+        message = emulation_message(lay, capability, bf16_kernel)
         if message:
             warnings.warn(message, GemmEmulationWarning, stacklevel=2)
-            return mlir.lower_fun(functools.partial(emulate, lay), multiple_results=False)(ctx, *args)
+            run_emulation = _emulate_with_bf16_kernel if bf16_kernel else emulate
+            return mlir.lower_fun(functools.partial(run_emulation, lay), multiple_results=False)(ctx, *args)
         check_cuda(lay, a.shape, b.shape)
         run = cuda_kernel(lay, a.dtype, b.dtype)
         size = grouped_workspace_bytes(ctx.avals_in[len(lay.roles)].shape[0])
@@ -79,6 +85,26 @@ def _lower(platform: str, ctx, *args, lay: GroupedLayout):
     if kernel_aval.dtype != out_aval.dtype:
         out = _cast(ctx, out, kernel_aval, out_aval)
     return [out]
+
+
+def _emulate_with_bf16_kernel(lay: GroupedLayout, *args):
+    """``emulate`` with the bfloat16 grouped kernel as the product: operands dequantized to bfloat16, the product
+    accumulated in float32 and rounded to bfloat16, the bias added by the kernel, cast to ``lay.out_dtype``.
+
+    group_axis 1 passes each group's whole span (padding included, cut at Kc) as its rows, as ``emulate`` does.
+    """
+    group_sizes, bias = args[len(lay.roles)], args[-1]
+    da, db = (t.astype(jnp.bfloat16) for t in dequantize(lay, args[:len(lay.roles)], group_sizes))
+    if lay.group_axis == 0:  # da [M, K], db [G, N, K]
+        sizes, a, b = group_sizes, da, db
+    else:  # da [P, Kc], db [Q, Kc]: the kernel takes the spans as rows
+        ends = jnp.minimum(jnp.cumsum(span_lengths(group_sizes, lay.align)), da.shape[-1])
+        sizes, a, b = jnp.diff(ends, prepend=0).astype(jnp.int32), da.T, db.T
+    if lay.has_bias and jnp.dtype(bias.dtype) not in (_F32, _BF16):
+        bias = bias.astype(jnp.float32)
+    bf16 = GroupedLayout(None, "te_jax_grouped_gemm_bf16", ("a", "b"), lay.group_axis, 1,
+                         attrs=(("b_kn", False),), out_dtype=_BF16, has_bias=lay.has_bias)
+    return _grouped_p.bind(a, b, sizes, bias, lay=bf16).astype(lay.out_dtype)
 
 
 def _abstract_eval(*avals, lay: GroupedLayout):

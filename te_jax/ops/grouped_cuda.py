@@ -6,7 +6,9 @@ float32 split-accumulation kernel of the dtype pair runs and the lowering
 casts its result (``cuda_kernel``); what no kernel can run is refused at trace
 time with what to change (``check_cuda``, ``cuda_kernel``). MXFP8, NVFP4 and
 every mode on a GPU other than sm_90 run the emulation
-(``te_jax.ops.grouped_reference.emulate``; ``emulation_message``). The
+(``te_jax.ops.grouped_reference.emulate``; ``emulation_message``); on sm_90
+the emulation of MXFP8 and NVFP4 multiplies with the bfloat16 kernel where its
+shapes fit (``bf16_kernel_emulates``). The
 bfloat16 call (``GroupedLayout.mode`` None) runs one CUTLASS sm_90a kernel per
 layout (``CUDA_BF16_KERNELS``), likewise emulated on other GPUs.
 """
@@ -22,8 +24,8 @@ from te_jax.ops.grouped_layout import GROUP_ALIGN, GroupedLayout
 from te_jax.quantize import modes
 from te_jax.quantize.modes import ScalingMode
 
-__all__ = ["CUDA_BF16_KERNELS", "CUDA_BLOCK_KERNELS", "CUDA_FP8_KERNELS", "check_cuda", "cuda_kernel",
-           "emulation_message", "grouped_workspace_bytes"]
+__all__ = ["CUDA_BF16_KERNELS", "CUDA_BLOCK_KERNELS", "CUDA_FP8_KERNELS", "bf16_kernel_emulates", "check_cuda",
+           "cuda_kernel", "emulation_message", "grouped_workspace_bytes"]
 
 # What the CUDA kernels tile: K and N (group_axis 0), P, Q and Kc (group_axis 1) multiples of these.
 _CUDA_MULTIPLE = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMode.MXFP8: 32,
@@ -52,26 +54,40 @@ def grouped_workspace_bytes(num_groups: int) -> int:
     return CUBLAS_WORKSPACE_BYTES + 1024 * int(num_groups)
 
 
-def emulation_message(lay: GroupedLayout, capability: float | None) -> str | None:
+def bf16_kernel_emulates(lay: GroupedLayout, capability: float | None, a_shape, b_shape) -> bool:
+    """Whether the emulation of ``lay`` multiplies with the bfloat16 CUTLASS kernel instead of XLA's ragged dot.
+
+    True for MXFP8 and NVFP4 on compute capability 9.0 (or an unknown one, as for the native kernels) when the
+    bfloat16 kernel tiles the dequantized operands: K and N (group_axis 0), P and Q (group_axis 1) multiples of 8.
+    """
+    if lay.mode is None or lay.mode in _CUDA_MODES or capability not in (None, _CUDA_CAPABILITY):
+        return False
+    dims = (a_shape[-1] * lay.pack, b_shape[-2]) if lay.group_axis == 0 else (a_shape[0], b_shape[0])
+    return all(d % _BF16_MULTIPLE == 0 for d in dims)
+
+
+def emulation_message(lay: GroupedLayout, capability: float | None, bf16_kernel: bool = False) -> str | None:
     """The warning for lowering ``lay`` for a GPU of ``capability``, or None when a CUDA kernel runs it.
 
     None for per-tensor FP8, Float8 block and bfloat16 on compute capability 9.0 or an unknown one (None).
+    ``bf16_kernel`` says that the emulation multiplies with the bfloat16 kernel (``bf16_kernel_emulates``).
     """
     if (lay.mode is None or lay.mode in _CUDA_MODES) and (capability is None or capability == _CUDA_CAPABILITY):
         return None
+    silence = "Silence with warnings.filterwarnings('ignore', category=GemmEmulationWarning)."
     if lay.mode is None:
         return (f"te_jax: grouped bfloat16 GEMMs ({lay.target}) on a GPU of compute capability {capability:.1f} run "
                 "the documented emulation: XLA's bfloat16 ragged dot accumulating in float32 "
                 "(docs/grouped_gemm_cuda.md), which expands into one masked GEMM per group (G times the FLOPs). "
-                "The native grouped kernel runs on compute capability 9.0. Silence with "
-                "warnings.filterwarnings('ignore', category=GemmEmulationWarning).")
+                f"The native grouped kernel runs on compute capability 9.0. {silence}")
     label = modes.mode_spec(lay.mode).label
     where = "this GPU" if capability is None else f"a GPU of compute capability {capability:.1f}"
+    product = ("te_jax's bfloat16 grouped kernel (float32 accumulation, a bfloat16 result)" if bf16_kernel else
+               "XLA's bfloat16 ragged dot accumulating in float32")
     return (f"te_jax: grouped {label} GEMMs ({lay.target}) on {where} run the documented emulation: each operand "
-            "is dequantized to bfloat16, then multiplied by XLA's bfloat16 ragged dot accumulating in float32 "
-            "(docs/grouped_gemm_cuda.md), without the FP8 speed-up. Native grouped kernels: per-tensor FP8 and "
-            "Float8 block on compute capability 9.0. Silence with "
-            "warnings.filterwarnings('ignore', category=GemmEmulationWarning).")
+            f"is dequantized to bfloat16, then multiplied by {product} (docs/grouped_gemm_cuda.md), without the "
+            "FP8 speed-up. Native grouped kernels: per-tensor FP8 and Float8 block on compute capability 9.0. "
+            f"{silence}")
 
 
 def check_cuda(lay: GroupedLayout, a_shape, b_shape) -> None:
