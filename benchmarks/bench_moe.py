@@ -50,7 +50,7 @@ from te_jax import moe
 from te_jax import recipe as R
 from te_jax._core import DenseQuantizers
 from te_jax.flax import MoE
-from te_jax.grouped_dense import grouped_dense, init_state
+from te_jax.grouped_dense import grouped_dense, init_state, span_alignment
 from te_jax.state import apply_fp8_update
 from te_jax.train import fp8_state_updates, value_and_grad
 from timing import selected, time_interleaved, write_results
@@ -118,8 +118,11 @@ def _trained(variables, step, x, cotangent):
 def _pieces(params, x_sets, cot_sets, top_k, recipe):
     """The breakdown's jitted pieces (forward+backward each): name -> (fn, arg sets)."""
     experts = params["wi"].shape[0]
+    q = {g: DenseQuantizers.from_recipe(recipe, ("MoE_0", g)) if recipe is not None else None for g in ("wi", "wo")}
+    states = {g: init_state(q[g], experts) if q[g] is not None else {} for g in q}
+    align = math.lcm(*(span_alignment(q[g]) for g in q))  # the layer's row layout (te_jax.flax.MoE)
     routed = [moe.route(jnp.dot(x.astype(jnp.float32), params["router"]), top_k) for x in x_sets]
-    perms = [moe.permute(x, r.expert_ids, experts) for x, r in zip(x_sets, routed)]
+    perms = [moe.permute(x, r.expert_ids, experts, align=align) for x, r in zip(x_sets, routed)]
 
     def router(w, x, c):
         def loss(w, x):
@@ -129,7 +132,7 @@ def _pieces(params, x_sets, cot_sets, top_k, recipe):
 
     def permutation(x, ids, gates, c):
         def loss(x, gates):
-            xs, perm = moe.permute(x, ids, experts)
+            xs, perm = moe.permute(x, ids, experts, align=align)
             return jnp.sum((moe.unpermute(xs, perm, gates) * c).astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1))(x, gates)
 
@@ -138,14 +141,13 @@ def _pieces(params, x_sets, cot_sets, top_k, recipe):
         "permutation": (jax.jit(permutation), [(x, r.expert_ids, r.gates, c)
                                                for x, r, c in zip(x_sets, routed, cot_sets)]),
     }
-    q = {g: DenseQuantizers.from_recipe(recipe, ("MoE_0", g)) if recipe is not None else None for g in ("wi", "wo")}
-    states = {g: init_state(q[g], experts) if q[g] is not None else {} for g in q}
 
     def ffn(xs, sizes, wi, wo, states, dy):
         def loss(xs, wi, wo, states):
-            h, _ = grouped_dense(xs, wi, sizes, quantizers=q["wi"], state=states["wi"])
+            h, _ = grouped_dense(xs, wi, sizes, quantizers=q["wi"], state=states["wi"], group_align=align)
             a, g = jnp.split(h, 2, axis=-1)
-            y, _ = grouped_dense(jax.nn.silu(a) * g, wo, sizes, quantizers=q["wo"], state=states["wo"])
+            y, _ = grouped_dense(jax.nn.silu(a) * g, wo, sizes, quantizers=q["wo"], state=states["wo"],
+                                 group_align=align)
             return jnp.sum((y * dy).astype(jnp.float32))
         with te_jax.autocast(enabled=False), fp8_state_updates():
             return jax.grad(loss, argnums=(0, 1, 2, 3))(xs, wi, wo, states)

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from te_jax._core import DenseQuantizers
 from te_jax._core.quantizers import ROLE_OF
 from te_jax.autocast import current as current_autocast
-from te_jax.grouped_dense import grouped_dense, init_state
+from te_jax.grouped_dense import grouped_dense, init_state, span_alignment
 from te_jax.moe import Routing, combine, dispatch, permute, route, unpermute
 from te_jax.sharding import axes_of
 
@@ -170,10 +170,21 @@ def routed_experts(x: jax.Array, routing: Routing, wi: jax.Array, wo: jax.Array,
         return _sharded_experts(ep, x, routing.expert_ids, routing.gates, wi, wo, wi_bias, wo_bias, quantizers,
                                 activation=activation, num_experts=num_experts, where=where, state=state, key=key,
                                 inspect=inspect)
-    x_sorted, perm = permute(x, routing.expert_ids, num_experts)
+    align = _row_align(quantizers)
+    x_sorted, perm = permute(x, routing.expert_ids, num_experts, align=align)
     y_sorted, new_state = _experts(x_sorted, perm.group_sizes, wi, wo, wi_bias, wo_bias, quantizers,
-                                   activation=activation, where=where, state=state, key=key, inspect=inspect)
+                                   activation=activation, where=where, state=state, key=key, inspect=inspect,
+                                   group_align=align)
     return unpermute(y_sorted, perm, routing.gates), new_state
+
+
+def _row_align(quantizers: MoEQuantizers) -> int:
+    """The row alignment of the experts' rows: what both GEMMs' wgrad operands need (1 unquantized).
+
+    With it the permutation writes each expert's rows where its wgrad span starts, so neither GEMM copies its
+    operands into spans, and each activation and gradient is quantized once, both copies in one pass.
+    """
+    return math.lcm(*(span_alignment(getattr(quantizers, g).q) for g in GEMMS))
 
 
 def _no_weight_amax_reduction(q: DenseQuantizers) -> DenseQuantizers:
@@ -217,15 +228,18 @@ def _sharded_experts(ep: ExpertParallel, x, expert_ids, gates, wi, wo, wi_bias, 
 
 
 def _experts(x_sorted, group_sizes, wi, wo, wi_bias, wo_bias, quantizers: MoEQuantizers, *, activation: str,
-             where: str, state, key, inspect):
-    """The grouped FFN through ``grouped_dense``: ``(y_sorted, {"wi": state, "wo": state})``."""
+             where: str, state, key, inspect, group_align: int = 1):
+    """The grouped FFN through ``grouped_dense``: ``(y_sorted, {"wi": state, "wo": state})``.
+
+    ``group_align``: the experts' rows start at multiples of it (``permute(..., align=group_align)``).
+    """
     if inspect:
         raise ValueError(f"te_jax: {where}: inspect=True (quantization statistics) does not cover the MoE's expert "
                          "GEMMs yet; inspect the other layers with a CustomRecipe")
     keys = (None, None) if key is None else (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
     h, wi_state = grouped_dense(x_sorted, wi, group_sizes, wi_bias, quantizers=quantizers.wi.q,
-                                state=state.get("wi"), key=keys[0])
+                                state=state.get("wi"), key=keys[0], group_align=group_align)
     y, wo_state = grouped_dense(activate(h, activation), wo, group_sizes, wo_bias, quantizers=quantizers.wo.q,
-                                state=state.get("wo"), key=keys[1])
+                                state=state.get("wo"), key=keys[1], group_align=group_align)
     return y, {"wi": wi_state or {}, "wo": wo_state or {}}
 

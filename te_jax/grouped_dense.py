@@ -21,8 +21,12 @@ For wgrad one gather, computed on the device from ``group_sizes``, lays x and
 dy out in spans aligned to the mode's block (``GROUP_ALIGN``), zero-padded
 (zeros add nothing: exact), and those are quantized columnwise by the
 input and grad_output quantizers with the rowwise copies' state (delayed
-scaling: the same scale; current scaling and NVFP4: the amax of the rows in
-groups, which is x's own when every row is in one). The weight of each expert is quantized on its own
+scaling: the same scale; current scaling: the rowwise copy's scale; NVFP4:
+the amax of the rows in groups, which is x's own when every row is in one).
+With ``group_align`` (a multiple of ``span_alignment``) x already has that
+layout: x and dy are quantized once with both copies, the row-grouped GEMMs
+run on whole spans (zero padding rows) and wgrad takes the columnwise copies
+as they are. The weight of each expert is quantized on its own
 (``jax.vmap`` of the weight quantizer), so per-tensor recipes scale each
 expert separately.
 
@@ -51,18 +55,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax._core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, check_high_precision, cotangent,
+from te_jax._core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, check_high_precision, cotangent, keep,
                           mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state, vary_of)
 from te_jax._core.checks import check_key, check_state
 from te_jax._core.quantizers import FORWARD_FIELDS, ROLE_OF
 from te_jax._core.remat import name_quantized
 from te_jax.autocast import with_plan_mesh
 from te_jax.ops import grouped_gemm as gg
+from te_jax.ops.grouped_layout import span_lengths
 from te_jax.quantize.scaled_tensor import ScaledTensor
 from te_jax.recipe import ROLES
 from te_jax.sharding import MeshResource, to_varying
 
-__all__ = ["grouped_dense", "init_state"]
+__all__ = ["grouped_dense", "init_state", "span_alignment"]
 
 _WHERE = "grouped_dense"
 _WEIGHT = ROLE_OF["weight"]
@@ -93,11 +98,23 @@ def _check_inputs(x, kernel, group_sizes, bias) -> int:
     return kernel.shape[0]
 
 
-def _align(q: DenseQuantizers) -> int:
-    """The span alignment of the wgrad operands: what the input and grad_output quantizers' modes need."""
+def span_alignment(quantizers: DenseQuantizers | Mapping[str, Any] | None) -> int:
+    """The row alignment of wgrad's grouped operands under ``quantizers``: what the input and grad_output
+    quantizers' modes need (16 per-tensor FP8 and NVFP4, 32 MXFP8, 128 Float8 block; 1 with neither)."""
+    q = as_quantizers(quantizers)
     aligns = [gg.GROUP_ALIGN[getattr(q, f).scaling_mode.family] for f in ("input", "grad_output")
               if getattr(q, f) is not None and hasattr(getattr(q, f), "scaling_mode")]
     return math.lcm(*aligns) if aligns else 1
+
+
+def _check_group_align(q: DenseQuantizers, group_align) -> int:
+    if isinstance(group_align, bool) or not isinstance(group_align, int) or group_align < 1:
+        raise ValueError(f"te_jax: {_WHERE}: group_align must be a positive int, got {group_align!r}")
+    need = span_alignment(q)
+    if group_align > 1 and group_align % need:
+        raise ValueError(f"te_jax: {_WHERE}: with these quantizers group_align must be 1 or a multiple of {need} "
+                         f"(span_alignment: the alignment wgrad's quantized operands need), got {group_align}")
+    return group_align
 
 
 def _check_state(q: DenseQuantizers, state: Mapping | None, num_groups: int) -> dict[str, Any]:
@@ -144,6 +161,7 @@ def grouped_dense(
     state: Mapping[str, Any] | None = None,
     key: jax.Array | None = None,
     mesh_resource: MeshResource | None = None,
+    group_align: int = 1,
 ) -> tuple[jax.Array, dict[str, Any] | None]:
     """Per-expert ``x_g @ kernel[g] + bias[g]`` over the row groups of ``x``, with quantized grouped GEMMs.
 
@@ -156,6 +174,11 @@ def grouped_dense(
       state: role -> state of the stateful quantizers (``init_state(quantizers, G)``).
       key: PRNG key for stochastic rounding; required when a quantizer uses it.
       mesh_resource: mesh axes amaxes are reduced over inside shard_map; None takes the active autocast's.
+      group_align: the row layout of ``x``: group g starts at row ``sum_{h<g} roundup(m_h, group_align)``; the
+        rows between groups belong to none (zeros in ``y`` and in the gradient of ``x``, whatever ``x`` holds
+        there). 1: the groups follow each other. With quantizers it is 1 or a multiple of
+        ``span_alignment(quantizers)``; then wgrad multiplies x and dy as they are (no span copies) and each
+        is quantized once, both copies in one pass.
 
     Returns:
       ``(y [M, N], new_state)`` as ``te_jax.dense`` returns them (new_state None when ``state`` is None and
@@ -163,20 +186,39 @@ def grouped_dense(
     """
     q = as_quantizers(quantizers)
     num_groups = _check_inputs(x, kernel, group_sizes, bias)
+    group_align = _check_group_align(q, group_align)
     m, k = x.shape
     n = kernel.shape[2]
     if not q.any:
-        return _high_precision(x, kernel, group_sizes, bias), None if state is None else dict(state)
-    align = _align(q)
-    spans = -(-(m + num_groups * (align - 1)) // align) * align  # room for every group's aligned span
+        return _aligned_high_precision(x, kernel, group_sizes, bias, group_align), \
+            None if state is None else dict(state)
+    if group_align > 1:  # x is already in aligned spans: wgrad's operands as they are
+        if m % group_align:
+            raise ValueError(f"te_jax: {_WHERE}: with group_align {group_align} and quantizers, x's rows ({m}) must "
+                             f"be a multiple of it (te_jax.moe.aligned_rows gives such a count)")
+        align, spans = group_align, m
+    else:
+        align = span_alignment(q)
+        spans = -(-(m + num_groups * (align - 1)) // align) * align  # room for every group's aligned span
     _check_blocks(q, spans, k, n)
     inner = _check_state(q, state, num_groups)
     if key is None:
         check_key(q, FORWARD_FIELDS, _WHERE)
     plan = _GroupedPlan(mesh_resource_or_autocast(mesh_resource), state_leaves(inner), (), vary_of(x, kernel, bias),
-                        None, q, align, spans, x.dtype, kernel.dtype, None if bias is None else bias.dtype)
+                        None, q, align, spans, x.dtype, kernel.dtype, None if bias is None else bias.dtype,
+                        group_align > 1)
     y, new_inner = _vjp(plan, x, kernel, group_sizes, bias, inner, raw_key(key))
     return y, updated_state(state, new_inner, None)
+
+
+def _aligned_high_precision(x, kernel, group_sizes, bias, group_align: int):
+    """``_high_precision`` on the aligned row layout: zeros between the groups, each group its rounded span."""
+    if group_align == 1:
+        return _high_precision(x, kernel, group_sizes, bias)
+    member = gg.grouped_positions(group_sizes, x.shape[0], group_align)[2][:, None]
+    zero = jnp.zeros((), x.dtype)
+    y = _high_precision(jnp.where(member, x, zero), kernel, span_lengths(group_sizes, group_align), bias)
+    return jnp.where(member, y, jnp.zeros((), y.dtype))
 
 
 def _high_precision(x, kernel, group_sizes, bias):
@@ -236,6 +278,7 @@ class _GroupedPlan(Plan):
     x_dtype: Any
     k_dtype: Any
     bias_dtype: Any  # None: no bias
+    aligned: bool  # x's groups start at align-rounded rows (group_align): wgrad takes x and dy as they are
 
 
 def _in_spans(t: jax.Array, group_sizes, plan: _GroupedPlan) -> jax.Array:
@@ -246,11 +289,19 @@ def _in_spans(t: jax.Array, group_sizes, plan: _GroupedPlan) -> jax.Array:
     return jnp.where(member[:, None], t[rows], jnp.zeros((), t.dtype))
 
 
-def _quantize_spans(g: GemmQuant, field: str, t: jax.Array):
-    """The columnwise copy of the span layout ``t``, with the role's state (not recorded again) and its own key."""
+def _quantize_spans(g: GemmQuant, field: str, t: jax.Array, rowwise):
+    """The columnwise copy of the span layout ``t``, with the role's state (not recorded again) and its own key.
+
+    ``rowwise`` is the role's quantized tensor whose rows ``t`` rearranges. A quantizer with ``quantize_like``
+    (current scaling) casts ``t`` with ``rowwise``'s scale: the tensor's amax, as one quantization with both
+    copies would use, and no second amax pass. (Rows past the groups count in it, as they do for the rowwise
+    copy.)
+    """
     qz = getattr(g.q, field)
     if qz is None:
         return t
+    if hasattr(qz, "quantize_like") and isinstance(rowwise, ScaledTensor):
+        return name_quantized(qz.quantize_like(t, rowwise, rowwise=False, colwise=True, flatten_axis=1))
     role = ROLE_OF[field]
     key = None if g.key is None else jax.random.fold_in(jax.random.fold_in(g.key, ROLES.index(role)), 1)
     return name_quantized(qz.quantize(t, g.st.get(role), rowwise=False, colwise=True, flatten_axis=1, key=key))
@@ -298,20 +349,39 @@ def _grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dt
                       precision=hi).astype(out_dtype)
 
 
+def _row_layout(plan: _GroupedPlan, group_sizes, rows: int):
+    """The group sizes the row-grouped GEMMs take, and the rows in groups (None: every row up to the sum).
+
+    Aligned: each group's rounded span, whose padding rows are zero in the operands, so the GEMMs write zeros
+    there; ``member`` marks the rows that hold a group's element.
+    """
+    if not plan.aligned:
+        return group_sizes, None
+    return span_lengths(group_sizes, plan.align), gg.grouped_positions(group_sizes, rows, plan.align)[2][:, None]
+
+
+def _in_groups(t, member):
+    """``t`` with the rows outside the groups zeroed (aligned layout), or ``t``."""
+    return t if member is None else jnp.where(member, t, jnp.zeros((), t.dtype))
+
+
 def _forward(plan: _GroupedPlan, x, kernel, group_sizes, bias, state, key):
     g = GemmQuant(plan.q, state, key, plan.mesh_resource)
-    xq = g.quantize("input", x, flatten_axis=1)
+    row_sizes, member = _row_layout(plan, group_sizes, x.shape[0])
+    x = _in_groups(x, member)
+    xq = g.quantize("input", x, colwise=plan.aligned, flatten_axis=1)
     kq = _quantize_weight(g, kernel)
-    y = _grouped_matmul(xq, kq, group_sizes, (1, 0), group_axis=0, align=plan.align, bias=bias,
+    y = _grouped_matmul(keep(xq, "rowwise"), kq, row_sizes, (1, 0), group_axis=0, align=plan.align, bias=bias,
                         out_dtype=jnp.result_type(x.dtype, kernel.dtype), fast_accum=plan.q.fast_accum)
+    if bias is not None:
+        y = _in_groups(y, member)  # the padding rows got the bias
     y = to_varying(g.qdq("output", y, flatten_axis=1), plan.all_vary)
-    xs = _quantize_spans(g, "input", _in_spans(x, group_sizes, plan))
-    res = (xs, _keep_rowwise(kq), group_sizes, g.st, g.grads, key)
+    if plan.aligned:
+        xs = keep(xq, "colwise")
+    else:
+        xs = _quantize_spans(g, "input", _in_spans(x, group_sizes, plan), xq)
+    res = (xs, keep(kq, "rowwise"), group_sizes, g.st, g.grads, key)
     return (y, g.new_state()), res
-
-
-def _keep_rowwise(t):
-    return dataclasses.replace(t, colwise_data=None, colwise_scale_inv=None) if isinstance(t, ScaledTensor) else t
 
 
 def _primal(plan, x, kernel, group_sizes, bias, state, key):
@@ -327,16 +397,21 @@ def _bwd(plan: _GroupedPlan, res, cotangents):
     dy = cotangents[0]
     g = GemmQuant.backward(plan.q, st, key, plan.mesh_resource, None, _WHERE)
     fast = plan.q.backward_fast_accum
-    dyq = g.quantize("grad_output", dy, flatten_axis=1)
-    dx = _grouped_matmul(dyq, k_res, group_sizes, (1, 1), group_axis=0, align=plan.align, out_dtype=plan.x_dtype,
-                         fast_accum=fast)
+    row_sizes, member = _row_layout(plan, group_sizes, dy.shape[0])
+    dy = _in_groups(dy, member)
+    dyq = g.quantize("grad_output", dy, colwise=plan.aligned, flatten_axis=1)
+    dx = _grouped_matmul(keep(dyq, "rowwise"), k_res, row_sizes, (1, 1), group_axis=0, align=plan.align,
+                         out_dtype=plan.x_dtype, fast_accum=fast)
     dx = g.qdq("grad_input", dx, flatten_axis=1)
-    dys = _quantize_spans(g, "grad_output", _in_spans(dy, group_sizes, plan))
+    if plan.aligned:
+        dys = keep(dyq, "colwise")
+    else:
+        dys = _quantize_spans(g, "grad_output", _in_spans(dy, group_sizes, plan), dyq)
     dk = _grouped_matmul(xs, dys, group_sizes, (0, 0), group_axis=1, align=plan.align, out_dtype=plan.k_dtype,
                          fast_accum=fast)
     dbias = None
     if plan.bias_dtype is not None:
-        group, _, member = gg.grouped_positions(group_sizes, dy.shape[0])
+        group, _, member = gg.grouped_positions(group_sizes, dy.shape[0], plan.align if plan.aligned else 1)
         rows = jnp.where(member[:, None], dy.astype(jnp.float32), 0.0)
         dbias = jax.ops.segment_sum(rows, group, num_segments=group_sizes.shape[0]).astype(plan.bias_dtype)
     u = plan.all_vary

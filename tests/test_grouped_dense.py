@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -157,13 +159,42 @@ def test_each_gemm_uses_the_right_copies():
     rows = (np.cumsum(sizes) - sizes)[np.asarray(group)] + np.asarray(index)
     xs = jnp.where(member[:, None], x[np.clip(rows, 0, M - 1)], 0.0)
     cs = jnp.where(member[:, None], c[np.clip(rows, 0, M - 1)], 0.0)
-    want_dw = GG.grouped_gemm(qx.quantize(xs, rowwise=False, colwise=True, flatten_axis=1),
-                              qg.quantize(cs, rowwise=False, colwise=True, flatten_axis=1), gs, (0, 0), group_axis=1,
+    # The spans are cast with the scale of their whole tensor (rows past the groups included).
+    want_dw = GG.grouped_gemm(qx.quantize_like(xs, qx.quantize(x, flatten_axis=1), rowwise=False, colwise=True,
+                                               flatten_axis=1),
+                              qg.quantize_like(cs, qg.quantize(c, flatten_axis=1), rowwise=False, colwise=True,
+                                               flatten_axis=1), gs, (0, 0), group_axis=1,
                               out_dtype=jnp.float32, fast_accum=False)
     assert _bits(dw, want_dw)
     starts = np.cumsum(sizes) - sizes
     want_db = np.stack([np.asarray(c[s:s + m]).sum(0) for s, m in zip(starts, sizes)])
     np.testing.assert_allclose(db, want_db, rtol=1e-6, atol=1e-5)
+
+
+def test_current_scaling_spans_reuse_the_tensors_amax():
+    """Current scaling: the wgrad spans take x's and dy's scales from their rowwise quantization, so one step runs
+    three current-scaling casts (x, the experts' weights in one batched call, dy), not five; the spans' scales are
+    those of the whole tensors even when a row past the groups holds the largest value."""
+    q = DenseQuantizers.from_recipe(R.Float8CurrentScaling())
+    x, w, b, c = _data(seed=5)
+    x, c = x.at[M - 1].set(1e3), c.at[M - 1].set(-1e3)  # past the groups (sum 180 < M)
+    gs = jnp.asarray(SIZES["zeros"], jnp.int32)
+
+    def loss(x, w):
+        return jnp.sum(grouped_dense(x, w, gs, quantizers=q)[0].astype(jnp.float32) * c)
+
+    hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
+    calls = {t: hlo.count(f'custom_call_target="{t}"') for t in ("te_jax_quantize_fp8_current", "te_jax_quantize_fp8")}
+    assert calls == {"te_jax_quantize_fp8_current": 3, "te_jax_quantize_fp8": 2}, calls
+    qx = q.input
+    rows = qx.quantize(x, flatten_axis=1)
+    spans = qx.quantize_like(x[:180] * 0.5, rows, rowwise=False, colwise=True, flatten_axis=1)
+    assert _bits(spans.colwise_scale_inv, rows.scale_inv) and _bits(spans.amax, rows.amax)
+    own = qx.quantize(x[:180] * 0.5, rowwise=False, colwise=True, flatten_axis=1)
+    assert float(own.colwise_scale_inv[0]) < float(rows.scale_inv[0])  # its own amax would give a finer scale
+    assert _rel(spans.dequantize(jnp.float32), x[:180] * 0.5) < 0.1  # E4M3 steps, a few small values subnormal
+    with pytest.raises(ValueError, match="amax"):
+        qx.quantize_like(x, dataclasses.replace(rows, amax=None))
 
 
 def test_one_operand_quantized():
@@ -217,6 +248,68 @@ def test_high_precision_path_choice():
     assert "te_jax_grouped_gemm" not in str(jax.make_jaxpr(lambda x, w: grouped_dense(x, w, gs)[0])(x32, w32))
     odd = str(jax.make_jaxpr(lambda x, w: grouped_dense(x, w, gs)[0])(x[:, :12], w[:, :12]))
     assert "te_jax_grouped_gemm" not in odd
+
+
+def _aligned_rows(sizes, align: int) -> np.ndarray:
+    """Where each packed row of the groups lands in the aligned layout (group g from roundup-summed spans)."""
+    spans = -(-np.asarray(sizes) // align) * align
+    starts = np.cumsum(spans) - spans
+    return np.concatenate([np.arange(m) + s for m, s in zip(sizes, starts)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("sizes", ["zeros", "tail", "empty"])
+@pytest.mark.parametrize("name", [None, "delayed", "current", "block", "mxfp8", "nvfp4", "custom"])
+def test_aligned_layout_matches_the_packed_one(name, sizes):
+    """group_align: the same groups laid out at aligned rows, with large values in the rows between them, give
+    the packed layout's y, dx, dW and dbias (bit for bit where no random rounding differs; NVFP4's stochastic
+    rounding draws other bits), zeros in the rows between, and ignore what those rows of x and dy hold."""
+    q = DenseQuantizers.from_recipe(RECIPES[name](), ("moe", "wi")) if name else DenseQuantizers()
+    align = math.lcm(GD.span_alignment(q), 16)
+    x, w, b, c = _data(seed=6)
+    gs = jnp.asarray(SIZES[sizes], jnp.int32)
+    used = int(sum(SIZES[sizes]))
+    rows = _aligned_rows(SIZES[sizes], align)
+    m_al = -(-(M + G * (align - 1)) // align) * align
+    fill = jax.random.normal(jax.random.key(9), (m_al, K)) * 1e3
+    x_al = fill.at[rows].set(x[:used])
+    c_al = (fill[:, :N] * -1).at[rows].set(c[:used])
+    state = init_state(q, G)
+    key = jax.random.key(3)
+
+    def run(align, c):
+        return lambda x, w, b: grouped_dense(x, w, gs, b, quantizers=q, state=state, key=key, group_align=align)[0]
+
+    with te_jax.train.fp8_state_updates():
+        packed = _fwd_bwd(run(1, c), x, w, b, c)
+        aligned = _fwd_bwd(run(align, c_al), x_al, w, b, c_al)
+    between = np.setdiff1d(np.arange(m_al), rows)
+    assert not np.any(np.asarray(aligned[0])[between]) and not np.any(np.asarray(aligned[1])[between])
+    pairs = [(packed[0][:used], aligned[0][rows]), (packed[1][:used], aligned[1][rows]), (packed[2], aligned[2]),
+             (packed[3], aligned[3])]
+    for what, (u, v) in zip(("y", "dx", "dw", "db"), pairs):
+        if name == "nvfp4":
+            assert _rel(v, u) < TOL["nvfp4"] or not np.any(np.asarray(u)), (what, _rel(v, u))
+        elif name is None:
+            np.testing.assert_allclose(np.asarray(v), np.asarray(u), rtol=1e-5, atol=1e-4, err_msg=what)
+        else:
+            assert _bits(u, v), (what, _rel(v, u))
+
+
+def test_group_align_errors():
+    x, w, _, _ = _data()
+    gs = jnp.asarray(SIZES["zeros"], jnp.int32)
+    current = DenseQuantizers.from_recipe(R.Float8CurrentScaling())
+    with pytest.raises(ValueError, match="group_align must be 1 or a multiple of 16"):
+        grouped_dense(x, w, gs, quantizers=current, group_align=24)
+    block = DenseQuantizers.from_recipe(R.Float8BlockScaling())
+    with pytest.raises(ValueError, match="multiple of 128"):
+        grouped_dense(x, w, gs, quantizers=block, group_align=64)
+    with pytest.raises(ValueError, match=r"x's rows \(200\) must be a multiple of it"):
+        grouped_dense(jnp.zeros((200, K)), w, gs, quantizers=current, group_align=16)
+    for bad in (0, True, 16.0):
+        with pytest.raises(ValueError, match="group_align must be a positive int"):
+            grouped_dense(x, w, gs, group_align=bad)
+    assert GD.span_alignment(None) == 1 and GD.span_alignment(current) == 16 and GD.span_alignment(block) == 128
 
 
 def test_delayed_state_step_by_step():

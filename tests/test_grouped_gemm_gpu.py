@@ -362,3 +362,40 @@ def test_grouped_dense_matches_reference(name, x_dtype, w_dtype):
         u, v = np.asarray(u.astype(F32), np.float64), np.asarray(v.astype(F32), np.float64)
         rel = np.linalg.norm(u - v) / max(np.linalg.norm(v), 1e-30)
         assert rel < 2e-2, (what, rel)
+
+
+@pytest.mark.parametrize("name", ["delayed_E4M3_fwd_fast", "current_HYBRID_bwd_fast", "block"])
+def test_grouped_dense_aligned_layout_matches_the_packed_one(name):
+    """group_align (the MoE layer's row layout) on the CUDA kernels: the row-grouped GEMMs over whole spans and
+    wgrad on the columnwise copies as they are give the packed layout's y, dx, dW bit for bit, and zeros (and zero
+    gradients) in the rows between the groups, whatever x and dy hold there."""
+    q = DenseQuantizers.from_recipe(_recipe(name))
+    align = 128 if name == "block" else 16
+    keys = jax.random.split(jax.random.key(5), 4)
+    x = (jax.random.normal(keys[0], (DM, DK)) * 2).astype(BF16)
+    w = (jax.random.normal(keys[1], (DG, DK, DN)) / 8).astype(BF16)
+    c = jax.random.normal(keys[2], (DM, DN)).astype(BF16)
+    spans = [-(-s // align) * align for s in DENSE_SIZES]
+    rows = np.concatenate([np.arange(m) + s for m, s in zip(DENSE_SIZES, np.cumsum(spans) - spans)])
+    used, m_al = sum(DENSE_SIZES), -(-(DM + DG * (align - 1)) // align) * align
+    fill = (jax.random.normal(keys[3], (m_al, max(DK, DN))) * 1e3).astype(BF16)
+    x_al, c_al = fill[:, :DK].at[rows].set(x[:used]), fill[:, :DN].at[rows].set(c[:used])
+    gs = jnp.asarray(DENSE_SIZES, jnp.int32)
+    state = init_state(q, DG)
+
+    def run(x, w, c, group_align):
+        def loss(x, w):
+            y = grouped_dense(x, w, gs, quantizers=q, state=state, group_align=group_align)[0]
+            return jnp.sum(y.astype(F32) * c.astype(F32)), y
+        (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+        return (y, *grads)
+
+    with te_jax.train.fp8_state_updates():
+        packed = jax.jit(run, static_argnums=3)(x, w, c, 1)
+        aligned = jax.jit(run, static_argnums=3)(x_al, w, c_al, align)
+    between = np.setdiff1d(np.arange(m_al), rows)
+    for got in aligned[:2]:
+        assert not np.any(np.asarray(got.astype(F32))[between])
+    for what, u, v in (("y", packed[0][:used], aligned[0][rows]), ("dx", packed[1][:used], aligned[1][rows]),
+                       ("dw", packed[2], aligned[2])):
+        np.testing.assert_array_equal(np.asarray(u.astype(F32)), np.asarray(v.astype(F32)), err_msg=what)

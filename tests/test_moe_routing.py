@@ -125,6 +125,39 @@ def test_permute_groups_rows_by_expert_stably(case, k):
         assert np.any(np.asarray(perm.group_sizes) == 0)
 
 
+@pytest.mark.parametrize("case, k", [("random", 2), ("skew", 1), ("empty", 3)])
+def test_aligned_permutation(case, k):
+    """align 16: each expert's rows start at a multiple of 16, zero rows between; the rows, gradients and
+    unpermute equal the packed permutation's, and only gathers are added to the gradient program."""
+    align = 16
+    x = jax.random.normal(jax.random.key(4), (T, H))
+    r = moe.route(routing_logits(5, T, E, case), k)
+    packed, perm = moe.permute(x, r.expert_ids, E)
+    aligned, perm_al = jax.jit(lambda x, ids: moe.permute(x, ids, E, align=align))(x, r.expert_ids)
+    rows = moe.aligned_rows(T * k, E, align)
+    assert aligned.shape == (rows, H) and rows % align == 0 and rows >= T * k + E * (align - 1)
+    np.testing.assert_array_equal(perm_al.group_sizes, perm.group_sizes)
+    sizes = np.asarray(perm.group_sizes)
+    spans = -(-sizes // align) * align
+    where = np.concatenate([np.arange(m) + s for m, s in zip(sizes, np.cumsum(spans) - spans)]).astype(int)
+    np.testing.assert_array_equal(np.asarray(aligned)[where], packed)
+    assert not np.any(np.delete(np.asarray(aligned), where, axis=0))
+    np.testing.assert_array_equal(np.asarray(perm_al.assignment_row), where[np.asarray(perm.assignment_row)])
+    assert np.all(np.delete(np.asarray(perm_al.sorted_assignment), where) == -1)
+
+    def loss(x, gates, align):
+        x_sorted, p = moe.permute(x, r.expert_ids, E, align=align)
+        return jnp.sum(moe.unpermute(x_sorted * 2.0, p, gates) ** 2)
+
+    for a, b in zip(jax.grad(loss, argnums=(0, 1))(x, r.gates, 1), jax.grad(loss, argnums=(0, 1))(x, r.gates, align)):
+        np.testing.assert_array_equal(a, b)
+    scatters = lambda f: jax.jit(f).lower(x, r.gates).as_text().count("stablehlo.scatter")  # noqa: E731
+    aligned_loss = lambda x, g: loss(x, g, align)  # noqa: E731
+    assert scatters(jax.grad(aligned_loss, argnums=(0, 1))) == scatters(aligned_loss)  # the forward's row counts
+    with pytest.raises(ValueError, match="align must be a positive int"):
+        moe.permute(x, r.expert_ids, E, align=0)
+
+
 def test_permutation_gradients_are_gathers():
     """The gradients of permute and unpermute add no scatter to the program (a scatter-add costs several gathers
     on a GPU): the forward's scatters (counting rows per expert) are all the gradient program has."""

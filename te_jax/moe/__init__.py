@@ -4,7 +4,7 @@ Pure functions, jit-compatible with static shapes; see docs/moe.md.
 """
 
 from te_jax.moe.dispatch import ExpertExchange, apply_experts, combine, dispatch
-from te_jax.moe.permute import Permutation, permute, sort_assignments, unpermute
+from te_jax.moe.permute import Permutation, aligned_rows, permute, sort_assignments, unpermute
 from te_jax.moe.routing import (
     SCORE_FUNCTIONS,
     Routing,
@@ -15,7 +15,8 @@ from te_jax.moe.routing import (
 )
 
 __all__ = [
-    "SCORE_FUNCTIONS", "ExpertExchange", "Permutation", "Routing", "apply_experts", "combine", "dispatch",
+    "SCORE_FUNCTIONS", "ExpertExchange", "Permutation", "Routing", "aligned_rows", "apply_experts", "combine",
+    "dispatch",
     "expert_counts", "load_balancing_loss", "permute", "route", "sort_assignments", "unpermute",
     "update_expert_bias",
 ]

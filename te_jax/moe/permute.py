@@ -11,7 +11,10 @@ order), and gathers one row of ``x`` per assignment::
 
 No token is dropped and every shape is static: ``x_sorted`` always has
 ``T * k`` rows; only ``group_sizes`` (int32 on the device, zeros allowed)
-depends on the routing. Both directions, and both gradients, are gathers
+depends on the routing. With ``align`` > 1 each expert's rows start at a
+multiple of ``align`` (``sum_{e'<e} roundup(m_e', align)``, zero rows
+between), ``aligned_rows(T * k, E, align)`` rows in all: the layout
+``te_jax.grouped_dense(..., group_align=align)`` takes. Both directions, and both gradients, are gathers
 (``jax.custom_vjp``): autodiff of a gather is a scatter-add, which on a GPU
 costs several times a gather of the same rows; here each gradient row is
 gathered through the inverse permutation instead. Gradients flow to ``x``,
@@ -27,14 +30,16 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.moe.routing import expert_counts
+from te_jax.ops.grouped_layout import grouped_positions, span_lengths
 
 
 class Permutation(NamedTuple):
     """How ``permute`` ordered the assignments, for ``unpermute``.
 
     Attributes:
-      sorted_assignment: int32 ``[T * k]``: the assignment (``t * k + j``) at
-        each row of ``x_sorted``.
+      sorted_assignment: int32 ``[R]``: the assignment (``t * k + j``) at
+        each row of ``x_sorted``, -1 for the rows between aligned groups
+        (``R`` is ``T * k``, or ``aligned_rows(T * k, E, align)``).
       assignment_row: int32 ``[T * k]``: the row of ``x_sorted`` holding each
         assignment (the inverse of ``sorted_assignment``).
       group_sizes: int32 ``[E]``: rows per expert, in expert order.
@@ -45,33 +50,51 @@ class Permutation(NamedTuple):
     group_sizes: jax.Array
 
 
-def sort_assignments(expert_ids: jax.Array, num_experts: int) -> Permutation:
+def aligned_rows(assignments: int, num_experts: int, align: int) -> int:
+    """Rows of the aligned layout: room for ``assignments`` rows in ``num_experts`` spans rounded to ``align``."""
+    return -(-(assignments + num_experts * (align - 1)) // align) * align if align > 1 else assignments
+
+
+def sort_assignments(expert_ids: jax.Array, num_experts: int, align: int = 1) -> Permutation:
     """The stable by-expert order of the flattened ``expert_ids`` (any shape).
 
     Args:
       expert_ids: integer ids in ``[0, num_experts)``.
       num_experts: ``E`` (static).
+      align: each expert's first row is a multiple of this (static; 1: the rows follow each other).
 
     Returns:
       A ``Permutation`` over ``expert_ids.size`` assignments.
     """
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"te_jax.moe: align must be a positive int, got {align!r}")
     flat = expert_ids.reshape(-1).astype(jnp.int32)
-    sorted_assignment = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    assignment_row = jnp.argsort(sorted_assignment).astype(jnp.int32)
-    return Permutation(sorted_assignment, assignment_row, expert_counts(flat, num_experts))
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    packed_row = jnp.argsort(order).astype(jnp.int32)  # each assignment's row when the groups follow each other
+    sizes = expert_counts(flat, num_experts)
+    if align == 1:
+        return Permutation(order, packed_row, sizes)
+    packed_starts = jnp.cumsum(sizes) - sizes
+    spans = span_lengths(sizes, align)
+    group, index, member = grouped_positions(sizes, aligned_rows(flat.size, num_experts, align), align)
+    sorted_assignment = jnp.where(member, order[jnp.clip(packed_starts[group] + index, 0, flat.size - 1)], -1)
+    assignment_row = (jnp.cumsum(spans) - spans)[flat] + packed_row - packed_starts[flat]
+    return Permutation(sorted_assignment.astype(jnp.int32), assignment_row.astype(jnp.int32), sizes)
 
 
-def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.Array, Permutation]:
+def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int, *,
+            align: int = 1) -> tuple[jax.Array, Permutation]:
     """Gathers one row of ``x`` per (token, expert) assignment, grouped by expert.
 
     Args:
       x: ``[T, H]`` tokens.
       expert_ids: int ``[T, k]``, each token's experts (``Routing.expert_ids``).
       num_experts: ``E`` (static).
+      align: each expert's first row is a multiple of this, zero rows between (static).
 
     Returns:
-      ``x_sorted`` ``[T * k, H]`` (expert 0's rows first, then expert 1's, ...)
-      and the ``Permutation``.
+      ``x_sorted`` ``[T * k, H]`` (expert 0's rows first, then expert 1's, ...;
+      ``[aligned_rows(T * k, E, align), H]`` with ``align``) and the ``Permutation``.
 
     Raises:
       ValueError: at trace time, for ``x`` not 2-D or ``expert_ids`` not
@@ -82,14 +105,22 @@ def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int) -> tuple[jax.
             f"te_jax.moe.permute: x must be [tokens, hidden] and expert_ids [tokens, k]; got {x.shape} and "
             f"{expert_ids.shape}"
         )
-    perm = sort_assignments(expert_ids, num_experts)
+    perm = sort_assignments(expert_ids, num_experts, align)
     return _gather_rows(expert_ids.shape[1], x, perm.sorted_assignment, perm.assignment_row), perm
+
+
+def _rows_of(t: jax.Array, sorted_assignment: jax.Array, k: int) -> jax.Array:
+    """``t[sorted_assignment // k]``, zero rows where ``sorted_assignment`` is -1 (between aligned groups)."""
+    rows = t[jnp.maximum(sorted_assignment, 0) // k]
+    if sorted_assignment.shape[0] == t.shape[0] * k:  # packed: every row holds an assignment
+        return rows
+    return jnp.where((sorted_assignment >= 0)[:, None], rows, jnp.zeros((), rows.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gather_rows(k: int, x: jax.Array, sorted_assignment: jax.Array, assignment_row: jax.Array) -> jax.Array:
     """``x[sorted_assignment // k]``; its gradient sums each token's ``k`` rows, gathered by ``assignment_row``."""
-    return x[sorted_assignment // k]
+    return _rows_of(x, sorted_assignment, k)
 
 
 def _gather_rows_fwd(k, x, sorted_assignment, assignment_row):
@@ -130,9 +161,12 @@ def unpermute(y_sorted: jax.Array, perm: Permutation, gates: jax.Array) -> jax.A
       ValueError: at trace time, when the shapes do not match.
     """
     num_tokens, num_experts_per_tok = gates.shape
-    if y_sorted.ndim != 2 or y_sorted.shape[0] != num_tokens * num_experts_per_tok:
+    rows = perm.sorted_assignment.shape[0]
+    if (y_sorted.ndim != 2 or y_sorted.shape[0] != rows or perm.assignment_row.shape[0]
+            != num_tokens * num_experts_per_tok):
         raise ValueError(
-            f"te_jax.moe.unpermute: y_sorted must be [tokens * k = {num_tokens * num_experts_per_tok}, hidden], "
+            f"te_jax.moe.unpermute: y_sorted must be [{rows}, hidden] (permute's rows) for gates of "
+            f"[tokens, k] = {list(gates.shape)} and a permutation of {perm.assignment_row.shape[0]} assignments, "
             f"got {y_sorted.shape}"
         )
     return _combine(y_sorted, perm.sorted_assignment, perm.assignment_row, gates)
@@ -155,9 +189,9 @@ def _combine_fwd(y_sorted, sorted_assignment, assignment_row, gates):
 def _combine_bwd(res, dy):
     y_sorted, sorted_assignment, assignment_row, gates = res
     num_tokens, k = gates.shape
-    gate_of_row = gates.astype(jnp.float32).reshape(-1)[sorted_assignment]
+    gate_of_row = gates.astype(jnp.float32).reshape(-1)[jnp.maximum(sorted_assignment, 0)]
     # Rows are gathered in their own dtype and widened after: the gathers move half the bytes.
-    dy_rows = dy[sorted_assignment // k].astype(jnp.float32)
+    dy_rows = _rows_of(dy, sorted_assignment, k).astype(jnp.float32)
     dy_sorted = (dy_rows * gate_of_row[:, None]).astype(y_sorted.dtype)
     per_assignment = y_sorted[assignment_row].reshape(num_tokens, k, -1).astype(jnp.float32)
     dgates = jnp.sum(per_assignment * dy.astype(jnp.float32)[:, None], axis=-1)

@@ -12,6 +12,10 @@ The protocol every quantizer follows (custom recipes may return their own):
   columnwise copy is the transpose of that matrix.
 * stateful quantizers (delayed scaling) also have ``init_state()`` and
   ``update_state(state, amax)``; stateless ones take ``state=None``.
+* optional: ``quantize_like(x, like, *, rowwise, colwise, flatten_axis)``,
+  ``x`` quantized with the scale that quantized ``like`` (a ScaledTensor of
+  this quantizer whose values include all of ``x``'s, such as a
+  rearrangement of some of its rows), without an amax pass of its own.
 * optional: ``scaling_mode`` (the ``te_jax.quantize.modes`` entry it
   writes) and ``fused_cast(state, *, rowwise, colwise)``, the
   ``(CastSpec, scale)`` that writes the same ScaledTensor from inside a fused
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 from te_jax.ops import quantize as qops
 from te_jax.ops.fused_cast import CastSpec
 from te_jax.quantize import modes
+from te_jax.quantize import numerics as nm
 from te_jax.quantize.scaled_tensor import ScaledTensor, flattened_shape
 
 
@@ -90,6 +95,20 @@ class CurrentScalingQuantizer:
         )
         return ScaledTensor.from_kernel_outputs(self.scaling_mode, self.dtype, x.shape, q=q, s=scale_inv, q_t=q_t,
                                                 amax=amax, rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis)
+
+    def quantize_like(self, x, like: ScaledTensor, *, rowwise=True, colwise=False, flatten_axis=-1, backend=None):
+        """``x`` cast with the scale ``like`` was cast with, computed again from ``like.amax`` (one pass, no amax
+        pass first). Meant for a tensor whose values are among ``like``'s, so that the scale fits it; the
+        result's amax is ``like``'s."""
+        if like.amax is None:
+            raise ValueError("te_jax: quantize_like needs a ScaledTensor with its amax (current scaling's output)")
+        x2 = as_matrix(x, flatten_axis)
+        scale = nm.scale_from_amax(like.amax, nm.fp8_max(self.dtype), self.amax_epsilon, self.power_2_scales)
+        q, q_t, _, scale_inv = qops.quantize_fp8_tensor(x2, scale, qdtype=self.dtype, rowwise=rowwise,
+                                                        colwise=colwise, backend=backend)
+        return ScaledTensor.from_kernel_outputs(self.scaling_mode, self.dtype, x.shape, q=q, s=scale_inv, q_t=q_t,
+                                                amax=like.amax, rowwise=rowwise, colwise=colwise,
+                                                flatten_axis=flatten_axis)
 
 
 @dataclasses.dataclass(frozen=True)
