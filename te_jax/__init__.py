@@ -1,7 +1,7 @@
 """te_jax: FP8 and FP4 training for JAX and Flax on NVIDIA GPUs.
 
 ``import te_jax`` loads the ops, quantization and sharding layers; the
-functional layers (``dense``, ``grouped_dense``, ``layernorm_dense``,
+functional layers (``dense``, ``grouped_dense``, ``grouped_mlp``, ``layernorm_dense``,
 ``layernorm_mlp``), the recipes, ``autocast``, the Flax helpers (``state``, ``train``, ``flax``, ``nnx``) and
 ``inspect`` are imported on first use, so that ``import te_jax.ops`` never
 loads Flax or anything above the ops layer.
@@ -17,13 +17,14 @@ from te_jax.sharding import MeshResource
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = ("autocast", "dense", "flax", "grouped_dense", "inspect", "layernorm_dense", "layernorm_mlp", "nnx",
-                 "recipe", "state", "train")
+_LAZY_MODULES = ("autocast", "dense", "flax", "grouped_dense", "grouped_mlp", "inspect", "layernorm_dense",
+                 "layernorm_mlp", "nnx", "recipe", "state", "train")
 _LAZY_NAMES = {
     "DenseQuantizers": "te_jax.dense",
     "MLPQuantizers": "te_jax.layernorm_mlp",
     "dense": "te_jax.dense",
     "grouped_dense": "te_jax.grouped_dense",
+    "grouped_mlp": "te_jax.grouped_mlp",
     "layernorm_dense": "te_jax.layernorm_dense",
     "layernorm_mlp": "te_jax.layernorm_mlp",
     "autocast": "te_jax.autocast",
@@ -31,13 +32,14 @@ _LAZY_NAMES = {
 
 __all__ = [
     "FP8_COLLECTION", "STATS_COLLECTION", "DenseQuantizers", "MLPQuantizers", "MeshResource", "autocast", "backend",
-    "dense", "grouped_dense", "inspect", "layernorm_dense", "layernorm_mlp", "nnx", "ops", "quantize", "recipe",
+    "dense", "grouped_dense", "grouped_mlp", "inspect", "layernorm_dense", "layernorm_mlp", "nnx", "ops", "quantize", "recipe",
     "sharding", "state", "train",
 ]
 
 
 def __getattr__(name: str):
-    # The functions dense / grouped_dense / layernorm_dense / layernorm_mlp / autocast share their module's name:
+    # The functions dense / grouped_dense / grouped_mlp / layernorm_dense / layernorm_mlp / autocast share their
+    # module's name:
     # the function wins.
     if name in _LAZY_NAMES:
         value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)

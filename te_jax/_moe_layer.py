@@ -18,11 +18,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from te_jax._core import DenseQuantizers
+from te_jax._core import DenseQuantizers, MLPQuantizers
 from te_jax._core.quantizers import ROLE_OF
 from te_jax.autocast import current as current_autocast
 from te_jax.grouped_dense import grouped_dense, init_state, span_alignment
-from te_jax.moe import Routing, combine, dispatch, permute, route, unpermute
+from te_jax.grouped_mlp import grouped_mlp
+from te_jax.moe import Routing, aligned_layout, combine, dispatch, packed_layout, permute, route, unpermute
 from te_jax.sharding import axes_of
 
 ACTIVATIONS = {
@@ -213,11 +214,19 @@ def _sharded_experts(ep: ExpertParallel, x, expert_ids, gates, wi, wo, wi_bias, 
     bias_spec = None if wi_bias is None else experts
     no_key = key is None
 
+    align = _row_align(quantizers)
+
     def body(x, expert_ids, gates, wi, wo, wi_bias, wo_bias, state, key):
         x_sorted, perm = permute(x, expert_ids, num_experts)
         x_local, local_sizes, exchange = dispatch(x_sorted, perm.group_sizes, ep.axis)
+        rows = x_local.shape[0]
+        if align > 1:  # the local experts' rows moved to the aligned layout, as on one device
+            x_local = aligned_layout(x_local, local_sizes, align)
         y_local, new_state = _experts(x_local, local_sizes, wi, wo, wi_bias, wo_bias, local, activation=activation,
-                                      where=where, state=state, key=None if no_key else key, inspect=inspect)
+                                      where=where, state=state, key=None if no_key else key, inspect=inspect,
+                                      group_align=align)
+        if align > 1:
+            y_local = packed_layout(y_local, local_sizes, align, rows)
         return unpermute(combine(y_local, exchange, ep.axis), perm, gates), new_state
 
     run = jax.shard_map(body, mesh=ep.mesh,
@@ -229,13 +238,20 @@ def _sharded_experts(ep: ExpertParallel, x, expert_ids, gates, wi, wo, wi_bias, 
 
 def _experts(x_sorted, group_sizes, wi, wo, wi_bias, wo_bias, quantizers: MoEQuantizers, *, activation: str,
              where: str, state, key, inspect, group_align: int = 1):
-    """The grouped FFN through ``grouped_dense``: ``(y_sorted, {"wi": state, "wo": state})``.
+    """The grouped FFN: ``(y_sorted, {"wi": state, "wo": state})``.
 
-    ``group_align``: the experts' rows start at multiples of it (``permute(..., align=group_align)``).
+    ``group_align`` > 1: the experts' rows start at multiples of it (``permute(..., align=group_align)``) and
+    ``grouped_mlp`` runs the FFN with the activation's casts fused; 1: ``grouped_dense``, the activation,
+    ``grouped_dense``.
     """
     if inspect:
         raise ValueError(f"te_jax: {where}: inspect=True (quantization statistics) does not cover the MoE's expert "
                          "GEMMs yet; inspect the other layers with a CustomRecipe")
+    if group_align > 1:  # the aligned layout: the FFN with its activation casts fused
+        y, new_state = grouped_mlp(x_sorted, wi, wo, group_sizes, wi_bias, wo_bias, activation=activation,
+                                   quantizers=MLPQuantizers(quantizers.wi.q, quantizers.wo.q),
+                                   state={g: state.get(g) for g in GEMMS}, key=key, group_align=group_align)
+        return y, {g: (new_state or {}).get(g) or {} for g in GEMMS}
     keys = (None, None) if key is None else (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
     h, wi_state = grouped_dense(x_sorted, wi, group_sizes, wi_bias, quantizers=quantizers.wi.q,
                                 state=state.get("wi"), key=keys[0], group_align=group_align)

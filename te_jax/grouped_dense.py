@@ -117,18 +117,20 @@ def _check_group_align(q: DenseQuantizers, group_align) -> int:
     return group_align
 
 
-def _check_state(q: DenseQuantizers, state: Mapping | None, num_groups: int) -> dict[str, Any]:
-    """The stateful roles' states; the weight's has a leading G axis (checked per expert)."""
+def check_grouped_state(q: DenseQuantizers, state: Mapping | None, num_groups: int,
+                        where: str = _WHERE) -> dict[str, Any]:
+    """The stateful roles' states; the weight's has a leading G axis (checked per expert). Shared with
+    ``te_jax.grouped_mlp``, as are ``in_groups``, ``quantize_expert_weights`` and ``grouped_matmul``."""
     state = dict(state or {})
     weight = state.get(_WEIGHT)
     if _WEIGHT in q.stateful() and weight is not None:
         leaves = jax.tree.leaves(weight)
         if not leaves or any(a.ndim < 1 or a.shape[0] != num_groups for a in leaves):
-            raise ValueError(f"te_jax: {_WHERE}: the {_WEIGHT} state must have a leading axis of the {num_groups} "
+            raise ValueError(f"te_jax: {where}: the {_WEIGHT} state must have a leading axis of the {num_groups} "
                              f"experts (one amax history per expert); create it with "
                              f"te_jax.grouped_dense.init_state(quantizers, {num_groups})")
         state[_WEIGHT] = jax.tree.map(lambda a: a[0], weight)
-    check_state(q, state, _WHERE)
+    check_state(q, state, where)
     return {r: dict(weight if r == _WEIGHT else state[r]) for r in q.stateful()}
 
 
@@ -201,7 +203,7 @@ def grouped_dense(
         align = span_alignment(q)
         spans = -(-(m + num_groups * (align - 1)) // align) * align  # room for every group's aligned span
     _check_blocks(q, spans, k, n)
-    inner = _check_state(q, state, num_groups)
+    inner = check_grouped_state(q, state, num_groups)
     if key is None:
         check_key(q, FORWARD_FIELDS, _WHERE)
     plan = _GroupedPlan(mesh_resource_or_autocast(mesh_resource), state_leaves(inner), (), vary_of(x, kernel, bias),
@@ -307,7 +309,7 @@ def _quantize_spans(g: GemmQuant, field: str, t: jax.Array, rowwise):
     return name_quantized(qz.quantize(t, g.st.get(role), rowwise=False, colwise=True, flatten_axis=1, key=key))
 
 
-def _quantize_weight(g: GemmQuant, kernel: jax.Array):
+def quantize_expert_weights(g: GemmQuant, kernel: jax.Array):
     """Each expert's weight quantized on its own (rowwise and columnwise), its state per expert."""
     if not g.has("weight"):
         return kernel
@@ -326,7 +328,7 @@ def _expert(t, e: int):
     return jax.tree.map(lambda a: a[e], t)
 
 
-def _grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dtype, bias=None, fast_accum=None):
+def grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dtype, bias=None, fast_accum=None):
     """``te_jax.ops.grouped_gemm.grouped_gemm``, or, when either side is unquantized, its float32 equivalent."""
     if isinstance(a, ScaledTensor) and isinstance(b, ScaledTensor):
         return gg.grouped_gemm(a, b, group_sizes, contracting, group_axis=group_axis, align=align, bias=bias,
@@ -360,7 +362,7 @@ def _row_layout(plan: _GroupedPlan, group_sizes, rows: int):
     return span_lengths(group_sizes, plan.align), gg.grouped_positions(group_sizes, rows, plan.align)[2][:, None]
 
 
-def _in_groups(t, member):
+def in_groups(t, member):
     """``t`` with the rows outside the groups zeroed (aligned layout), or ``t``."""
     return t if member is None else jnp.where(member, t, jnp.zeros((), t.dtype))
 
@@ -368,13 +370,13 @@ def _in_groups(t, member):
 def _forward(plan: _GroupedPlan, x, kernel, group_sizes, bias, state, key):
     g = GemmQuant(plan.q, state, key, plan.mesh_resource)
     row_sizes, member = _row_layout(plan, group_sizes, x.shape[0])
-    x = _in_groups(x, member)
+    x = in_groups(x, member)
     xq = g.quantize("input", x, colwise=plan.aligned, flatten_axis=1)
-    kq = _quantize_weight(g, kernel)
-    y = _grouped_matmul(keep(xq, "rowwise"), kq, row_sizes, (1, 0), group_axis=0, align=plan.align, bias=bias,
+    kq = quantize_expert_weights(g, kernel)
+    y = grouped_matmul(keep(xq, "rowwise"), kq, row_sizes, (1, 0), group_axis=0, align=plan.align, bias=bias,
                         out_dtype=jnp.result_type(x.dtype, kernel.dtype), fast_accum=plan.q.fast_accum)
     if bias is not None:
-        y = _in_groups(y, member)  # the padding rows got the bias
+        y = in_groups(y, member)  # the padding rows got the bias
     y = to_varying(g.qdq("output", y, flatten_axis=1), plan.all_vary)
     if plan.aligned:
         xs = keep(xq, "colwise")
@@ -398,16 +400,16 @@ def _bwd(plan: _GroupedPlan, res, cotangents):
     g = GemmQuant.backward(plan.q, st, key, plan.mesh_resource, None, _WHERE)
     fast = plan.q.backward_fast_accum
     row_sizes, member = _row_layout(plan, group_sizes, dy.shape[0])
-    dy = _in_groups(dy, member)
+    dy = in_groups(dy, member)
     dyq = g.quantize("grad_output", dy, colwise=plan.aligned, flatten_axis=1)
-    dx = _grouped_matmul(keep(dyq, "rowwise"), k_res, row_sizes, (1, 1), group_axis=0, align=plan.align,
+    dx = grouped_matmul(keep(dyq, "rowwise"), k_res, row_sizes, (1, 1), group_axis=0, align=plan.align,
                          out_dtype=plan.x_dtype, fast_accum=fast)
     dx = g.qdq("grad_input", dx, flatten_axis=1)
     if plan.aligned:
         dys = keep(dyq, "colwise")
     else:
         dys = _quantize_spans(g, "grad_output", _in_spans(dy, group_sizes, plan), dyq)
-    dk = _grouped_matmul(xs, dys, group_sizes, (0, 0), group_axis=1, align=plan.align, out_dtype=plan.k_dtype,
+    dk = grouped_matmul(xs, dys, group_sizes, (0, 0), group_axis=1, align=plan.align, out_dtype=plan.k_dtype,
                          fast_accum=fast)
     dbias = None
     if plan.bias_dtype is not None:

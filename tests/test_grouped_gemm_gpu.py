@@ -19,6 +19,8 @@ from te_jax import _ffi
 from te_jax import recipe as R
 from te_jax.dense import DenseQuantizers
 from te_jax.grouped_dense import grouped_dense, init_state
+from te_jax.grouped_mlp import grouped_mlp
+from te_jax.layernorm_mlp import MLPQuantizers
 from te_jax.ops import grouped_gemm as GG
 from te_jax.ops.gemm_call import GemmEmulationWarning
 
@@ -399,3 +401,42 @@ def test_grouped_dense_aligned_layout_matches_the_packed_one(name):
     for what, u, v in (("y", packed[0][:used], aligned[0][rows]), ("dx", packed[1][:used], aligned[1][rows]),
                        ("dw", packed[2], aligned[2])):
         np.testing.assert_array_equal(np.asarray(u.astype(F32)), np.asarray(v.astype(F32)), err_msg=what)
+
+
+@pytest.mark.parametrize("name", ["delayed_HYBRID_fwd_fast", "current_E4M3_bwd_fast", "block", "mxfp8"])
+def test_grouped_mlp_matches_reference(name):
+    """te_jax.grouped_mlp (fused activation casts between the grouped GEMMs) with backend "ffi" on the GPU against
+    backend "reference" on the CPU: y and the gradients of x, wi and wo within 2% (relative norm)."""
+    r = _recipe(name)
+    q = MLPQuantizers(*(DenseQuantizers.from_recipe(r, ("moe", g)) for g in ("wi", "wo")))
+    align = 128 if name == "block" else 32
+    keys = jax.random.split(jax.random.key(8), 4)
+    spans = [-(-s // align) * align for s in DENSE_SIZES]
+    rows = np.concatenate([np.arange(m) + s for m, s in zip(DENSE_SIZES, np.cumsum(spans) - spans)])
+    m_al = -(-(DM + DG * (align - 1)) // align) * align
+    x = jnp.zeros((m_al, DK), BF16).at[rows].set((jax.random.normal(keys[0], (len(rows), DK)) * 2).astype(BF16))
+    wi = (jax.random.normal(keys[1], (DG, DK, 2 * DN)) / 8).astype(BF16)
+    wo = (jax.random.normal(keys[2], (DG, DN, DK)) / 8).astype(BF16)
+    c = jax.random.normal(keys[3], (m_al, DK))
+    state = {g: init_state(getattr(q, g), DG) for g in ("wi", "wo")}
+
+    def run(backend):
+        device = jax.devices("cpu")[0] if backend == "reference" else jax.devices()[0]
+        args = jax.device_put((x, wi, wo, c, state), device)
+        with jax.default_device(device), te_jax.backend.use(backend), te_jax.train.fp8_state_updates():
+            gs = jnp.asarray(DENSE_SIZES, jnp.int32)
+
+            def loss(x, wi, wo, c, state):
+                y = grouped_mlp(x, wi, wo, gs, activation="swiglu", quantizers=q, state=state,
+                                key=jax.random.key(3), group_align=align)[0]
+                return jnp.sum(y.astype(F32) * c), y
+
+            (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(*args)
+        return (y, *grads)
+
+    with jax.default_matmul_precision("highest"):
+        got, want = run("ffi"), run("reference")
+    for what, u, v in zip(("y", "dx", "dwi", "dwo"), got, want):
+        u, v = np.asarray(u.astype(F32), np.float64), np.asarray(v.astype(F32), np.float64)
+        rel = np.linalg.norm(u - v) / max(np.linalg.norm(v), 1e-30)
+        assert rel < 2e-2, (what, rel)

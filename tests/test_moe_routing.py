@@ -158,6 +158,35 @@ def test_aligned_permutation(case, k):
         moe.permute(x, r.expert_ids, E, align=0)
 
 
+def test_aligned_and_packed_layouts_are_inverse_gathers():
+    """aligned_layout of permute's packed rows is permute's aligned layout; packed_layout takes it back (zeros past
+    the groups); each one's gradient is the other (no scatter added)."""
+    x = jax.random.normal(jax.random.key(4), (T, H))
+    r = moe.route(routing_logits(5, T, E, "skew"), 2)
+    packed, perm = moe.permute(x, r.expert_ids, E)
+    packed = jnp.concatenate([packed, jnp.full((5, H), 7.0)])  # rows past the groups, as dispatch may leave
+    aligned = moe.aligned_layout(packed, perm.group_sizes, 16)
+    np.testing.assert_array_equal(aligned, moe.permute(x, r.expert_ids, E, align=16)[0])
+    back = moe.packed_layout(aligned, perm.group_sizes, 16, packed.shape[0])
+    np.testing.assert_array_equal(back, packed.at[T * 2:].set(0.0))
+    c = jax.random.normal(jax.random.key(6), aligned.shape)
+
+    def loss(t):
+        return jnp.sum(moe.packed_layout(moe.aligned_layout(t, perm.group_sizes, 16) * c, perm.group_sizes, 16,
+                                         t.shape[0]) ** 2)
+
+    def plain(t):  # the same moves written as gathers JAX differentiates (scatter-add gradients)
+        sizes = np.asarray(perm.group_sizes)
+        spans = -(-sizes // 16) * 16
+        where = np.concatenate([np.arange(m) + s for m, s in zip(sizes, np.cumsum(spans) - spans)]).astype(int)
+        moved = jnp.zeros(aligned.shape).at[where].set(t[:T * 2]) * c
+        return jnp.sum(jnp.zeros(t.shape).at[:T * 2].set(moved[where]) ** 2)
+
+    np.testing.assert_allclose(jax.grad(loss)(packed), jax.grad(plain)(packed), rtol=1e-6)
+    assert jax.jit(jax.grad(loss)).lower(packed).as_text().count("stablehlo.scatter") == \
+        jax.jit(loss).lower(packed).as_text().count("stablehlo.scatter")
+
+
 def test_permutation_gradients_are_gathers():
     """The gradients of permute and unpermute add no scatter to the program (a scatter-add costs several gathers
     on a GPU): the forward's scatters (counting rows per expert) are all the gradient program has."""

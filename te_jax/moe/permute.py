@@ -199,3 +199,65 @@ def _combine_bwd(res, dy):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+def aligned_layout(x: jax.Array, group_sizes: jax.Array, align: int) -> jax.Array:
+    """Rows grouped one after another (``x [R, H]``, ``group_sizes`` summing to at most R) moved to the aligned
+    layout ``[aligned_rows(R, G, align), H]`` (``permute``'s with ``align``), zero rows between the groups.
+
+    Its gradient is ``packed_layout`` of the output gradient, and the other way round: both are gathers.
+    """
+    return _to_aligned(align, x, group_sizes)
+
+
+def packed_layout(y: jax.Array, group_sizes: jax.Array, align: int, rows: int) -> jax.Array:
+    """The inverse of ``aligned_layout``: the groups' rows of ``y`` (aligned) one after another, ``[rows, H]``,
+    zero rows past the groups."""
+    return _to_packed(align, rows, y, group_sizes)
+
+
+def _sources(group_sizes, rows: int, source_align: int, target_align: int, extent: int):
+    """For each of ``rows`` positions of the ``target_align`` layout: its row in the ``source_align`` layout
+    (clipped to ``extent``) and whether it holds a group's row."""
+    group, index, member = grouped_positions(group_sizes, rows, target_align)
+    spans = span_lengths(group_sizes, source_align)
+    return jnp.clip((jnp.cumsum(spans) - spans)[group] + index, 0, extent - 1), member
+
+
+def _moved(t, group_sizes, rows: int, source_align: int, target_align: int):
+    source, member = _sources(group_sizes, rows, source_align, target_align, t.shape[0])
+    return jnp.where(member[:, None], t[source], jnp.zeros((), t.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _to_aligned(align: int, x, group_sizes):
+    return _moved(x, group_sizes, aligned_rows(x.shape[0], group_sizes.shape[0], align), 1, align)
+
+
+def _to_aligned_fwd(align, x, group_sizes):
+    return _to_aligned(align, x, group_sizes), (group_sizes, x.shape[0])
+
+
+def _to_aligned_bwd(align, res, dy):
+    group_sizes, rows = res
+    return _moved(dy, group_sizes, rows, align, 1), None
+
+
+_to_aligned.defvjp(_to_aligned_fwd, _to_aligned_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _to_packed(align: int, rows: int, y, group_sizes):
+    return _moved(y, group_sizes, rows, align, 1)
+
+
+def _to_packed_fwd(align, rows, y, group_sizes):
+    return _to_packed(align, rows, y, group_sizes), (group_sizes, y.shape[0])
+
+
+def _to_packed_bwd(align, rows, res, dy):
+    group_sizes, aligned = res
+    return _moved(dy, group_sizes, aligned, 1, align), None
+
+
+_to_packed.defvjp(_to_packed_fwd, _to_packed_bwd)
