@@ -18,9 +18,10 @@ between, un-permutation with the gates), forward and backward (gradients of the 
 
 and the breakdown of the layer's time, each piece jitted and timed on its own in the same rounds:
 ``router`` (logits, top-k, load-balancing loss), ``permutation`` (permute and un-permute),
-``expert FFN`` (both ``grouped_dense`` calls and the activation: GEMMs and casts) and ``casts`` (the
-quantizations alone: the rows and weights of both GEMMs, rowwise and columnwise, and the output
-gradients); ``expert FFN - casts`` estimates the GEMMs. ``--profile`` adds, per layer variant, a device trace of a few
+``expert FFN`` (what the layer runs: with a recipe ``grouped_mlp`` on the aligned rows, GEMMs, casts and the
+fused activation; without, ``grouped_dense``, the activation, ``grouped_dense``) and ``casts`` (standalone
+quantizations of tensors of the same shapes: the rows and weights of both GEMMs, rowwise and columnwise, and the
+output gradients); ``expert FFN - casts`` estimates the GEMMs. ``--profile`` adds, per layer variant, a device trace of a few
 steps (``bench_profile.py``'s): the GPU's busy time split into GEMM, te_jax and XLA kernels, and the kernels that
 took longest.
 
@@ -51,6 +52,8 @@ from te_jax import recipe as R
 from te_jax._core import DenseQuantizers
 from te_jax.flax import MoE
 from te_jax.grouped_dense import grouped_dense, init_state, span_alignment
+from te_jax.grouped_mlp import grouped_mlp
+from te_jax.layernorm_mlp import MLPQuantizers
 from te_jax.state import apply_fp8_update
 from te_jax.train import fp8_state_updates, value_and_grad
 from timing import selected, time_interleaved, write_results
@@ -144,10 +147,13 @@ def _pieces(params, x_sets, cot_sets, top_k, recipe):
 
     def ffn(xs, sizes, wi, wo, states, dy):
         def loss(xs, wi, wo, states):
-            h, _ = grouped_dense(xs, wi, sizes, quantizers=q["wi"], state=states["wi"], group_align=align)
-            a, g = jnp.split(h, 2, axis=-1)
-            y, _ = grouped_dense(jax.nn.silu(a) * g, wo, sizes, quantizers=q["wo"], state=states["wo"],
-                                 group_align=align)
+            if recipe is not None:  # what the layer runs with a recipe
+                y, _ = grouped_mlp(xs, wi, wo, sizes, activation="swiglu", quantizers=MLPQuantizers(q["wi"], q["wo"]),
+                                   state=states, group_align=align)
+            else:
+                h, _ = grouped_dense(xs, wi, sizes)
+                a, g = jnp.split(h, 2, axis=-1)
+                y, _ = grouped_dense(jax.nn.silu(a) * g, wo, sizes)
             return jnp.sum((y * dy).astype(jnp.float32))
         with te_jax.autocast(enabled=False), fp8_state_updates():
             return jax.grad(loss, argnums=(0, 1, 2, 3))(xs, wi, wo, states)
