@@ -82,18 +82,19 @@ def init_state(quantizers: DenseQuantizers | Mapping[str, Any] | None, num_group
     return state
 
 
-def _check_inputs(x, kernel, group_sizes, bias) -> int:
-    check_high_precision(_WHERE, x=x, kernel=kernel, bias=bias)
+def check_grouped_inputs(x, kernel, group_sizes, bias, where: str = _WHERE) -> int:
+    """G, once x ``[M, K]``, kernel ``[G, K, N]``, group_sizes int32 ``[G]`` and bias ``[G, N]`` agree."""
+    check_high_precision(where, x=x, kernel=kernel, bias=bias)
     if x.ndim != 2 or kernel.ndim != 3 or x.shape[1] != kernel.shape[1]:
-        raise ValueError(f"te_jax: {_WHERE}: x must be [M, K] and kernel [G, K, N] with one K; got x {x.shape} and "
+        raise ValueError(f"te_jax: {where}: x must be [M, K] and kernel [G, K, N] with one K; got x {x.shape} and "
                          f"kernel {kernel.shape}")
     if (not hasattr(group_sizes, "dtype") or jnp.dtype(group_sizes.dtype) != jnp.int32
             or tuple(group_sizes.shape) != (kernel.shape[0],)):
         got = f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}{list(getattr(group_sizes, 'shape', ()))}"
-        raise TypeError(f"te_jax: {_WHERE}: group_sizes must be int32 [G] = [{kernel.shape[0]}] (one row count per "
+        raise TypeError(f"te_jax: {where}: group_sizes must be int32 [G] = [{kernel.shape[0]}] (one row count per "
                         f"expert of the kernel), got {got}")
     if bias is not None and tuple(bias.shape) != (kernel.shape[0], kernel.shape[2]):
-        raise ValueError(f"te_jax: {_WHERE}: bias must be [G, N] = {[kernel.shape[0], kernel.shape[2]]}, "
+        raise ValueError(f"te_jax: {where}: bias must be [G, N] = {[kernel.shape[0], kernel.shape[2]]}, "
                          f"got {bias.shape}")
     return kernel.shape[0]
 
@@ -134,7 +135,7 @@ def check_grouped_state(q: DenseQuantizers, state: Mapping | None, num_groups: i
     return {r: dict(weight if r == _WEIGHT else state[r]) for r in q.stateful()}
 
 
-def _check_blocks(q: DenseQuantizers, spans: int, k: int, n: int) -> None:
+def check_blocks(q: DenseQuantizers, spans: int, k: int, n: int, where: str = _WHERE) -> None:
     """Raises a clear error when a block recipe's blocks do not tile the grouped GEMMs' operands.
 
     The grouped kernels take whole blocks only (``te_jax.dense`` pads partial
@@ -147,7 +148,7 @@ def _check_blocks(q: DenseQuantizers, spans: int, k: int, n: int) -> None:
         mode = getattr(getattr(q, field), "scaling_mode", None)
         if mode is not None and not mode.tiles(shape, rowwise=True, colwise=True):
             raise ValueError(
-                f"te_jax: {_WHERE}: {mode.label} quantizes the {ROLE_OF[field]} tensor in blocks of "
+                f"te_jax: {where}: {mode.label} quantizes the {ROLE_OF[field]} tensor in blocks of "
                 f"{mode.block_cols}, and the grouped GEMM takes whole blocks only, but its shape is {list(shape)}: "
                 f"make each of the {what} a multiple of {mode.block_cols}, or give this layer a per-tensor recipe "
                 "(DelayedScaling, Float8CurrentScaling)")
@@ -187,7 +188,7 @@ def grouped_dense(
       nothing is quantized).
     """
     q = as_quantizers(quantizers)
-    num_groups = _check_inputs(x, kernel, group_sizes, bias)
+    num_groups = check_grouped_inputs(x, kernel, group_sizes, bias)
     group_align = _check_group_align(q, group_align)
     m, k = x.shape
     n = kernel.shape[2]
@@ -202,7 +203,7 @@ def grouped_dense(
     else:
         align = span_alignment(q)
         spans = -(-(m + num_groups * (align - 1)) // align) * align  # room for every group's aligned span
-    _check_blocks(q, spans, k, n)
+    check_blocks(q, spans, k, n)
     inner = check_grouped_state(q, state, num_groups)
     if key is None:
         check_key(q, FORWARD_FIELDS, _WHERE)

@@ -48,8 +48,8 @@ from te_jax._core import (GEMMS, PRE_ACTIVATION, GemmQuant, MLPQuantizers, Plan,
 from te_jax._core.checks import check_key
 from te_jax._core.quantizers import FORWARD_FIELDS
 from te_jax.autocast import with_plan_mesh
-from te_jax.grouped_dense import (check_grouped_state, grouped_dense, grouped_matmul, in_groups, quantize_expert_weights,
-                                  span_alignment)
+from te_jax.grouped_dense import (check_blocks, check_grouped_inputs, check_grouped_state, grouped_dense,
+                                  grouped_matmul, in_groups, quantize_expert_weights, span_alignment)
 from te_jax.ops import activation as act_ops
 from te_jax.ops import grouped_gemm as gg
 from te_jax.ops.grouped_layout import span_lengths
@@ -110,7 +110,9 @@ def grouped_mlp(
     """
     q = as_mlp_quantizers(quantizers)
     check_high_precision(_WHERE, x=x, wi=wi, wo=wo, wi_bias=wi_bias, wo_bias=wo_bias)
-    num_groups, width, f = _check_shapes(x, wi, wo, wi_bias, wo_bias, activation)
+    num_groups, width, f = _check_shapes(x, wi, wo, activation)
+    check_grouped_inputs(x, wi, group_sizes, wi_bias, f"{_WHERE} (wi)")
+    check_grouped_inputs(jax.ShapeDtypeStruct((x.shape[0], f), x.dtype), wo, group_sizes, wo_bias, f"{_WHERE} (wo)")
     need = math.lcm(span_alignment(q.wi), span_alignment(q.wo))
     if isinstance(group_align, bool) or not isinstance(group_align, int) or group_align < 1 or group_align % need \
             or x.shape[0] % group_align:
@@ -120,6 +122,8 @@ def grouped_mlp(
     if not q.any:
         y = _high_precision(x, wi, wo, group_sizes, wi_bias, wo_bias, activation, group_align)
         return y, None if state is None else {g: dict((state or {}).get(g) or {}) for g in GEMMS}
+    check_blocks(q.wi, x.shape[0], x.shape[1], width, f"{_WHERE} (wi)")
+    check_blocks(q.wo, x.shape[0], f, wo.shape[2], f"{_WHERE} (wo)")
     state = dict(state or {})
     inner = {g: check_grouped_state(getattr(q, g), state.get(g), num_groups, f"{_WHERE} ({g})") for g in GEMMS}
     if key is None:
@@ -133,8 +137,9 @@ def grouped_mlp(
     return y, updated_state(state, updates, None)
 
 
-def _check_shapes(x, wi, wo, wi_bias, wo_bias, activation: str) -> tuple[int, int, int]:
-    """``(G, W, F)`` once the operands' shapes and dtypes agree."""
+def _check_shapes(x, wi, wo, activation: str) -> tuple[int, int, int]:
+    """``(G, W, F)`` once the operands' shapes and dtypes agree (the group sizes and biases: ``grouped_dense``'s
+    checks, per GEMM)."""
     if activation not in act_ops.ACTIVATIONS:
         raise ValueError(f"te_jax: {_WHERE}: activation must be one of {act_ops.ACTIVATIONS}, got {activation!r}")
     if x.ndim != 2 or wi.ndim != 3 or wo.ndim != 3 or wi.shape[1] != x.shape[1] or wo.shape[0] != wi.shape[0]:
@@ -148,9 +153,6 @@ def _check_shapes(x, wi, wo, wi_bias, wo_bias, activation: str) -> tuple[int, in
     if not x.dtype == wi.dtype == wo.dtype:
         raise TypeError(f"te_jax: {_WHERE}: x, wi and wo must share the compute dtype, got {x.dtype}, {wi.dtype} and "
                         f"{wo.dtype}")
-    for name, b, n in (("wi_bias", wi_bias, width), ("wo_bias", wo_bias, wo.shape[2])):
-        if b is not None and tuple(b.shape) != (num_groups, n):
-            raise ValueError(f"te_jax: {_WHERE}: {name} must be [G, {n}], got {b.shape}")
     return num_groups, width, f
 
 

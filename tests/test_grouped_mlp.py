@@ -205,8 +205,14 @@ def test_errors():
         grouped_mlp(x, wi, wo[:, :64], gs, activation="swiglu", quantizers=q, group_align=16)
     with pytest.raises(TypeError, match="share the compute dtype"):
         grouped_mlp(x, wi.astype(jnp.bfloat16), wo, gs, activation="swiglu", quantizers=q, group_align=16)
-    with pytest.raises(ValueError, match=r"wi_bias must be \[G, 256\]"):
+    with pytest.raises(ValueError, match=r"grouped_mlp \(wi\): bias must be \[G, N\] = \[4, 256\]"):
         grouped_mlp(x, wi, wo, gs, jnp.zeros((G, 128)), activation="swiglu", quantizers=q, group_align=16)
+    with pytest.raises(TypeError, match=r"grouped_mlp \(wi\): group_sizes must be int32 \[G\] = \[4\]"):
+        grouped_mlp(x, wi, wo, gs[:3], activation="swiglu", quantizers=q, group_align=16)
+    block = _quantizers("block")
+    x128 = jnp.zeros((256, H))
+    with pytest.raises(ValueError, match=r"grouped_mlp \(wo\): .*multiple of 128"):  # F = 64: not whole blocks
+        grouped_mlp(x128, wi[:, :, :128], wo[:, :64], gs, activation="swiglu", quantizers=block, group_align=128)
     delayed = _quantizers("delayed")
     with pytest.raises(ValueError, match="leading axis of the 4 experts"):
         grouped_mlp(x, wi, wo, gs, activation="swiglu", quantizers=delayed, group_align=16,
