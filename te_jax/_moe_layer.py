@@ -1,7 +1,7 @@
 """What the Linen (``te_jax.flax.MoE``) and NNX (``te_jax.nnx.MoE``) MoE layers share.
 
 Routing, the routed experts (permutation, grouped FFN through
-``te_jax.grouped_dense``, un-permutation; inside ``jax.shard_map`` with an
+``te_jax.grouped_mlp``, or ``te_jax.grouped_dense`` unquantized, un-permutation; inside ``jax.shard_map`` with an
 expert-parallel axis) and their quantizers. Nothing here knows a module
 system: a layer passes its description (``where``) for error messages, and
 its arrays, state and keys.

@@ -1,7 +1,8 @@
 """``te_jax.flax.MoE``: a dropless mixture-of-experts feed-forward block whose expert GEMMs run quantized.
 
 Router (float32, unquantized) -> top-k routing -> permutation by expert ->
-grouped FFN (``te_jax.grouped_dense`` twice, the activation between) ->
+grouped FFN (``te_jax.grouped_mlp`` with a recipe; without, ``te_jax.grouped_dense``
+twice with the activation between) ->
 un-permutation weighted by the gates, plus optional shared experts. With an
 expert-parallel axis (``MeshResource.ep_resource``) the permutation, the
 exchange of rows with the experts' devices (``te_jax.moe.dispatch`` /
@@ -31,7 +32,7 @@ class MoE(nn.Module):
 
     For inputs ``[..., H]`` every token goes to its ``num_experts_per_tok``
     best experts (``te_jax.moe.route``); each expert computes
-    ``wo(act(x @ wi))`` on its tokens (two ``te_jax.grouped_dense`` calls) and
+    ``wo(act(x @ wi))`` on its tokens (``te_jax.grouped_mlp``) and
     the results are summed weighted by the gates. With autocast off (or no
     recipe) this is the high-precision reference.
 

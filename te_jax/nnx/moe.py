@@ -25,8 +25,8 @@ class MoE(nnx.Module):
     ``te_jax.flax.MoE`` in NNX form, on the same routing and grouped FFN: for
     inputs ``[..., H]`` every token goes to its ``num_experts_per_tok`` best
     experts (``te_jax.moe.route`` on float32, unquantized router logits);
-    each expert computes ``wo(act(x @ wi))`` on its tokens (two
-    ``te_jax.grouped_dense`` calls) and the results are summed weighted by
+    each expert computes ``wo(act(x @ wi))`` on its tokens
+    (``te_jax.grouped_mlp``) and the results are summed weighted by
     the gates. With autocast off (or no recipe) this is the high-precision
     reference.
 
