@@ -170,6 +170,7 @@ def test_multi_gpu_holds_two_gpus(tmp_path):
     (["--train", "delayed@125m:many"], "RECIPE[@PRESET[:STEPS]]"),
     (["--train", "@125m"], "RECIPE[@PRESET[:STEPS]]"),
     (["--train", "bf16@125m/one"], "RECIPE[@PRESET[:STEPS]][/SEED]"),
+    (["--tests", "--python-from-checkout"], "applies to an installed --wheel"),
     (["--bench", "gemm", "--rounds", "2"], "only with --baseline-wheel"),
     (["--bench", "gemm", "--estimate", "bench=soon"], "NAME=SECONDS"),
     (["--bench", "gemm", "--baseline-wheel", "old.whl", "--rounds", "0"], "--rounds takes a number >= 1"),
@@ -215,3 +216,17 @@ def test_usage_examples_in_the_docstring_parse(tmp_path):
             argv = shlex.split(line.split("#")[0].replace("$OUT", str(tmp_path)))[2:]
             argv = [a for a in argv if a != "\\"]
             gpu_check.build_parser().parse_args(argv)
+
+
+def test_python_from_checkout_replaces_the_installed_python_only(tmp_path):
+    """The installed package's .py files become the checkout's (stale ones removed); other files stay."""
+    installed = tmp_path / "te_jax"
+    (installed / "ops").mkdir(parents=True)
+    (installed / "ops" / "gemm.py").write_text("old")
+    (installed / "gone.py").write_text("a module the checkout no longer has")
+    (installed / "_te_jax_cuda.so").write_text("compiled")
+    count = gpu_check.overlay_python(tmp_path)
+    package = gpu_check.ROOT / "te_jax"
+    assert count == len(list(package.rglob("*.py")))
+    assert (installed / "ops" / "gemm.py").read_text() == (package / "ops" / "gemm.py").read_text()
+    assert not (installed / "gone.py").exists() and (installed / "_te_jax_cuda.so").read_text() == "compiled"

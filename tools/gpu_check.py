@@ -25,6 +25,7 @@ Examples:
       --train-args "--batch 4" --train-per-gpu 3   # a loss table (bf16 twice: seeds 0 and 1), three runs per GPU
   python3 tools/gpu_check.py --train delayed@125m:200 --graphs   # tokens/s with te_jax's calls out of / in CUDA graphs
   python3 tools/gpu_check.py --tests --bench gemm --dry-run    # print the jobs, run nothing
+  python3 tools/gpu_check.py --wheel gpu_out/te_jax-*.whl --python-from-checkout --tests   # Python-only changes
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ def split_names(values: list[str]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--wheel", type=pathlib.Path, help="install this wheel instead of building one")
+    p.add_argument("--python-from-checkout", action="store_true",
+                   help="with --wheel: replace the installed wheel's Python files by this checkout's te_jax/ (its "
+                        "compiled modules stay): for a checkout whose csrc/ is unchanged since the wheel was built")
     p.add_argument("--cutlass-wheel", type=pathlib.Path,
                    help="the nvidia-cutlass wheel whose headers the build uses when the build's Python has no "
                         "cutlass_library package (default: the newest .cache/cutlass/nvidia_cutlass-*.whl of this "
@@ -223,6 +227,9 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
             [python, "mesh_multidevice.py", "--meshes", "dp2,tp2",
              "--recipes", "delayed,current,delayed_split,current_split", "--check"],
             cwd=str(ROOT / "tests"), env=new_env))
+    if args.python_from_checkout and not args.wheel:
+        raise SystemExit("gpu_check: --python-from-checkout applies to an installed --wheel (a build already uses "
+                         "this checkout)")
     if args.train_per_gpu < 1 or ((args.train_per_gpu > 1 or args.train_args) and not args.train):
         raise SystemExit("gpu_check: --train-per-gpu takes a number >= 1; it and --train-args apply to --train runs")
     graph_modes = split_names([args.graphs]) if args.graphs is not None else [None]
@@ -343,6 +350,20 @@ def cutlass_build_flags(wheel: pathlib.Path | None, work: pathlib.Path, python: 
     return ["-C", f"cmake.define.TE_JAX_CUTLASS_DIR={dest / 'cutlass_library' / 'source'}"]
 
 
+def overlay_python(site: pathlib.Path) -> int:
+    """Makes the Python files of the package installed in ``site`` this checkout's ``te_jax/**/*.py`` (copied over,
+    files the checkout lacks removed); compiled modules and other files stay. Returns how many were copied."""
+    package, installed = ROOT / "te_jax", site / "te_jax"
+    sources = {src.relative_to(package) for src in package.rglob("*.py")}
+    for old in installed.rglob("*.py"):
+        if old.relative_to(installed) not in sources:
+            old.unlink()
+    for rel in sources:
+        (installed / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(package / rel, installed / rel)
+    return len(sources)
+
+
 def install(wheel: pathlib.Path, site: pathlib.Path, log: pathlib.Path, python: str) -> None:
     """Installs ``wheel`` (without dependencies) into ``site`` and checks that jobs import it, CUDA module included."""
     shutil.rmtree(site, ignore_errors=True)
@@ -416,10 +437,14 @@ def main(argv: list[str] | None = None) -> int:
         (wheel,) = wheel_dir.glob("te_jax-*.whl")
         shutil.copy(wheel, layout.out / wheel.name)
     install(wheel, layout.site("new"), build_log, python)
+    if args.python_from_checkout:
+        print(f"gpu_check: {overlay_python(layout.site('new'))} Python files of te_jax/ from the checkout over "
+              f"{wheel.name}", flush=True)
     if args.baseline_wheel:
         install(args.baseline_wheel.resolve(), layout.site("base"), build_log, python)
 
-    header = machine_info(python) + [f"- wheel {wheel.name}"]
+    header = machine_info(python) + [f"- wheel {wheel.name}"
+                                     + (", te_jax/*.py from the checkout" if args.python_from_checkout else "")]
     if args.baseline_wheel:
         header.append(f"- baseline wheel {args.baseline_wheel.name}, {args.rounds} round(s)")
     gpus = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
