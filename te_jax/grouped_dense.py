@@ -62,7 +62,7 @@ from te_jax._core.quantizers import FORWARD_FIELDS, ROLE_OF
 from te_jax._core.remat import name_quantized
 from te_jax.autocast import with_plan_mesh
 from te_jax.ops import grouped_gemm as gg
-from te_jax.ops.grouped_layout import span_lengths
+from te_jax.ops.grouped_layout import regroup_rows, span_lengths
 from te_jax.quantize.scaled_tensor import ScaledTensor
 from te_jax.recipe import ROLES
 from te_jax.sharding import MeshResource, to_varying
@@ -121,7 +121,8 @@ def _check_group_align(q: DenseQuantizers, group_align) -> int:
 def check_grouped_state(q: DenseQuantizers, state: Mapping | None, num_groups: int,
                         where: str = _WHERE) -> dict[str, Any]:
     """The stateful roles' states; the weight's has a leading G axis (checked per expert). Shared with
-    ``te_jax.grouped_mlp``, as are ``in_groups``, ``quantize_expert_weights`` and ``grouped_matmul``."""
+    ``te_jax.grouped_mlp``, as are the checks, ``aligned_row_layout``, ``bias_grad``, ``in_groups``,
+    ``quantize_expert_weights`` and ``grouped_matmul``."""
     state = dict(state or {})
     weight = state.get(_WEIGHT)
     if _WEIGHT in q.stateful() and weight is not None:
@@ -251,12 +252,7 @@ def _grouped_bf16_bwd(res, dy):
     x, kernel, group_sizes, has_bias = res
     dx = gg.grouped_gemm_bf16(dy, kernel, group_sizes, group_axis=0, b_kn=False)
     dk = gg.grouped_gemm_bf16(x, dy, group_sizes, group_axis=1)
-    dbias = None
-    if has_bias:
-        group, _, member = gg.grouped_positions(group_sizes, dy.shape[0])
-        rows = jnp.where(member[:, None], dy.astype(jnp.float32), 0.0)
-        dbias = jax.ops.segment_sum(rows, group, num_segments=group_sizes.shape[0]).astype(dy.dtype)
-    return dx, dk, None, dbias
+    return dx, dk, None, bias_grad(dy, group_sizes, 1, dy.dtype) if has_bias else None
 
 
 _grouped_bf16.defvjp(_grouped_bf16_fwd, _grouped_bf16_bwd)
@@ -286,10 +282,7 @@ class _GroupedPlan(Plan):
 
 def _in_spans(t: jax.Array, group_sizes, plan: _GroupedPlan) -> jax.Array:
     """``t [M, C]``'s group rows laid out in aligned spans ``[spans, C]``, zeros between (one gather)."""
-    group, index, member = gg.grouped_positions(group_sizes, plan.spans, plan.align)
-    first = jnp.cumsum(jnp.maximum(group_sizes, 0)) - jnp.maximum(group_sizes, 0)
-    rows = jnp.clip(first[group] + index, 0, t.shape[0] - 1)
-    return jnp.where(member[:, None], t[rows], jnp.zeros((), t.dtype))
+    return regroup_rows(t, group_sizes, plan.spans, 1, plan.align)
 
 
 def _quantize_spans(g: GemmQuant, field: str, t: jax.Array, rowwise):
@@ -352,15 +345,23 @@ def grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dty
                       precision=hi).astype(out_dtype)
 
 
-def _row_layout(plan: _GroupedPlan, group_sizes, rows: int):
-    """The group sizes the row-grouped GEMMs take, and the rows in groups (None: every row up to the sum).
+def aligned_row_layout(group_sizes, rows: int, align: int):
+    """The aligned layout's sizes for the row-grouped GEMMs and ``member [rows, 1]``, the rows holding a group's
+    element: each group's whole rounded span, whose padding rows are zero in the operands, so the GEMMs write
+    zeros there."""
+    return span_lengths(group_sizes, align), gg.grouped_positions(group_sizes, rows, align)[2][:, None]
 
-    Aligned: each group's rounded span, whose padding rows are zero in the operands, so the GEMMs write zeros
-    there; ``member`` marks the rows that hold a group's element.
-    """
-    if not plan.aligned:
-        return group_sizes, None
-    return span_lengths(group_sizes, plan.align), gg.grouped_positions(group_sizes, rows, plan.align)[2][:, None]
+
+def bias_grad(dy, group_sizes, align: int, dtype):
+    """Per-group float32 sums of ``dy``'s rows in groups (groups starting at ``align``-rounded rows), cast."""
+    group, _, member = gg.grouped_positions(group_sizes, dy.shape[0], align)
+    rows = jnp.where(member[:, None], dy.astype(jnp.float32), 0.0)
+    return jax.ops.segment_sum(rows, group, num_segments=group_sizes.shape[0]).astype(dtype)
+
+
+def _row_layout(plan: _GroupedPlan, group_sizes, rows: int):
+    """The group sizes the row-grouped GEMMs take, and the rows in groups (None: every row up to the sum)."""
+    return aligned_row_layout(group_sizes, rows, plan.align) if plan.aligned else (group_sizes, None)
 
 
 def in_groups(t, member):
@@ -414,9 +415,7 @@ def _bwd(plan: _GroupedPlan, res, cotangents):
                          fast_accum=fast)
     dbias = None
     if plan.bias_dtype is not None:
-        group, _, member = gg.grouped_positions(group_sizes, dy.shape[0], plan.align if plan.aligned else 1)
-        rows = jnp.where(member[:, None], dy.astype(jnp.float32), 0.0)
-        dbias = jax.ops.segment_sum(rows, group, num_segments=group_sizes.shape[0]).astype(plan.bias_dtype)
+        dbias = bias_grad(dy, group_sizes, plan.align if plan.aligned else 1, plan.bias_dtype)
     u = plan.all_vary
     vx, vk, vbias = plan.vary
     return (cotangent(dx, u, vx), cotangent(dk, u, vk), None, cotangent(dbias, u, vbias),

@@ -39,20 +39,18 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from te_jax._core import (GEMMS, PRE_ACTIVATION, GemmQuant, MLPQuantizers, Plan, as_mlp_quantizers, check_high_precision, cotangent,
-                          keep, mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state,
-                          vary_of)
+from te_jax._core import (GEMMS, PRE_ACTIVATION, GemmQuant, MLPQuantizers, Plan, as_mlp_quantizers,
+                          check_high_precision, cotangent, keep, mesh_resource_or_autocast, raw_key, state_cotangent,
+                          state_leaves, updated_state, vary_of)
 from te_jax._core.checks import check_key
 from te_jax._core.quantizers import FORWARD_FIELDS
 from te_jax.autocast import with_plan_mesh
-from te_jax.grouped_dense import (check_blocks, check_grouped_inputs, check_grouped_state, grouped_dense,
-                                  grouped_matmul, in_groups, quantize_expert_weights, span_alignment)
+from te_jax.grouped_dense import (aligned_row_layout, bias_grad, check_blocks, check_grouped_inputs,
+                                  check_grouped_state, grouped_dense, grouped_matmul, in_groups,
+                                  quantize_expert_weights, span_alignment)
 from te_jax.ops import activation as act_ops
-from te_jax.ops import grouped_gemm as gg
-from te_jax.ops.grouped_layout import span_lengths
 from te_jax.quantize import fused
 from te_jax.quantize import ref_norm_act
 from te_jax.sharding import MeshResource, to_varying
@@ -171,24 +169,11 @@ def _keys(key):
     return (None, None) if key is None else (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
 
 
-def _layout(plan: _GroupedMLPPlan, group_sizes, rows: int):
-    """The row-grouped GEMMs' sizes (each group's whole span) and the rows holding a group's element."""
-    return span_lengths(group_sizes, plan.align), gg.grouped_positions(group_sizes, rows, plan.align)
-
-
-def _bias_grad(t, positions, num_groups: int, dtype):
-    """Per-group float32 column sums of ``t``'s rows in groups, cast to ``dtype``."""
-    group, _, member = positions
-    rows = jnp.where(member[:, None], t.astype(jnp.float32), 0.0)
-    return jax.ops.segment_sum(rows, group, num_segments=num_groups).astype(dtype)
-
-
 def _forward(plan: _GroupedMLPPlan, x, wi, bi, wo, bo, group_sizes, state, key):
     ki, ko = _keys(key)
     gi = GemmQuant(plan.q.wi, state["wi"], ki, plan.mesh_resource)
     go = GemmQuant(plan.q.wo, state["wo"], ko, plan.mesh_resource)
-    row_sizes, positions = _layout(plan, group_sizes, x.shape[0])
-    member = positions[2][:, None]
+    row_sizes, member = aligned_row_layout(group_sizes, x.shape[0], plan.align)
     xq = gi.quantize("input", in_groups(x, member), colwise=True, flatten_axis=1)
     wiq = quantize_expert_weights(gi, wi)
     hid = grouped_matmul(keep(xq, "rowwise"), wiq, row_sizes, (1, 0), group_axis=0, align=plan.align, bias=bi,
@@ -232,14 +217,12 @@ def _bwd(plan: _GroupedMLPPlan, res, cts):
     ki, ko = _keys(key)
     gi, go = (GemmQuant.backward(getattr(plan.q, g), st[g], k, plan.mesh_resource, None, f"{_WHERE} ({g})")
               for g, k in zip(GEMMS, (ki, ko)))
-    row_sizes, positions = _layout(plan, group_sizes, dy.shape[0])
-    member = positions[2][:, None]
-    num_groups = group_sizes.shape[0]
+    row_sizes, member = aligned_row_layout(group_sizes, dy.shape[0], plan.align)
     # Second GEMM.
     dy = in_groups(dy, member)
     dyq = go.quantize("grad_output", dy, colwise=True, flatten_axis=1)
     da, dwo = _backward_gemms(plan, go, dyq, woq, a, row_sizes, group_sizes, plan.q.wo.backward_fast_accum)
-    dbo = None if plan.bo_dtype is None else _bias_grad(dy, positions, num_groups, plan.bo_dtype)
+    dbo = None if plan.bo_dtype is None else bias_grad(dy, group_sizes, plan.align, plan.bo_dtype)
     # Activation backward, fused with the cast of dh (wi's grad_output).
     if gi.has("grad_output"):
         dh = gi.run("grad_output", lambda qz, s, k: (fused.activation_grad(da, hid, plan.activation, qz, s,
@@ -248,7 +231,7 @@ def _bwd(plan: _GroupedMLPPlan, res, cts):
         dh = fused.activation_grad(da, hid, plan.activation, out_dtype=plan.dtype)[0]
     dbi = None
     if plan.bi_dtype is not None:  # per group: the kernel's fused column sum spans every group
-        dbi = _bias_grad(ref_norm_act.act_apply_grad(da, hid, plan.activation), positions, num_groups, plan.bi_dtype)
+        dbi = bias_grad(ref_norm_act.act_apply_grad(da, hid, plan.activation), group_sizes, plan.align, plan.bi_dtype)
     # First GEMM.
     dx, dwi = _backward_gemms(plan, gi, dh, wiq, xs, row_sizes, group_sizes, plan.q.wi.backward_fast_accum)
     u = plan.all_vary

@@ -89,6 +89,30 @@ ffi::Error CheckOutAndBias(std::string_view target, const ffi::AnyBuffer& out, c
 }
 
 // Operand shapes, out and bias of either layout; `pack` K elements per stored column (NVFP4: 2).
+// Completes `s` (groups and K set) with A's rows `a_rows` (M; group_axis 1: P), the rows `n` of each B
+// matrix (N; group_axis 1: Q) and B's matrix count (checked against the groups for group_axis 0), then checks
+// the bias (group_axis 0 only), out's dtype and out's and the bias's shapes.
+ffi::ErrorOr<GroupedShape> WithMatrices(std::string_view target, GroupedShape s, int64_t axis, int64_t a_rows,
+                                        int64_t n, int64_t b_matrices, const ffi::AnyBuffer& out,
+                                        const ffi::AnyBuffer& bias, bool has_bias) {
+  const int64_t g = s.groups.count;
+  if (axis == 0 && b_matrices != g) {
+    return ffi::Unexpected(Fail(target, "B has " + std::to_string(b_matrices) + " matrices but group_sizes has " +
+                                            std::to_string(g) + " groups"));
+  }
+  if (axis == 1 && has_bias) return ffi::Unexpected(Fail(target, "a bias applies to group_axis 0 only"));
+  s.a_rows = a_rows;
+  s.n = n;
+  s.b_rows = axis == 0 ? g * n : n;
+  if (!IsHighPrecision(out.element_type())) {
+    return ffi::Unexpected(Fail(target, "out must be float32, bfloat16 or float16"));
+  }
+  const std::vector<int64_t> want_out =
+      axis == 0 ? std::vector<int64_t>{a_rows, n} : std::vector<int64_t>{g, a_rows, n};
+  TE_RETURN_IF_ERROR_OR(CheckOutAndBias(target, out, bias, want_out, g, n, has_bias));
+  return s;
+}
+
 ffi::ErrorOr<GroupedShape> ShapeOf(std::string_view target, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
                                    const ffi::AnyBuffer& sizes, const ffi::AnyBuffer& bias, const ffi::AnyBuffer& out,
                                    int64_t pack, int64_t axis, int64_t align, bool has_bias) {
@@ -106,29 +130,7 @@ ffi::ErrorOr<GroupedShape> ShapeOf(std::string_view target, const ffi::AnyBuffer
   auto groups = GroupsOf(target, sizes, axis, align, axis == 0 ? ad[0] : s.k);
   if (groups.has_error()) return ffi::Unexpected(groups.error());
   s.groups = groups.value();
-  const int64_t g = s.groups.count;
-  std::vector<int64_t> want_out;
-  if (axis == 0) {
-    if (bd[0] != g) {
-      return ffi::Unexpected(Fail(target, "B has " + std::to_string(bd[0]) + " matrices but group_sizes has " +
-                                              std::to_string(g) + " groups"));
-    }
-    s.a_rows = ad[0];
-    s.n = bd[1];
-    s.b_rows = g * s.n;
-    want_out = {ad[0], s.n};
-  } else {
-    if (has_bias) return ffi::Unexpected(Fail(target, "a bias applies to group_axis 0 only"));
-    s.a_rows = ad[0];
-    s.n = bd[0];
-    s.b_rows = s.n;
-    want_out = {g, ad[0], s.n};
-  }
-  if (!IsHighPrecision(out.element_type())) {
-    return ffi::Unexpected(Fail(target, "out must be float32, bfloat16 or float16"));
-  }
-  TE_RETURN_IF_ERROR_OR(CheckOutAndBias(target, out, bias, want_out, g, s.n, has_bias));
-  return s;
+  return WithMatrices(target, s, axis, ad[0], axis == 0 ? bd[1] : bd[0], bd[0], out, bias, has_bias);
 }
 
 // A per-tensor value (scale_inv, NVFP4 amax): float32 [1], or [G] with one value per group.
@@ -300,28 +302,9 @@ ffi::ErrorOr<GroupedShape> Bf16ShapeOf(std::string_view target, const ffi::AnyBu
   if (groups.has_error()) return ffi::Unexpected(groups.error());
   GroupedShape s;
   s.groups = groups.value();
-  const int64_t g = s.groups.count;
-  std::vector<int64_t> want_out;
-  if (axis == 0) {
-    if (bd[0] != g) {
-      return ffi::Unexpected(Fail(target, "B has " + std::to_string(bd[0]) + " matrices but group_sizes has " +
-                                              std::to_string(g) + " groups"));
-    }
-    s.a_rows = ad[0];
-    s.k = ad[1];
-    s.n = bd[b_kn ? 2 : 1];
-    s.b_rows = g * s.n;
-    want_out = {ad[0], s.n};
-  } else {
-    if (has_bias) return ffi::Unexpected(Fail(target, "a bias applies to group_axis 0 only"));
-    s.a_rows = ad[1];
-    s.k = ad[0];
-    s.n = bd[1];
-    s.b_rows = s.n;
-    want_out = {g, ad[1], s.n};
-  }
-  TE_RETURN_IF_ERROR_OR(CheckOutAndBias(target, out, bias, want_out, g, s.n, has_bias));
-  return s;
+  s.k = axis == 0 ? ad[1] : ad[0];
+  return WithMatrices(target, s, axis, axis == 0 ? ad[0] : ad[1], axis == 0 ? bd[b_kn ? 2 : 1] : bd[1], bd[0], out,
+                      bias, has_bias);
 }
 
 ffi::Error GroupedGemmBf16(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias,

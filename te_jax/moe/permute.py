@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.moe.routing import expert_counts
-from te_jax.ops.grouped_layout import grouped_positions, span_lengths
+from te_jax.ops.grouped_layout import regroup_rows, regroup_sources, span_lengths
 
 
 class Permutation(NamedTuple):
@@ -74,11 +74,10 @@ def sort_assignments(expert_ids: jax.Array, num_experts: int, align: int = 1) ->
     sizes = expert_counts(flat, num_experts)
     if align == 1:
         return Permutation(order, packed_row, sizes)
-    packed_starts = jnp.cumsum(sizes) - sizes
+    source, member = regroup_sources(sizes, aligned_rows(flat.size, num_experts, align), 1, align, flat.size)
+    sorted_assignment = jnp.where(member, order[source], -1)
     spans = span_lengths(sizes, align)
-    group, index, member = grouped_positions(sizes, aligned_rows(flat.size, num_experts, align), align)
-    sorted_assignment = jnp.where(member, order[jnp.clip(packed_starts[group] + index, 0, flat.size - 1)], -1)
-    assignment_row = (jnp.cumsum(spans) - spans)[flat] + packed_row - packed_starts[flat]
+    assignment_row = (jnp.cumsum(spans) - spans)[flat] + packed_row - (jnp.cumsum(sizes) - sizes)[flat]
     return Permutation(sorted_assignment.astype(jnp.int32), assignment_row.astype(jnp.int32), sizes)
 
 
@@ -216,22 +215,9 @@ def packed_layout(y: jax.Array, group_sizes: jax.Array, align: int, rows: int) -
     return _to_packed(align, rows, y, group_sizes)
 
 
-def _sources(group_sizes, rows: int, source_align: int, target_align: int, extent: int):
-    """For each of ``rows`` positions of the ``target_align`` layout: its row in the ``source_align`` layout
-    (clipped to ``extent``) and whether it holds a group's row."""
-    group, index, member = grouped_positions(group_sizes, rows, target_align)
-    spans = span_lengths(group_sizes, source_align)
-    return jnp.clip((jnp.cumsum(spans) - spans)[group] + index, 0, extent - 1), member
-
-
-def _moved(t, group_sizes, rows: int, source_align: int, target_align: int):
-    source, member = _sources(group_sizes, rows, source_align, target_align, t.shape[0])
-    return jnp.where(member[:, None], t[source], jnp.zeros((), t.dtype))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _to_aligned(align: int, x, group_sizes):
-    return _moved(x, group_sizes, aligned_rows(x.shape[0], group_sizes.shape[0], align), 1, align)
+    return regroup_rows(x, group_sizes, aligned_rows(x.shape[0], group_sizes.shape[0], align), 1, align)
 
 
 def _to_aligned_fwd(align, x, group_sizes):
@@ -240,7 +226,7 @@ def _to_aligned_fwd(align, x, group_sizes):
 
 def _to_aligned_bwd(align, res, dy):
     group_sizes, rows = res
-    return _moved(dy, group_sizes, rows, align, 1), None
+    return regroup_rows(dy, group_sizes, rows, align, 1), None
 
 
 _to_aligned.defvjp(_to_aligned_fwd, _to_aligned_bwd)
@@ -248,7 +234,7 @@ _to_aligned.defvjp(_to_aligned_fwd, _to_aligned_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _to_packed(align: int, rows: int, y, group_sizes):
-    return _moved(y, group_sizes, rows, align, 1)
+    return regroup_rows(y, group_sizes, rows, align, 1)
 
 
 def _to_packed_fwd(align, rows, y, group_sizes):
@@ -257,7 +243,7 @@ def _to_packed_fwd(align, rows, y, group_sizes):
 
 def _to_packed_bwd(align, rows, res, dy):
     group_sizes, aligned = res
-    return _moved(dy, group_sizes, aligned, 1, align), None
+    return regroup_rows(dy, group_sizes, aligned, 1, align), None
 
 
 _to_packed.defvjp(_to_packed_fwd, _to_packed_bwd)

@@ -40,8 +40,8 @@ import te_jax._ffi  # noqa: F401  (registers the FFI targets)
 from te_jax.ops.gemm_call import GemmEmulationWarning, _cuda_compute_capability
 from te_jax.ops.grouped_cuda import (bf16_kernel_emulates, check_cuda, cuda_kernel, emulation_message,
                                      grouped_workspace_bytes)
-from te_jax.ops.grouped_layout import GroupedLayout, span_lengths
-from te_jax.ops.grouped_reference import dequantize, emulate
+from te_jax.ops.grouped_layout import GroupedLayout, cut_sizes, span_lengths
+from te_jax.ops.grouped_reference import emulate, emulation_operands
 from te_jax.ops.partition import AxisClaims, device_local
 from te_jax.quantize.modes import ScalingMode
 
@@ -93,13 +93,10 @@ def _emulate_with_bf16_kernel(lay: GroupedLayout, *args):
 
     group_axis 1 passes each group's whole span (padding included, cut at Kc) as its rows, as ``emulate`` does.
     """
-    group_sizes, bias = args[len(lay.roles)], args[-1]
-    da, db = (t.astype(jnp.bfloat16) for t in dequantize(lay, args[:len(lay.roles)], group_sizes))
-    if lay.group_axis == 0:  # da [M, K], db [G, N, K]
-        sizes, a, b = group_sizes, da, db
-    else:  # da [P, Kc], db [Q, Kc]: the kernel takes the spans as rows
-        ends = jnp.minimum(jnp.cumsum(span_lengths(group_sizes, lay.align)), da.shape[-1])
-        sizes, a, b = jnp.diff(ends, prepend=0).astype(jnp.int32), da.T, db.T
+    bias = args[-1]
+    a, b, sizes = emulation_operands(lay, args)
+    if lay.group_axis == 1:  # A [P, Kc], B [Q, Kc]: the kernel takes the spans as rows
+        a, b = a.T, b.T
     if lay.has_bias and jnp.dtype(bias.dtype) not in (_F32, _BF16):
         bias = bias.astype(jnp.float32)
     bf16 = GroupedLayout(None, "te_jax_grouped_gemm_bf16", ("a", "b"), lay.group_axis, 1,
@@ -176,7 +173,7 @@ def _partition(lay: GroupedLayout, mesh, arg_shapes, result_shape):
         if lay.group_axis == 0:
             start = jnp.sum(jnp.where(jnp.arange(num_groups) < first, sizes, 0))
             rows = args[lay.roles.index("a")].shape[0]
-            mine = jnp.diff(jnp.minimum(jnp.cumsum(mine), rows - start), prepend=0)  # cut at M, as the kernel does
+            mine = cut_sizes(mine, rows - start)  # cut at M, as the kernel does
             for role in ("a", "a_s"):  # one scale row per row of A (1D blocks)
                 if role in lay.roles:
                     i = lay.roles.index(role)
@@ -193,7 +190,7 @@ def _partition(lay: GroupedLayout, mesh, arg_shapes, result_shape):
             if lay.align == 1:  # unpadded spans are the sizes: cut at the grouped extent, as the kernel does
                 a = args[lay.roles.index("a")]
                 extent = a.shape[lay.span_axis] * (lay.pack if lay.span_axis == -1 else 1)
-                mine = jnp.diff(jnp.minimum(jnp.cumsum(mine), extent - start), prepend=0)
+                mine = cut_sizes(mine, extent - start)
         args[len(lay.roles)] = mine
         out = _ffi_call(lay, *args)
         if lay.group_axis == 0:

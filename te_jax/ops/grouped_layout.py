@@ -17,7 +17,7 @@ import numpy as np
 from te_jax.quantize.modes import ScalingMode
 
 __all__ = ["GROUP_ALIGN", "GroupedLayout", "check_bias", "check_group_sizes", "check_layout", "group_value",
-           "grouped_positions", "in_spans", "span_lengths"]
+           "cut_sizes", "grouped_positions", "in_spans", "regroup_rows", "regroup_sources", "span_lengths"]
 
 # The span alignment of group_axis=1 each mode's CUDA kernels need (a block never straddles two groups).
 GROUP_ALIGN = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMode.MXFP8: 32, ScalingMode.NVFP4: 16}
@@ -27,6 +27,11 @@ def span_lengths(group_sizes: jax.Array, align: int = 1) -> jax.Array:
     """Each group's span, ``roundup(m_g, align)`` (negative sizes count as zero): int32 ``[G]``."""
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     return (sizes + (align - 1)) // align * align
+
+
+def cut_sizes(sizes: jax.Array, extent) -> jax.Array:
+    """Consecutive ``sizes`` (non-negative) with what lies past ``extent`` cut, as the kernels cut the groups."""
+    return jnp.diff(jnp.minimum(jnp.cumsum(sizes), extent), prepend=0)
 
 
 def grouped_positions(group_sizes: jax.Array, extent: int, align: int = 1):
@@ -56,6 +61,22 @@ def in_spans(group_sizes: jax.Array, extent: int, align: int) -> jax.Array:
     ``group`` says which); the positions past the last span belong to no group.
     """
     return jnp.arange(extent, dtype=jnp.int32) < jnp.sum(span_lengths(group_sizes, align))
+
+
+def regroup_sources(group_sizes: jax.Array, rows: int, source_align: int, target_align: int, extent: int):
+    """For each of ``rows`` rows of the layout whose groups start at ``target_align``-rounded rows: its row in the
+    ``source_align`` layout (clipped to ``[0, extent)``) and whether it holds a group's row. Align 1: the groups
+    follow each other."""
+    group, index, member = grouped_positions(group_sizes, rows, target_align)
+    spans = span_lengths(group_sizes, source_align)
+    return jnp.clip((jnp.cumsum(spans) - spans)[group] + index, 0, extent - 1), member
+
+
+def regroup_rows(t: jax.Array, group_sizes: jax.Array, rows: int, source_align: int, target_align: int) -> jax.Array:
+    """``t``'s group rows moved from the ``source_align`` layout to ``rows`` rows of the ``target_align`` one, zero
+    rows elsewhere (``regroup_sources``): one gather."""
+    source, member = regroup_sources(group_sizes, rows, source_align, target_align, t.shape[0])
+    return jnp.where(member[:, None], t[source], jnp.zeros((), t.dtype))
 
 
 # ---- validation ----------------------------------------------------------------------

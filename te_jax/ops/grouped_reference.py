@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax.ops.grouped_layout import GroupedLayout, grouped_positions, in_spans, span_lengths
+from te_jax.ops.grouped_layout import GroupedLayout, cut_sizes, grouped_positions, in_spans, span_lengths
 from te_jax.quantize import reference as ref
 from te_jax.quantize.modes import ScalingMode
 
-__all__ = ["dequantize", "emulate", "reference"]
+__all__ = ["dequantize", "emulate", "emulation_operands", "reference"]
 
 
 def _per_group(dequantize_with, values, group_of, axis: int):
@@ -109,29 +109,35 @@ def reference(da, db, group_sizes, group_axis: int, align: int, bias, out_dtype)
     return out.astype(out_dtype)
 
 
+def emulation_operands(lay: GroupedLayout, args):
+    """The emulation's bfloat16 operands in the quantized modes' layouts (A ``[M, K]`` or ``[P, Kc]``, B
+    ``[G, N, K]`` or ``[Q, Kc]``) and each group's rows (group_axis 0) or whole span (1), cut at M or Kc as the
+    kernels cut them."""
+    group_sizes = args[len(lay.roles)]
+    if lay.mode is None:  # bfloat16 already: no float32 copies
+        da, db = _bf16_operands(lay, args[0], args[1])
+    else:
+        da, db = (t.astype(jnp.bfloat16) for t in dequantize(lay, args[:len(lay.roles)], group_sizes))
+    if lay.group_axis == 0:
+        return da, db, cut_sizes(span_lengths(group_sizes), da.shape[0])
+    return da, db, cut_sizes(span_lengths(group_sizes, lay.align), da.shape[-1])
+
+
 def emulate(lay: GroupedLayout, *args):
     """The GPU emulation of the custom call (``args`` as the call's: ``lay.roles``, group sizes, bias).
 
     Operands dequantized to bfloat16, XLA's ragged dot accumulating in float32, bias, cast to ``lay.out_dtype``.
     """
     group_sizes, bias = args[len(lay.roles)], args[-1]
-    if lay.mode is None:  # bfloat16 already: no float32 copies
-        da, db = _bf16_operands(lay, args[0], args[1])
-    else:
-        da, db = (t.astype(jnp.bfloat16) for t in dequantize(lay, args[:len(lay.roles)], group_sizes))
-    sizes = jnp.maximum(group_sizes, 0)
+    da, db, sizes = emulation_operands(lay, args)
     if lay.group_axis == 0:
-        ends = jnp.minimum(jnp.cumsum(sizes), da.shape[0])  # groups past M are cut
-        out = lax.ragged_dot(da, jnp.swapaxes(db, 1, 2), jnp.diff(ends, prepend=0),
-                             preferred_element_type=jnp.float32)
+        out = lax.ragged_dot(da, jnp.swapaxes(db, 1, 2), sizes, preferred_element_type=jnp.float32)
         group, _, member = grouped_positions(group_sizes, da.shape[0])
         if lay.has_bias:
             out = out + bias.astype(jnp.float32)[group]
         out = jnp.where(member[:, None], out, 0.0)
     else:
-        spans = span_lengths(group_sizes, lay.align)
-        ends = jnp.minimum(jnp.cumsum(spans), da.shape[-1])  # spans past Kc are cut
         numbers = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
                                                 lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
-        out = lax.ragged_dot_general(da, db, jnp.diff(ends, prepend=0), numbers, preferred_element_type=jnp.float32)
+        out = lax.ragged_dot_general(da, db, sizes, numbers, preferred_element_type=jnp.float32)
     return out.astype(lay.out_dtype)
