@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.moe.routing import expert_counts
-from te_jax.ops.grouped_layout import regroup_rows, regroup_sources, span_lengths
+from te_jax.ops.grouped_layout import materialized, regroup_rows, regroup_sources, span_lengths
 
 
 class Permutation(NamedTuple):
@@ -73,12 +73,12 @@ def sort_assignments(expert_ids: jax.Array, num_experts: int, align: int = 1) ->
     packed_row = jnp.argsort(order).astype(jnp.int32)  # each assignment's row when the groups follow each other
     sizes = expert_counts(flat, num_experts)
     if align == 1:
-        return Permutation(order, packed_row, sizes)
+        return Permutation(*materialized(order, packed_row), sizes)
     source, member = regroup_sources(sizes, aligned_rows(flat.size, num_experts, align), 1, align, flat.size)
     sorted_assignment = jnp.where(member, order[source], -1)
     spans = span_lengths(sizes, align)
     assignment_row = (jnp.cumsum(spans) - spans)[flat] + packed_row - (jnp.cumsum(sizes) - sizes)[flat]
-    return Permutation(sorted_assignment.astype(jnp.int32), assignment_row.astype(jnp.int32), sizes)
+    return Permutation(*materialized(sorted_assignment.astype(jnp.int32), assignment_row.astype(jnp.int32)), sizes)
 
 
 def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int, *,

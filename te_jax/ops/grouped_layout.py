@@ -13,14 +13,29 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from te_jax.quantize.modes import ScalingMode
 
 __all__ = ["GROUP_ALIGN", "GroupedLayout", "check_bias", "check_group_sizes", "check_layout", "group_value",
-           "cut_sizes", "grouped_positions", "in_spans", "regroup_rows", "regroup_sources", "span_lengths"]
+           "cut_sizes", "grouped_positions", "in_spans", "materialized", "regroup_rows", "regroup_sources",
+           "span_lengths"]
 
 # The span alignment of group_axis=1 each mode's CUDA kernels need (a block never straddles two groups).
 GROUP_ALIGN = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMode.MXFP8: 32, ScalingMode.NVFP4: 16}
+
+
+def materialized(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """``arrays``, each computed once into memory before any of its users runs.
+
+    Row indices and masks derived from group sizes (cumulative sums over the
+    groups, searches) feed gathers and selects of ``[rows, H]`` elements. Left
+    alone, XLA fuses the index arithmetic into those loops and redoes it for
+    every element (a cumulative sum over 64 experts per element made one MoE
+    gather ten times slower); behind this barrier each index is computed once
+    per row.
+    """
+    return tuple(lax.optimization_barrier(arrays))
 
 
 def span_lengths(group_sizes: jax.Array, align: int = 1) -> jax.Array:
@@ -51,7 +66,7 @@ def grouped_positions(group_sizes: jax.Array, extent: int, align: int = 1):
     group = jnp.minimum(jnp.searchsorted(ends, pos, side="right").astype(jnp.int32), sizes.shape[0] - 1)
     index = pos - (ends[group] - spans[group])
     member = (pos < ends[-1]) & (index < sizes[group])
-    return group, index, member
+    return materialized(group, index, member)
 
 
 def in_spans(group_sizes: jax.Array, extent: int, align: int) -> jax.Array:
@@ -69,7 +84,7 @@ def regroup_sources(group_sizes: jax.Array, rows: int, source_align: int, target
     follow each other."""
     group, index, member = grouped_positions(group_sizes, rows, target_align)
     spans = span_lengths(group_sizes, source_align)
-    return jnp.clip((jnp.cumsum(spans) - spans)[group] + index, 0, extent - 1), member
+    return materialized(jnp.clip((jnp.cumsum(spans) - spans)[group] + index, 0, extent - 1), member)
 
 
 def regroup_rows(t: jax.Array, group_sizes: jax.Array, rows: int, source_align: int, target_align: int) -> jax.Array:
