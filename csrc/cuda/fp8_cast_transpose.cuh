@@ -10,7 +10,9 @@
 // through shared memory, then the rowwise codes (row scales) go to global
 // memory and the columnwise codes (column scales) through the same transpose.
 // Needs rows and cols multiples of 16 (kBlock1d: of 128) and 16-byte aligned
-// buffers.
+// buffers. A producer's 1x128 cast keeps the tile's float32 values in
+// registers (its inputs, up to 48 bytes per vector, would not fit) and runs at
+// two blocks per SM.
 //
 // The values come from a producer: the input itself (PlainInput, the plain
 // quantize) or a fused op's output computed from its inputs on the fly (a
@@ -86,16 +88,25 @@ struct IsPlainInput<PlainInput<T>> : std::true_type {};
 // Whether the mode needs the tile's amax (or its rows' and columns') before any code.
 constexpr bool CtWholeTile(CtScale mode) { return mode == CtScale::kBlock2d || mode == CtScale::kBlock1d; }
 
+// Whether the kernel computes a thread's 64 values first and keeps them (a
+// producer's 1x128 cast), rather than keeping its raw inputs until the scales
+// are known (the plain quantize's block casts).
+template <class P, CtScale kMode>
+constexpr bool CtValuesFirst() {
+  return kMode == CtScale::kBlock1d && !IsPlainInput<P>::value;
+}
+
 // Resident blocks per SM the kernel is compiled for (256 threads each): the
 // plain cast of 2-byte inputs fits 64 registers (4 blocks), block scaling
 // keeps the whole tile's inputs (one block fewer); a producer's math (a norm's
-// gamma and beta, an activation) needs 80 (3 blocks).
+// gamma and beta, an activation) needs 80 (3 blocks), and with its 64 values
+// kept for 1x128 blocks 128 (2 blocks).
 template <class P, CtScale kMode>
 constexpr int CtMinBlocks() {
   if constexpr (IsPlainInput<P>::value) {
     return (sizeof(typename P::Raw) <= 16 ? 4 : 3) - (CtWholeTile(kMode) ? 1 : 0);
   }
-  return 3;
+  return CtValuesFirst<P, kMode>() ? 2 : 3;
 }
 
 // kDbias: also the column sums of the values, per 64-row group, into
@@ -130,7 +141,8 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
   // up to 32 bytes each) or 2, which leaves a producer registers for its math.
   constexpr int kVpt = kCtTile * kCtTile / 8 / kCtThreads;
   constexpr int kRawBytes = static_cast<int>(sizeof(typename P::Raw));
-  constexpr int kBatch = (CtWholeTile(kMode) || (IsPlainInput<P>::value && kRawBytes <= 16) ||
+  constexpr bool kValuesFirst = CtValuesFirst<P, kMode>();
+  constexpr int kBatch = ((CtWholeTile(kMode) && !kValuesFirst) || (IsPlainInput<P>::value && kRawBytes <= 16) ||
                           (kMode == CtScale::kStats && kRawBytes <= 16))
                              ? kVpt
                              : (kRawBytes <= 32 ? kVpt / 2 : kVpt / 4);
@@ -141,14 +153,33 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
   float dsum[2][8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) dsum[0][k] = dsum[1][k] = 0.0f;
+  float vals[kValuesFirst ? kVpt : 1][8];  // kValuesFirst: the thread's values, vector i at vals[i]
+  if constexpr (kValuesFirst) {  // full tiles (the launcher checks)
+#pragma unroll
+    for (int i0 = 0; i0 < kVpt; i0 += kBatch) {
+      typename P::Raw raw[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int v = tid + kCtThreads * (i0 + i);
+        raw[i] = prod.Fetch(b, row0 + (v >> 4), col0 + (v & 15) * 8);
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int v = tid + kCtThreads * (i0 + i);
+        prod.Compute(raw[i], b, row0 + (v >> 4), col0 + (v & 15) * 8, vals[i0 + i]);
+      }
+    }
+  }
 #pragma unroll
   for (int i0 = 0; i0 < kVpt; i0 += kBatch) {
-    typename P::Raw raw[kBatch];
+    typename P::Raw raw[kValuesFirst ? 1 : kBatch];
+    if constexpr (!kValuesFirst) {
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int v = tid + kCtThreads * (i0 + i), r = v >> 4, cv = v & 15;
-      const int64_t gr = row0 + r, gc = col0 + cv * 8;
-      raw[i] = (gr < a.rows && gc < a.cols) ? prod.Fetch(b, gr, gc) : typename P::Raw{};
+      for (int i = 0; i < kBatch; ++i) {
+        const int v = tid + kCtThreads * (i0 + i), r = v >> 4, cv = v & 15;
+        const int64_t gr = row0 + r, gc = col0 + cv * 8;
+        raw[i] = (gr < a.rows && gc < a.cols) ? prod.Fetch(b, gr, gc) : typename P::Raw{};
+      }
     }
     if constexpr (kMode == CtScale::kBlock2d) {  // one scale per tile, from the tile's amax
 #pragma unroll
@@ -167,45 +198,52 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
       if (tid == 0 && a.scale_inv_out) a.scale_inv_out[b * tiles + int64_t{tm} * a.tiles_n + tn] = 1.0f / scale;
       if (tid == 0 && a.s_t_out) a.s_t_out[b * tiles + int64_t{tn} * a.tiles_m + tm] = 1.0f / scale;
     } else if constexpr (k1d) {  // full tiles (the launcher checks): every value is in the matrix
-      // Rows: lanes 16j..16j+15 share a row. Columns: a thread's 8 rows, the
-      // other half-warp's, then the 8 warps' partials through shared memory.
-      uint32_t cm[8];
+      if (i0 == 0) {  // once: all values are loaded (kValuesFirst: computed) by now
+        // Rows: lanes 16j..16j+15 share a row. Columns: a thread's 8 rows, the
+        // other half-warp's, then the 8 warps' partials through shared memory.
+        uint32_t cm[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) cm[k] = 0;
-      // The tile's first rowwise scale (a base pointer keeps the loop's index math in 32 bits).
-      float* s_row = a.scale_inv_out ? a.scale_inv_out + (b * a.rows + row0) * a.tiles_n + tn : nullptr;
+        for (int k = 0; k < 8; ++k) cm[k] = 0;
+        // The tile's first rowwise scale (a base pointer keeps the loop's index math in 32 bits).
+        float* s_row = a.scale_inv_out ? a.scale_inv_out + (b * a.rows + row0) * a.tiles_n + tn : nullptr;
 #pragma unroll
-      for (int i = 0; i < kVpt; ++i) {
-        const int v = tid + kCtThreads * i;
-        float f[8];
-        prod.Compute(raw[i], b, row0 + (v >> 4), col0 + (v & 15) * 8, f);
+        for (int i = 0; i < kVpt; ++i) {
+          const int v = tid + kCtThreads * i;
+          float f[8];
+          if constexpr (kValuesFirst) {
 #pragma unroll
-        for (int k = 0; k < 8; ++k) cm[k] = max(cm[k], AbsBits(f[k]));
-        const uint32_t rm = GroupMax<16>(AbsMaxBits8(f));
-        if ((tid & 15) == 0) {
-          const float rs = ScaleFromAmax(BitsFloat(rm), Fp8MaxOf<E5>(), 0.0f, a.power_2);
-          row_scale[v >> 4] = rs;
-          if (s_row) s_row[(v >> 4) * a.tiles_n] = 1.0f / rs;
+            for (int k = 0; k < 8; ++k) f[k] = vals[i][k];
+          } else {
+            prod.Compute(raw[i], b, row0 + (v >> 4), col0 + (v & 15) * 8, f);
+          }
+#pragma unroll
+          for (int k = 0; k < 8; ++k) cm[k] = max(cm[k], AbsBits(f[k]));
+          const uint32_t rm = GroupMax<16>(AbsMaxBits8(f));
+          if ((tid & 15) == 0) {
+            const float rs = ScaleFromAmax(BitsFloat(rm), Fp8MaxOf<E5>(), 0.0f, a.power_2);
+            row_scale[v >> 4] = rs;
+            if (s_row) s_row[(v >> 4) * a.tiles_n] = 1.0f / rs;
+          }
         }
-      }
-      const int lane = tid & 31;
+        const int lane = tid & 31;
 #pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        cm[k] = max(cm[k], __shfl_xor_sync(0xffffffffu, cm[k], 16));
-        if (lane < 16) col_amax[(tid / 32) * kCtTile + lane * 8 + k] = cm[k];
-      }
-      __syncthreads();
-      if (tid < kCtTile) {
-        uint32_t cmax = 0;
+        for (int k = 0; k < 8; ++k) {
+          cm[k] = max(cm[k], __shfl_xor_sync(0xffffffffu, cm[k], 16));
+          if (lane < 16) col_amax[(tid / 32) * kCtTile + lane * 8 + k] = cm[k];
+        }
+        __syncthreads();
+        if (tid < kCtTile) {
+          uint32_t cmax = 0;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) cmax = max(cmax, col_amax[w * kCtTile + tid]);
-        const float cs = ScaleFromAmax(BitsFloat(cmax), Fp8MaxOf<E5>(), 0.0f, a.power_2);
-        col_scale[tid] = cs;
-        if (a.s_t_out) a.s_t_out[(b * a.cols + col0 + tid) * a.tiles_m + tm] = 1.0f / cs;
-      }
-      __syncthreads();
+          for (int w = 0; w < kWarps; ++w) cmax = max(cmax, col_amax[w * kCtTile + tid]);
+          const float cs = ScaleFromAmax(BitsFloat(cmax), Fp8MaxOf<E5>(), 0.0f, a.power_2);
+          col_scale[tid] = cs;
+          if (a.s_t_out) a.s_t_out[(b * a.cols + col0 + tid) * a.tiles_m + tm] = 1.0f / cs;
+        }
+        __syncthreads();
 #pragma unroll
-      for (int k = 0; k < 8; ++k) my_col_scale[k] = col_scale[(tid & 15) * 8 + k];
+        for (int k = 0; k < 8; ++k) my_col_scale[k] = col_scale[(tid & 15) * 8 + k];
+      }
     } else if (kMode != CtScale::kStats && i0 == 0) {  // after the first loads are issued (fewer live registers)
       scale = kMode == CtScale::kGiven ? a.scale_src[b]
                                        : ScaleFromAmax(a.scale_src[b], Fp8MaxOf<E5>(), a.epsilon, a.power_2);
@@ -222,7 +260,12 @@ __global__ void __launch_bounds__(kCtThreads, CtMinBlocks<P, kMode>()) Fp8CastTr
       const int64_t gr = row0 + r, gc = col0 + cv * 8;
       const bool valid = gr < a.rows && gc < a.cols;
       float f[8];
-      prod.Compute(raw[i], b, gr, gc, f);
+      if constexpr (kValuesFirst) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) f[k] = vals[i0 + i][k];
+      } else {
+        prod.Compute(raw[i], b, gr, gc, f);
+      }
       if (!valid) {  // a producer's value of zero inputs need not be zero (a norm's beta)
 #pragma unroll
         for (int k = 0; k < 8; ++k) f[k] = 0.0f;
@@ -317,11 +360,11 @@ inline ffi::Error CtGrid(CtArgs& a, int64_t batch, dim3* grid) {
 }
 
 // The cast-transpose of producer `prod`'s values over a batch of [rows, cols]
-// matrices (rows and cols multiples of 16; q, q_t 16-byte aligned), with
-// dbias partials when a.dbias_ws is set.
+// matrices (rows and cols multiples of 16, of 128 for kBlock1d; q, q_t
+// 16-byte aligned), with dbias partials when a.dbias_ws is set.
 template <class P, bool E5, CtScale kMode>
 ffi::Error LaunchCastTranspose(cudaStream_t stream, const P& prod, int64_t batch, CtArgs a) {
-  static_assert(!CtWholeTile(kMode), "the fused casts are per-tensor");
+  static_assert(kMode != CtScale::kBlock2d, "the fused casts are per-tensor or 1x128 blocks");
   dim3 grid;
   TE_RETURN_IF_ERROR(CtGrid(a, batch, &grid));
   if (a.dbias_ws != nullptr) {

@@ -100,11 +100,8 @@ bool CastTransposeFitsPass(const P& prod, const CastArgs& a) {
   return prod.vec_ok && a.rows % 16 == 0 && a.cols % 16 == 0 && Aligned16(a.q) && Aligned16(a.q_t);
 }
 
-// A per-tensor cast pass (given scale, or current scaling from a.amax_in)
-// through the cast-transpose kernel: the codes go through shared memory as
-// bytes (the tile kernel stages float32 values) and convert four at a time.
-template <class P>
-ffi::Error LaunchTensorCastTranspose(cudaStream_t stream, const P& prod, const CastArgs& a, int64_t batch) {
+// The cast-transpose kernel's arguments shared by every mode: shape, codes, dbias partials.
+inline CtArgs CtArgsOf(const CastArgs& a) {
   CtArgs c{};
   c.rows = a.rows;
   c.cols = a.cols;
@@ -112,8 +109,17 @@ ffi::Error LaunchTensorCastTranspose(cudaStream_t stream, const P& prod, const C
   c.power_2 = a.power_2;
   c.q = static_cast<uint8_t*>(a.q);
   c.q_t = static_cast<uint8_t*>(a.q_t);
-  c.scale_inv_out = a.scale_inv_out;
   c.dbias_ws = a.dbias_ws;
+  return c;
+}
+
+// A per-tensor cast pass (given scale, or current scaling from a.amax_in)
+// through the cast-transpose kernel: the codes go through shared memory as
+// bytes (the tile kernel stages float32 values) and convert four at a time.
+template <class P>
+ffi::Error LaunchTensorCastTranspose(cudaStream_t stream, const P& prod, const CastArgs& a, int64_t batch) {
+  CtArgs c = CtArgsOf(a);
+  c.scale_inv_out = a.scale_inv_out;
   const bool given = a.scale_in != nullptr;
   c.scale_src = given ? a.scale_in : a.amax_in;
   c.amax_out = given ? a.amax_out : nullptr;
@@ -122,6 +128,30 @@ ffi::Error LaunchTensorCastTranspose(cudaStream_t stream, const P& prod, const C
     constexpr bool E5 = decltype(e5c)::value;
     return given ? LaunchCastTranspose<P, E5, CtScale::kGiven>(stream, prod, batch, c)
                  : LaunchCastTranspose<P, E5, CtScale::kCurrent>(stream, prod, batch, c);
+  });
+}
+
+// Whether a Float8 1x128 cast pass with a columnwise copy can take the
+// cast-transpose kernel: whole 128x128 tiles (a tile row is a rowwise block, a
+// tile column a columnwise one), aligned outputs.
+template <class P>
+bool BlockCastTransposeFitsPass(const P& prod, const CastArgs& a) {
+  return prod.vec_ok && a.q_t != nullptr && a.rows % kCtTile == 0 && a.cols % kCtTile == 0 && Aligned16(a.q) &&
+         Aligned16(a.q_t);
+}
+
+// A Float8 1x128 cast pass through the cast-transpose kernel: the tile's
+// values stay in registers while its column amaxes are reduced, and the
+// columnwise codes go through shared memory as bytes (the tile kernel stages
+// the float32 values there, four times the bytes, and stores the columns
+// sixteen bytes per thread and row).
+template <class P>
+ffi::Error LaunchBlockCastTranspose(cudaStream_t stream, const P& prod, const CastArgs& a, int64_t batch) {
+  CtArgs c = CtArgsOf(a);
+  c.scale_inv_out = static_cast<float*>(a.s);
+  c.s_t_out = static_cast<float*>(a.s_t);
+  return DispatchBool(a.e5, [&](auto e5c) {
+    return LaunchCastTranspose<P, decltype(e5c)::value, CtScale::kBlock1d>(stream, prod, batch, c);
   });
 }
 
@@ -138,12 +168,14 @@ ffi::Error LaunchAmaxPass(cudaStream_t stream, const P& prod, const CastArgs& a,
 }
 
 // One pass of `mode` over the producer's output: the cast-transpose kernel
-// for per-tensor casts and plain amax passes that fit it, the tile kernel
+// for per-tensor casts, 1x128 casts of whole tiles and plain amax passes that
+// fit it, the tile kernel
 // when the producer can vector-load, else the generic kernels.
 template <class P>
 ffi::Error LaunchPass(cudaStream_t stream, const P& prod, const CastArgs& a, int64_t batch, int mode) {
   if (a.rows == 0 || a.cols == 0 || batch == 0) return ffi::Error::Success();
   if (mode == kModeTensor && CastTransposeFitsPass(prod, a)) return LaunchTensorCastTranspose(stream, prod, a, batch);
+  if (mode == kModeBlock && BlockCastTransposeFitsPass(prod, a)) return LaunchBlockCastTranspose(stream, prod, a, batch);
   if (mode == kModeStats && !a.rht && a.amax_acc != nullptr && a.dbias_ws == nullptr &&
       CastTransposeFitsPass(prod, a)) {
     return LaunchAmaxPass(stream, prod, a, batch);

@@ -17,8 +17,9 @@
 // the Hadamard-transformed amax): thread (column c, segment of rows) reads
 // its column from shared memory, and writes 16 codes per 16-byte store.
 // Generic kernels (any shape, norm_act_generic.cuh): one thread per block (or
-// element) per copy. Per-tensor casts of shapes in 16s take the plain
-// quantize's cast-transpose kernel instead (fp8_cast_transpose.cuh).
+// element) per copy. Per-tensor casts of shapes in 16s, and Float8 1x128
+// casts with a columnwise copy of shapes in 128s, take the plain quantize's
+// cast-transpose kernel instead (fp8_cast_transpose.cuh).
 //
 // This header holds the producer contract's device side (the cast arguments,
 // the tile geometry, the tile kernel, the dbias reduction);
