@@ -10,8 +10,12 @@ For each shape (M, N, K) it times ``out[M, N] = A[M, K] . B[N, K]^T`` as
   pattern ``dot(q_a.astype(bf16) * s_a, q_b.astype(bf16) * s_b)`` is checked
   too and timed only if XLA turns it into an FP8 GEMM);
 * te_jax ``gemm_fp8`` (per-tensor, fast_accum on and off), ``gemm_fp8_block``
-  (1x128 A x 128x128 B), ``gemm_mxfp8`` and ``gemm_nvfp4`` (emulated with a
-  bfloat16 GEMM on Hopper), all with bfloat16 output.
+  (1x128 A x 128x128 B, and 1x128 x 1x128 as a wgrad multiplies; cuBLASLt),
+  ``gemm_mxfp8`` and ``gemm_nvfp4`` (emulated with a bfloat16 GEMM on Hopper),
+  all with bfloat16 output;
+* the same two block-scaled products through te_jax's CUTLASS grouped kernel
+  with one group (``grouped_gemm_fp8_block``, group sizes on the device): the
+  other block-scaled GEMM te_jax has, against cuBLASLt's.
 
 Operands are fresh normal random data, quantized with te_jax's quantizers
 outside the timed region. Each row: warm-up, then ``--trials`` runs of
@@ -56,6 +60,7 @@ from jax import lax
 
 import te_jax  # noqa: F401
 from te_jax.ops import gemm as gemm_ops
+from te_jax.ops import grouped_gemm as grouped_ops
 from timing import time_interleaved, write_results
 from te_jax.quantize import (CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 
@@ -257,6 +262,7 @@ def bench_shape(m, n, k, key, args) -> list[dict]:
     variants = [("fp8", "te fp8 fast_accum", dict(fast_accum=True)),
                 ("fp8", "te fp8 split_accum", dict(fast_accum=False)),
                 ("fp8_block", "te fp8_block 1x128 x 128x128", {}),
+                ("fp8_block", "te fp8_block 1x128 x 1x128", dict(b_block_2d=False)),
                 ("mxfp8", "te mxfp8", {}),
                 ("nvfp4", "te nvfp4", {})]
     variants = [(mode, label, {**extra, "autotune": autotune}) for mode, label, extra in variants]
@@ -268,8 +274,9 @@ def bench_shape(m, n, k, key, args) -> list[dict]:
             continue
         try:
             sets, kw = [], {}
+            blocks = {k: extra.pop(k) for k in ("b_block_2d",) if k in extra}
             for a, b in bf16_sets:
-                ops_args, kw, _ = operands(mode, a, b)
+                ops_args, kw, _ = operands(mode, a, b, **blocks)
                 sets.append(ops_args)
             kw = {**kw, **extra}
             fn = jax.jit(lambda *x, _m=mode, _kw=tuple(kw.items()): GEMMS[_m](*x, out_dtype=jnp.bfloat16, **dict(_kw)))
@@ -278,6 +285,22 @@ def bench_shape(m, n, k, key, args) -> list[dict]:
             continue
         note = "(bf16 emulation on sm_90)" if mode in ("mxfp8", "nvfp4") and _is_hopper() else ""
         calls[label] = (fn, sets, note)
+
+    for b_block_2d, label in ((True, "te fp8_block 1x128 x 128x128, CUTLASS grouped (1 group)"),
+                              (False, "te fp8_block 1x128 x 1x128, CUTLASS grouped (1 group)")):
+        if not wanted(label):
+            continue
+        try:
+            sets = []
+            for a, b in bf16_sets:
+                (da, sa, db, sb), _, _ = operands("fp8_block", a, b, b_block_2d=b_block_2d)
+                sets.append((da, sa, db[None], sb[None], jnp.full((1,), m, jnp.int32)))
+            fn = jax.jit(lambda a, a_s, b, b_s, sizes, _b2d=b_block_2d: grouped_ops.grouped_gemm_fp8_block(
+                a, a_s, b, b_s, sizes, b_block_2d=_b2d, out_dtype=jnp.bfloat16))
+        except Exception as err:  # noqa: BLE001
+            error(label, err, "quantize: ")
+            continue
+        calls[label] = (fn, sets, "")
 
     # Compile and warm up each alone, so that a failing variant is reported and left out.
     runnable = {}
