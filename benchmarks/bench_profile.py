@@ -115,8 +115,12 @@ def profile_step(step, sets, steps: int) -> tuple[list[dict], float]:
     return events, wall_ms
 
 
+SHORT_KERNEL_US = 10.0  # kernels shorter than this mostly cost their launch
+
+
 def summarize(events: list[dict], steps: int) -> dict:
-    """Per-step totals by category and by kernel (ms, calls)."""
+    """Per-step totals by category and by kernel (ms, calls), the kernel launches, and the short kernels among
+    them (``SHORT_KERNEL_US``: count and ms)."""
     by_kernel: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     by_cat: dict[str, float] = collections.defaultdict(float)
     for e in events:
@@ -127,8 +131,10 @@ def summarize(events: list[dict], steps: int) -> dict:
     kernels = [dict(category=c, kernel=n, ms=us / steps / 1e3, calls=cnt / steps)
                for (c, n), (us, cnt) in by_kernel.items()]
     kernels.sort(key=lambda k: -k["ms"])
+    short = [e["dur_us"] for e in events if e["dur_us"] < SHORT_KERNEL_US]
     return dict(busy_ms=sum(by_cat.values()) / steps / 1e3,
-                categories={c: us / steps / 1e3 for c, us in sorted(by_cat.items())}, kernels=kernels)
+                categories={c: us / steps / 1e3 for c, us in sorted(by_cat.items())}, kernels=kernels,
+                launches=len(events) / steps, short_launches=len(short) / steps, short_ms=sum(short) / steps / 1e3)
 
 
 def markdown(rows: list[dict], top: int) -> str:

@@ -9,6 +9,8 @@ kernels of the trace are summed per step by category (``bench_profile.category``
 CUTLASS), attention (cuDNN's fused attention), te_jax's own kernels (norm, activation, cast, amax),
 collectives (NCCL) and XLA's fusions and copies (the optimizer and XLA's share of the FP8 state updates
 among them). "gaps" is the step's wall time less the GPU's busy time: launches, host work, idle GPU.
+"kernels" counts the step's kernel launches, and the kernels under 10 us (count and time), which mostly
+cost their launch.
 
 A diagnostic, not a timing to quote: the profiler stretches each kernel a little, and steps run one
 recipe at a time. examples/gpt/train.py gives tokens/s. On the CPU the trace holds no GPU kernels, so
@@ -60,12 +62,14 @@ def profile_recipe(preset: str, recipe: str, args, corpus) -> dict:
 
 def markdown(rows: list[dict]) -> str:
     cats = bench_profile.CATEGORIES
-    lines = ["| preset | recipe | wall ms/step | GPU busy | " + " | ".join(cats) + " | gaps |",
-             "|---" * (len(cats) + 5) + "|"]
+    short = f"under {bench_profile.SHORT_KERNEL_US:g} us"
+    lines = ["| preset | recipe | wall ms/step | GPU busy | " + " | ".join(cats) + " | gaps | kernels | "
+             f"kernels {short} | ms {short} |", "|---" * (len(cats) + 8) + "|"]
     for r in rows:
         c = r["categories"]
         lines.append(f"| {r['preset']} | {r['recipe']} | {r['wall_ms']:.2f} | {r['busy_ms']:.2f} | "
-                     + " | ".join(f"{c.get(k, 0.0):.2f}" for k in cats) + f" | {r['gaps_ms']:.2f} |")
+                     + " | ".join(f"{c.get(k, 0.0):.2f}" for k in cats) + f" | {r['gaps_ms']:.2f} | "
+                     f"{r['launches']:.0f} | {r['short_launches']:.0f} | {r['short_ms']:.2f} |")
     for r in rows:
         lines += ["", f"**{r['preset']} {r['recipe']}**: the kernels that took longest, per step", "",
                   "| kernel | category | ms | calls |", "|---|---|---|---|"]
