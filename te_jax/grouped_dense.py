@@ -219,10 +219,8 @@ def _aligned_high_precision(x, kernel, group_sizes, bias, group_align: int):
     """``_high_precision`` on the aligned row layout: zeros between the groups, each group its rounded span."""
     if group_align == 1:
         return _high_precision(x, kernel, group_sizes, bias)
-    member = gg.grouped_positions(group_sizes, x.shape[0], group_align)[2][:, None]
-    zero = jnp.zeros((), x.dtype)
-    y = _high_precision(jnp.where(member, x, zero), kernel, span_lengths(group_sizes, group_align), bias)
-    return jnp.where(member, y, jnp.zeros((), y.dtype))
+    sizes, member = aligned_row_layout(group_sizes, x.shape[0], group_align)
+    return in_groups(_high_precision(in_groups(x, member), kernel, sizes, bias), member)
 
 
 def _high_precision(x, kernel, group_sizes, bias):
