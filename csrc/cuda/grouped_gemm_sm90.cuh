@@ -218,13 +218,26 @@ struct Fp8GroupedKernel {
   }
 };
 
+// The block kernel's schedule: cooperative, the two consumer warpgroups
+// sharing a 128x128 tile, in 1x2 clusters. The fastest of CUTLASS's Hopper
+// block-scaled schedules measured at the MoE shapes (ping-pong with 64x128
+// tiles, other clusters: tools/research/cutlass_block_schedules).
+struct BlockCooperative {
+  using TileShape = Shape<_128, _128, _128>;
+  using ClusterShape = Shape<_1, _2, _1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
 // The CUTLASS grouped GEMM with float32 block scales applied in the mainloop:
 // 1x128 blocks of A, kBScaleRows x 128 blocks of B. The grouped kernel derives
 // each group's scale layout from its problem shape (compact), so the groups'
 // scales must be compact slices: group_axis 0 takes K-major scales (a row's
 // K blocks contiguous, a group is whole rows), group_axis 1 K-block-major
-// scales [K/128, rows] (a group's span is whole rows of those).
-template <class ElementA, class ElementB, class ElementD, int kBScaleRows, GroupAxis kAxis>
+// scales [K/128, rows] (a group's span is whole rows of those). Schedule: as
+// BlockCooperative (a parameter for tools/research/cutlass_block_schedules).
+template <class ElementA, class ElementB, class ElementD, int kBScaleRows, GroupAxis kAxis,
+          class Schedule = BlockCooperative>
 struct Fp8BlockGroupedKernel {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using LayoutA = cutlass::layout::RowMajor;
@@ -232,8 +245,8 @@ struct Fp8BlockGroupedKernel {
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 16;
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-  using TileShape = Shape<_128, _128, _128>;
-  using ClusterShape = Shape<_1, _2, _1>;
+  using TileShape = typename Schedule::TileShape;
+  using ClusterShape = typename Schedule::ClusterShape;
   static constexpr auto kScaleMajor = kAxis == GroupAxis::kRows ? cute::GMMA::Major::K : cute::GMMA::Major::MN;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kBScaleRows, 128, kScaleMajor, kScaleMajor>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
@@ -241,13 +254,13 @@ struct Fp8BlockGroupedKernel {
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
-      kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      kAlignD, typename Schedule::EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
       ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+      typename Schedule::KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;

@@ -1,0 +1,5 @@
+// Ping-pong, 2x1 clusters.
+#include "schedules.h"
+namespace block_schedules {
+static Register<Schedule<Shape<_64, _128, _128>, Shape<_2, _1, _1>, true>> registered("pingpong_64x128_c2x1");
+}  // namespace block_schedules
