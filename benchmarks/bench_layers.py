@@ -266,7 +266,7 @@ def _variants(section: str, only: str) -> list[tuple[str, str, object]]:
     """The section's variants as (name, "flax" or "te", flax FP8 kind or recipe), those matching ``only``."""
     variants = [("bf16 flax", "flax", None), *((name, "flax", kind) for name, kind in FLAX_FP8.items()),
                 *((name, "te", r) for name, r in RECIPES.items()
-                  if section == "mlp" or name.startswith(("te delayed", "te current"))),
+                  if section == "mlp" or name.startswith(("te delayed", "te current")) or name == "te block"),
                 *((name, "nnx", r) for name, r in NNX_RECIPES.items() if section == "mlp")]
     return selected(variants, only)
 
