@@ -16,6 +16,9 @@ input and (te_jax) of the FP8 state, all bfloat16 activations and parameters:
 * ``lndense``: LayerNormDenseGeneral 8192 -> 28672 at T=8192 (flax: LayerNorm + Dense).
 * ``dense``: DenseGeneral 8192 -> 28672 at T=8192.
 
+The last two sections time te_jax under the per-tensor recipes (the fast-accumulating backward
+variants included) and Float8BlockScaling.
+
 FP8 state: before timing, ``--state-steps`` steps (default 3) run with their
 FP8 state update fed back (te_jax's "fp8_meta", flax's
 "_overwrite_with_gradient"), so delayed scaling is timed with the scales
