@@ -235,12 +235,12 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices, with_no
     x = jax.random.normal(jax.random.fold_in(key, 1), (batch, T, H), jnp.float32)
     c = jax.random.normal(jax.random.fold_in(key, 2), (batch, T, H), jnp.float32)
     with te_jax.autocast(enabled=recipe is not None, recipe=recipe):
-        boxed = model.init(jax.random.key(3), x)
+        # jitted: op by op, the init compiles each of its many small ops (the same values either way)
+        boxed = jax.jit(model.init)(jax.random.key(3), x)
     variables = nn.meta.unbox(boxed)
     step = step_fn(model, recipe, mesh_resource)
 
     one = jax.devices()[0] if devices[0].platform == "cpu" else devices[0]
-    ref_loss, ref_grads = jax.jit(step)(*jax.device_put((variables, x, c), one))
 
     rules = logical_axis_rules(mesh_resource)
     with nn.logical_axis_rules(rules):
@@ -254,7 +254,6 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices, with_no
     sv = shard(variables, var_specs)
     sx, sc = (jax.device_put(a, NamedSharding(mesh, act)) for a in (x, c))
     folder = dump_dir()
-    before = {p.name for p in folder.glob("*")} if folder and folder.exists() else set()
     if model_name.endswith("_sgd"):  # the gradients meet the parameters' shardings (FSDP: reduce-scatter)
         def sgd(v, x, c):
             return jax.tree.map(lambda p, g: p - 0.1 * g, v["params"], step(v, x, c)[1]["params"])
@@ -270,6 +269,8 @@ def run_case(model_name: str, mesh_name: str, recipe_name: str, devices, with_no
         return dict(model=model_name, mesh=mesh_name, recipe=recipe_name, errors=errs,
                     verdict=verdict(errs, None, True), fp8_same_everywhere=True,
                     partitioned_all_gathers=partitioned_all_gathers(before), **collectives(hlo))
+    ref_loss, ref_grads = jax.jit(step)(*jax.device_put((variables, x, c), one))
+    before = {p.name for p in folder.glob("*")} if folder and folder.exists() else set()
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         jitted = jax.jit(step)
         hlo = jitted.lower(sv, sx, sc).compile().as_text()

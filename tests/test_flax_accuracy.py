@@ -69,7 +69,8 @@ def _trainer(recipe):
     model = Model()
     ctx = (lambda: te_jax.autocast(recipe=recipe)) if recipe else (lambda: te_jax.autocast(enabled=False))
     with ctx():
-        variables = model.init(jax.random.key(0), _batch(0)[0])
+        # jitted: op by op, the init would compile each of its many small ops (same values either way)
+        variables = jax.jit(model.init)(jax.random.key(0), _batch(0)[0])
     tx = optax.adam(optax.warmup_cosine_decay_schedule(0.0, 3e-3, 20, STEPS, 3e-5))
     state = te_jax.train.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)
 

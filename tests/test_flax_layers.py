@@ -86,12 +86,14 @@ def test_te_jax_flax_is_lazy_and_flax_is_real():
 def test_dense_general_is_flax(kw, shape):
     x = _x(shape)
     ours, theirs = tf.DenseGeneral(**kw), nn.DenseGeneral(**kw)
-    v_ours, v_theirs = ours.init(jax.random.key(1), x), theirs.init(jax.random.key(1), x)
+    # jitted (op by op, each small op would compile on its own); ours and flax's alike
+    v_ours, v_theirs = jax.jit(ours.init)(jax.random.key(1), x), jax.jit(theirs.init)(jax.random.key(1), x)
     assert jax.tree.all(jax.tree.map(lambda a, b: a.shape == b.shape and bool(jnp.all(a == b)), v_ours, v_theirs))
     v = _randomize(v_theirs)
-    y, y_ref = ours.apply(v, x), theirs.apply(v, x)
+    y, y_ref = jax.jit(ours.apply)(v, x), jax.jit(theirs.apply)(v, x)
     assert y.dtype == y_ref.dtype and np.array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
-    g, g_ref = (jax.grad(lambda v, m=m: jnp.sum(m.apply(v, x).astype(jnp.float32) ** 2))(v) for m in (ours, theirs))
+    g, g_ref = (jax.jit(jax.grad(lambda v, m=m: jnp.sum(m.apply(v, x).astype(jnp.float32) ** 2)))(v)
+                for m in (ours, theirs))
     jax.tree.map(lambda a, b: _close(a, b, 1e-6), g, g_ref)
 
 
@@ -110,13 +112,14 @@ def test_layernorm_is_flax(kw, dtype):
     rms = kw.get("layernorm_type") == "rmsnorm"
     flax_kw = {k: v for k, v in kw.items() if k != "layernorm_type"}
     ours, theirs = tf.LayerNorm(**kw), (nn.RMSNorm(**flax_kw) if rms else nn.LayerNorm(**flax_kw))
-    v = _randomize(theirs.init(jax.random.key(1), x))
-    assert jax.tree.map(jnp.shape, ours.init(jax.random.key(1), x)) == jax.tree.map(jnp.shape, v)
-    y, y_ref = ours.apply(v, x), theirs.apply(v, x)
+    v = _randomize(jax.jit(theirs.init)(jax.random.key(1), x))
+    assert jax.tree.map(jnp.shape, jax.eval_shape(ours.init, jax.random.key(1), x)) == jax.tree.map(jnp.shape, v)
+    y, y_ref = jax.jit(ours.apply)(v, x), jax.jit(theirs.apply)(v, x)
     tol = 1e-5 if y_ref.dtype == jnp.float32 else 1e-2
     assert y.dtype == y_ref.dtype
     _close(y, y_ref, tol)
-    g, g_ref = (jax.grad(lambda v, x, m=m: jnp.sum(jnp.sin(m.apply(v, x).astype(jnp.float32))), argnums=(0, 1))(v, x)
+    g, g_ref = (jax.jit(jax.grad(lambda v, x, m=m: jnp.sum(jnp.sin(m.apply(v, x).astype(jnp.float32))),
+                                 argnums=(0, 1)))(v, x)
                 for m in (ours, theirs))
     jax.tree.map(lambda a, b: _close(a, b, 1e-4 if a.dtype == jnp.float32 and tol == 1e-5 else 5e-2), g, g_ref)
 
@@ -124,11 +127,12 @@ def test_layernorm_is_flax(kw, dtype):
 def test_zero_centered_gamma():
     x = _x((4, 64))
     m = tf.LayerNorm(zero_centered_gamma=True)
-    v = m.init(jax.random.key(0), x)
+    v = jax.jit(m.init)(jax.random.key(0), x)
     assert not jnp.any(v["params"]["scale"])  # zeros: the layer starts as a plain norm
     v = _randomize(v)
-    ref = nn.LayerNorm().apply({"params": {"scale": 1 + v["params"]["scale"], "bias": v["params"]["bias"]}}, x)
-    _close(m.apply(v, x), ref, 1e-5)
+    ref = jax.jit(nn.LayerNorm().apply)({"params": {"scale": 1 + v["params"]["scale"], "bias": v["params"]["bias"]}},
+                                        x)
+    _close(jax.jit(m.apply)(v, x), ref, 1e-5)
 
 
 class _FlaxLnDense(nn.Module):
@@ -141,15 +145,15 @@ class _FlaxLnDense(nn.Module):
 
 def test_layernorm_dense_general_takes_flax_weights():
     x = _x((2, 16, 64))
-    flax_v = _randomize(_FlaxLnDense(32).init(jax.random.key(0), x))
+    flax_v = _randomize(jax.jit(_FlaxLnDense(32).init)(jax.random.key(0), x))
     p = flax_v["params"]
     ours = {"params": {"scale": p["LayerNorm_0"]["scale"], "ln_bias": p["LayerNorm_0"]["bias"],
                        "kernel": p["DenseGeneral_0"]["kernel"], "bias": p["DenseGeneral_0"]["bias"]}}
     m = tf.LayerNormDenseGeneral(32)
-    assert jax.tree.map(jnp.shape, m.init(jax.random.key(0), x)) == jax.tree.map(jnp.shape, ours)
-    _close(m.apply(ours, x), _FlaxLnDense(32).apply(flax_v, x), 1e-5)
-    g = jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2))(ours)
-    g_ref = jax.grad(lambda v: jnp.sum(_FlaxLnDense(32).apply(v, x) ** 2))(flax_v)["params"]
+    assert jax.tree.map(jnp.shape, jax.eval_shape(m.init, jax.random.key(0), x)) == jax.tree.map(jnp.shape, ours)
+    _close(jax.jit(m.apply)(ours, x), jax.jit(_FlaxLnDense(32).apply)(flax_v, x), 1e-5)
+    g = jax.jit(jax.grad(lambda v: jnp.sum(m.apply(v, x) ** 2)))(ours)
+    g_ref = jax.jit(jax.grad(lambda v: jnp.sum(_FlaxLnDense(32).apply(v, x) ** 2)))(flax_v)["params"]
     _close(g["params"]["scale"], g_ref["LayerNorm_0"]["scale"], 1e-4)
     _close(g["params"]["kernel"], g_ref["DenseGeneral_0"]["kernel"], 1e-4)
 
@@ -176,17 +180,17 @@ class _FlaxMLP(nn.Module):
 def test_layernorm_mlp_takes_flax_weights(act):
     x = _x((2, 16, 64))
     ref = _FlaxMLP(96, act)
-    flax_v = _randomize(ref.init(jax.random.key(0), x), scale=0.05)
+    flax_v = _randomize(jax.jit(ref.init)(jax.random.key(0), x), scale=0.05)
     p = flax_v["params"]
     ours = {"params": {"scale": p["LayerNorm_0"]["scale"], "ln_bias": p["LayerNorm_0"]["bias"],
                        "wi_kernel": p["DenseGeneral_0"]["kernel"], "wi_bias": p["DenseGeneral_0"]["bias"],
                        "wo_kernel": p["Dense_0"]["kernel"], "wo_bias": p["Dense_0"]["bias"]}}
     m = tf.LayerNormMLP(96, activation=act)
-    assert jax.tree.map(jnp.shape, m.init(jax.random.key(0), x)) == jax.tree.map(jnp.shape, ours)
+    assert jax.tree.map(jnp.shape, jax.eval_shape(m.init, jax.random.key(0), x)) == jax.tree.map(jnp.shape, ours)
     # GPUs: our activation kernel and XLA's evaluate tanh/erf with different float32 approximations.
-    _close(m.apply(ours, x), ref.apply(flax_v, x), 1e-5 if jax.default_backend() == "cpu" else 1e-4)
-    gx = jax.grad(lambda x: jnp.sum(m.apply(ours, x) ** 2))(x)
-    gx_ref = jax.grad(lambda x: jnp.sum(ref.apply(flax_v, x) ** 2))(x)
+    _close(jax.jit(m.apply)(ours, x), jax.jit(ref.apply)(flax_v, x), 1e-5 if jax.default_backend() == "cpu" else 1e-4)
+    gx = jax.jit(jax.grad(lambda x: jnp.sum(m.apply(ours, x) ** 2)))(x)
+    gx_ref = jax.jit(jax.grad(lambda x: jnp.sum(ref.apply(flax_v, x) ** 2)))(x)
     _close(gx, gx_ref, 1e-4)
 
 
@@ -218,11 +222,12 @@ def _ref_transformer(p, x, n, kv, causal=True):
 def test_transformer_layer_matches_reference(heads, groups):
     x = _x((2, 16, 64))
     m = tf.TransformerLayer(num_attention_heads=heads, num_gqa_groups=groups, intermediate_dim=96)
-    v = _randomize(m.init(jax.random.key(0), x), scale=0.05)
+    v = _randomize(jax.jit(m.init)(jax.random.key(0), x), scale=0.05)
     d = 64 // heads
     assert v["params"]["attention"]["qkv"]["kernel"].shape == (64, groups, heads // groups + 2, d)
     assert v["params"]["attention"]["out"]["kernel"].shape == (heads, d, 64)
-    _close(m.apply(v, x), _ref_transformer(v["params"], x, heads, groups), 2e-5)
+    ref = jax.jit(_ref_transformer, static_argnums=(2, 3))
+    _close(jax.jit(m.apply)(v, x), ref(v["params"], x, heads, groups), 2e-5)
 
 
 def test_attention_picks_cudnn_only_on_gpus_where_it_fits(monkeypatch):
@@ -276,13 +281,24 @@ def _train_grads(model, variables, x, recipe, key=jax.random.key(3)):
         return jax.jit(te_jax.train.value_and_grad(loss, has_aux=True))(variables)
 
 
+_HP_GRADS: dict[str, tuple] = {}
+
+
+def _hp_train_grads(layer: str, model, params, x):
+    """``_train_grads`` without quantization, computed once per layer (every recipe's init gives the same params)."""
+    cached = _HP_GRADS.get(layer)
+    if cached is None or not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), cached[0], params)):
+        cached = _HP_GRADS[layer] = (params, _train_grads(model, {"params": params}, x, None))
+    return cached[1]
+
+
 @pytest.mark.parametrize("layer", list(LAYERS))
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_every_recipe_on_every_layer(layer, recipe):
     x = _x()
     model = _wrapped(LAYERS[layer], "mlp" if "mlp" in layer else "attention")
     with te_jax.autocast(recipe=RECIPES[recipe]):
-        variables = model.init(jax.random.key(1), x)
+        variables = jax.jit(model.init)(jax.random.key(1), x)
     has_meta = recipe == "delayed" and layer != "layernorm"
     assert ("fp8_meta" in variables) == has_meta
     if has_meta:  # one step to calibrate the delayed scales (they start at 1)
@@ -292,7 +308,7 @@ def test_every_recipe_on_every_layer(layer, recipe):
                                                                    is_leaf=te_jax.quantize.delayed.is_state))]
         assert scales and all(s != 1.0 for s in scales)
     (loss, y), grads = _train_grads(model, variables, x, RECIPES[recipe])
-    (loss_hp, y_hp), grads_hp = _train_grads(model, {"params": variables["params"]}, x, None)
+    (loss_hp, y_hp), grads_hp = _hp_train_grads(layer, model, variables["params"], x)
     # E4M3 operands give ~5% error per GEMM on random data, E5M2 ~10%, NVFP4 ~15%; a wrong copy or role ~100%.
     tol = {"nvfp4": 0.3, "custom_ref": 0.15}.get(recipe, 0.08)
     assert _rel(y, y_hp) < tol
@@ -309,7 +325,7 @@ def test_inference_equals_training_forward():
     for recipe in ("delayed", "nvfp4", "block"):
         model = LAYERS["transformer"]()
         with te_jax.autocast(recipe=RECIPES[recipe]):
-            v = model.init(jax.random.key(1), x)
+            v = jax.jit(model.init)(jax.random.key(1), x)
             y = jax.jit(lambda v: model.apply(v, x, rngs={"quantize": jax.random.key(3)}))(v)
         (_, y_train), _ = _train_grads(model, v, x, RECIPES[recipe])
         assert np.array_equal(np.asarray(y), np.asarray(y_train))
@@ -329,7 +345,7 @@ def test_role_paths_reach_the_recipe():
             return tf.DenseGeneral(8, name="head")(x)
 
     with te_jax.autocast(recipe=R.CustomRecipe(qfactory=qfactory)):
-        Net().init(jax.random.key(0), _x())
+        jax.eval_shape(Net().init, jax.random.key(0), _x())  # the recipe is asked while tracing
     paths = {p for p, _ in seen}
     assert paths == {"block_0/attention/qkv", "block_0/attention/out", "block_0/mlp/wi", "block_0/mlp/wo", "head"}
     assert {r for _, r in seen} == set(R.ROLES)
@@ -339,7 +355,7 @@ def test_mixed_per_layer_recipe_quantizes_by_path():
     model = _wrapped(LAYERS["transformer"], "block")
     x = _x()
     with te_jax.autocast(recipe=RECIPES["custom_mixed"]):
-        v = model.init(jax.random.key(0), x)
+        v = jax.jit(model.init)(jax.random.key(0), x)
         text = str(jax.make_jaxpr(lambda v: model.apply(v, x))(v))
     assert text.count("target_name=te_jax_norm_fwd") == 2  # mxfp8 qkv input and current-scaling mlp input fused
     assert "te_jax_quantize_mxfp8" in text and "te_jax_quantize_fp8_current" in text
@@ -411,7 +427,7 @@ def test_delayed_state_layout_and_training_updates():
 
     x, recipe = _x(), RECIPES["delayed"]
     with te_jax.autocast(recipe=recipe):
-        v = Net().init(jax.random.key(0), x)
+        v = jax.jit(Net().init)(jax.random.key(0), x)
     meta = v["fp8_meta"]["layer"]
     assert set(meta) == {"attention", "mlp"} and set(meta["mlp"]) == {"wi", "wo"}
     assert set(meta["attention"]["qkv"]) == {"linear_input", "linear_weight", "linear_grad_output"}
@@ -464,15 +480,15 @@ def _grad_jaxpr(model, v, x, recipe, run: bool = True):
         return jnp.mean(y.astype(jnp.float32) ** 2)
 
     with te_jax.autocast(recipe=recipe):
-        grad = te_jax.train.value_and_grad(loss)
-        return str(jax.make_jaxpr(grad)(v)), jax.jit(grad)(v) if run else None
+        traced = jax.jit(te_jax.train.value_and_grad(loss)).trace(v)  # one trace for the jaxpr and the run
+        return str(traced.jaxpr), traced.lower().compile()(v) if run else None
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "current", "nvfp4"])
 def test_scan_and_remat_keep_fp8_copies(recipe):
     x = _x()
     with te_jax.autocast(recipe=RECIPES[recipe]):
-        v = _stack().init(jax.random.key(0), x, None)
+        v = jax.jit(_stack().init)(jax.random.key(0), x, None)
     assert all(leaf.shape[0] == 3 for leaf in jax.tree.leaves(v))
     plain, (loss, g) = _grad_jaxpr(_stack(), v, x, RECIPES[recipe])
     saved, (loss_s, g_s) = _grad_jaxpr(_stack(tf.save_fp8_policy), v, x, RECIPES[recipe])
@@ -501,7 +517,7 @@ def test_remat_keeps_dense_general_fp8_copies(recipe):
     x = _x()
     stack = lambda policy=None: _stack(policy, block_cls=_DenseBlock)  # noqa: E731
     with te_jax.autocast(recipe=RECIPES[recipe]):
-        v = stack().init(jax.random.key(0), x, None)
+        v = jax.jit(stack().init)(jax.random.key(0), x, None)
     plain, (loss, g) = _grad_jaxpr(stack(), v, x, RECIPES[recipe])
     saved, (loss_s, g_s) = _grad_jaxpr(stack(tf.save_fp8_policy), v, x, RECIPES[recipe])
     nothing, _ = _grad_jaxpr(stack(jax.checkpoint_policies.nothing_saveable), v, x, RECIPES[recipe], run=False)
@@ -520,7 +536,7 @@ def test_param_and_compute_dtypes(param_dtype, dtype):
     x = _x(dtype=jnp.bfloat16)
     model = tf.TransformerLayer(num_attention_heads=4, intermediate_dim=256, param_dtype=param_dtype, dtype=dtype)
     with te_jax.autocast(recipe=RECIPES["current"]):
-        v = model.init(jax.random.key(0), x)
+        v = jax.jit(model.init)(jax.random.key(0), x)
     (_, y), g = _train_grads(model, v, x, RECIPES["current"])
     assert y.dtype == x.dtype  # the residual stream keeps its dtype
     assert all(leaf.dtype == param_dtype for leaf in jax.tree.leaves(v["params"]))
@@ -528,29 +544,31 @@ def test_param_and_compute_dtypes(param_dtype, dtype):
     assert all(bool(jnp.all(jnp.isfinite(leaf.astype(jnp.float32)))) for leaf in jax.tree.leaves(g["params"]))
     m = tf.LayerNormMLP(256, dtype=dtype, param_dtype=param_dtype)
     with te_jax.autocast(recipe=RECIPES["block"]):
-        y = m.apply(m.init(jax.random.key(0), x), x)
+        y = jax.jit(m.apply)(jax.jit(m.init)(jax.random.key(0), x), x)
     assert y.dtype == (dtype or jnp.promote_types(x.dtype, param_dtype))
 
 
 def test_dropout():
     x = _x()
     m = tf.LayerNormMLP(256, intermediate_dropout_rate=0.5, intermediate_hidden_dropout_dims=(1,))
-    v = m.init(jax.random.key(0), x)
+    v = jax.jit(m.init)(jax.random.key(0), x)
+    apply = jax.jit(m.apply, static_argnames="deterministic")  # the autocast setting is part of jit's cache key
     for recipe in (None, RECIPES["current"]):
         with te_jax.autocast(recipe=recipe) if recipe else te_jax.autocast(enabled=False):
-            det = m.apply(v, x)
-            a = m.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
-            b = m.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
-            c = m.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
+            det = apply(v, x)
+            a = apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+            b = apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
+            c = apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
         assert np.array_equal(a, b) and not np.array_equal(a, c) and not np.array_equal(a, det)
     t = tf.TransformerLayer(num_attention_heads=4, intermediate_dim=256, hidden_dropout=0.1, intermediate_dropout=0.1)
-    vt = t.init(jax.random.key(0), x)
-    assert not np.array_equal(t.apply(vt, x), t.apply(vt, x, deterministic=False, rngs={"dropout": jax.random.key(1)}))
+    vt = jax.jit(t.init)(jax.random.key(0), x)
+    apply = jax.jit(t.apply, static_argnames="deterministic")
+    assert not np.array_equal(apply(vt, x), apply(vt, x, deterministic=False, rngs={"dropout": jax.random.key(1)}))
 
 
 def test_errors():
     x = _x((2, 64, 128))
-    v = tf.LayerNormMLP(256).init(jax.random.key(0), x)
+    v = jax.jit(tf.LayerNormMLP(256).init)(jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"te_jax: LayerNormMLP: parameter 'scale' has shape \(128,\), but this input "
                                          r"needs \(96,\)"):
         tf.LayerNormMLP(256).apply(v, _x((2, 64, 96)))
@@ -596,12 +614,12 @@ def test_flax_fp8_dot_general_passes_through_unquantized_layers():
     """dot_general_cls (flax's FP8) serves the unquantized path of every layer; under a recipe it is an error."""
     x = _x((2, 16, 64))
     m = tf.TransformerLayer(num_attention_heads=4, intermediate_dim=128, dot_general_cls=nn.Fp8DirectDotGeneralOp)
-    v = m.init(jax.random.key(0), x)
+    v = jax.jit(m.init)(jax.random.key(0), x)
     fp8 = v["_overwrite_with_gradient"]
     assert set(fp8["attention"]["qkv"]) == {"Fp8DirectDotGeneralOp_0"}
     assert set(fp8["mlp"]) == {"Fp8DirectDotGeneralOp_0", "Fp8DirectDotGeneralOp_1"}
-    y = m.apply(v, x)
-    y_hp = tf.TransformerLayer(num_attention_heads=4, intermediate_dim=128).apply({"params": v["params"]}, x)
+    y = jax.jit(m.apply)(v, x)
+    y_hp = jax.jit(tf.TransformerLayer(num_attention_heads=4, intermediate_dim=128).apply)({"params": v["params"]}, x)
     rel = float(jnp.linalg.norm(y - y_hp) / jnp.linalg.norm(y_hp))
     assert 1e-4 < rel < 5e-2  # quantized (not the high-precision product), to FP8 accuracy
     with te_jax.autocast(recipe=te_jax.recipe.DelayedScaling()):
@@ -624,7 +642,7 @@ def test_fast_accumulation_of_forward_and_backward_gemms(layer, forward_gemms, f
     x = _x((16, 32))
     model = make()
     with te_jax.autocast(recipe=recipe):
-        variables = model.init(jax.random.key(1), x)
+        variables = jax.jit(model.init)(jax.random.key(1), x)
 
         def loss(params, x):
             y, _ = model.apply({**variables, "params": params}, x, mutable=["fp8_meta"])

@@ -156,8 +156,8 @@ def _input_stats(recipe, x):
     """The linear_input statistics of a DenseGeneral under ``recipe`` (through the layer, as a user gets them)."""
     model = tf.DenseGeneral(128, use_bias=False)
     with te_jax.autocast(recipe=recipe, inspect=True):
-        variables = model.init(jax.random.key(0), x)
-        _, out = jax.jit(lambda v: model.apply(v, x, mutable=[I.STATS_COLLECTION]))(variables)
+        variables = jax.jit(model.init)(jax.random.key(0), x)
+        _, out = jax.jit(lambda v, x: model.apply(v, x, mutable=[I.STATS_COLLECTION]))(variables, x)
     return {k: float(v) for k, v in out[I.STATS_COLLECTION]["linear_input"].items()}
 
 
@@ -207,7 +207,7 @@ class Scanned(nn.Module):
 
 def _train_grads(model, recipe, x, inspect=True):
     with te_jax.autocast(recipe=recipe, inspect=inspect):
-        variables = model.init(jax.random.key(1), x)
+        variables = jax.jit(model.init)(jax.random.key(1), x)  # op by op, each small op would compile on its own
 
     @jax.jit
     def step(v):
@@ -233,7 +233,7 @@ def test_every_role_of_every_layer_under_jit(recipe):
         assert r["amax"] > 0 and 0 < r["rel_error"] < 0.1 and r["scale"] > 0, r
     # The backward statistics describe the gradient actually quantized: dense's output gradient is 2 y.
     with te_jax.autocast(recipe=recipe):
-        y = Block().apply(variables, x)[0]
+        y = jax.jit(Block().apply)(variables, x)[0]
     dense_dy = next(r for r in rows if r["layer"] == "dense" and r["role"] == "linear_grad_output")
     assert dense_dy["amax"] == pytest.approx(float(jnp.max(jnp.abs(2 * y))), rel=1e-6)
     # grads["params"] are unchanged by inspection.
@@ -263,7 +263,7 @@ def test_forward_statistics_through_mutable_apply_and_outputs_roles():
     x = jax.random.normal(jax.random.key(0), (64, 64))
     model = tf.DenseGeneral(64)
     with te_jax.autocast(recipe=recipe, inspect=True):
-        variables = model.init(jax.random.key(1), x)
+        variables = jax.jit(model.init)(jax.random.key(1), x)
         _, fwd = model.apply(variables, x, mutable=[I.STATS_COLLECTION])
         _, grads = jax.jit(value_and_grad(lambda v: jnp.sum(model.apply(v, x) ** 2)))(variables)
     assert {r["role"] for r in I.to_rows(fwd[I.STATS_COLLECTION]) if r["amax"] > 0} == {
@@ -281,7 +281,7 @@ def test_a_layer_applied_twice_merges_by_max():
     a = jax.random.normal(jax.random.key(0), (32, 32))
     recipe = R.Float8CurrentScaling()
     with te_jax.autocast(recipe=recipe, inspect=True):
-        variables = Twice().init(jax.random.key(1), a, a)
+        variables = jax.jit(Twice().init)(jax.random.key(1), a, a)
         _, g = jax.jit(value_and_grad(lambda v: jnp.sum(Twice().apply(v, a, 5 * a))))(variables)
     amax = float(g[I.STATS_COLLECTION]["shared"]["linear_input"]["amax"])
     assert amax == pytest.approx(5 * float(jnp.max(jnp.abs(a))), rel=1e-6)
@@ -293,7 +293,7 @@ def test_train_state_keeps_stats_away_from_the_optimizer():
     x = jax.random.normal(jax.random.key(0), (64, 64))
     recipe = R.DelayedScaling(amax_history_len=4)
     with te_jax.autocast(recipe=recipe, inspect=True):
-        variables = Block().init(jax.random.key(1), x)
+        variables = jax.jit(Block().init)(jax.random.key(1), x)
     state = TrainState.create(apply_fn=Block().apply, params=variables, tx=optax.adamw(1e-3, weight_decay=0.1))
     assert I.STATS_COLLECTION not in str(jax.tree.structure(state.opt_state))
 
@@ -325,7 +325,7 @@ def test_inspection_off_traces_nothing_and_leaves_the_program_unchanged(monkeypa
     x = jax.random.normal(jax.random.key(0), (64, 64), jnp.bfloat16)
     recipe = R.DelayedScaling(amax_history_len=4)
     with te_jax.autocast(recipe=recipe):
-        variables = Block().init(jax.random.key(1), x)
+        variables = jax.jit(Block().init)(jax.random.key(1), x)
     default = _jaxpr(recipe, x, variables)
     assert _jaxpr(recipe, x, variables, inspect=False) == default
 
@@ -343,7 +343,7 @@ def test_inspection_is_part_of_the_jit_cache_key():
     x = jax.random.normal(jax.random.key(0), (64, 64))
     recipe = R.Float8CurrentScaling()
     with te_jax.autocast(recipe=recipe, inspect=True):
-        variables = Block().init(jax.random.key(1), x)
+        variables = jax.jit(Block().init)(jax.random.key(1), x)
     traces = []
 
     @jax.jit
@@ -424,7 +424,7 @@ def test_sampled_statistics_are_those_of_the_sampled_rows(name, every):
 def test_recomputed_reference_is_asked_for_the_sampled_rows_only(name, every, stride):
     """A fused kernel's output is recomputed for the rows the statistics read, with the same statistics."""
     x = jax.random.normal(jax.random.key(5), (40, 64)) * 3
-    t = SAMPLED_QUANTIZERS[name].quantize(x, rowwise=True, colwise=False)
+    t = jax.jit(lambda x: SAMPLED_QUANTIZERS[name].quantize(x, rowwise=True, colwise=False))(x)
     asked = []
 
     def rows_of_x(rows: slice) -> jax.Array:
@@ -432,8 +432,9 @@ def test_recomputed_reference_is_asked_for_the_sampled_rows_only(name, every, st
         return x[rows]
 
     sample = S.Sample(every)
-    got = S.tensor_stats(rows_of_x, t, "rowwise", sample)
-    want = S.tensor_stats(x, t, "rowwise", sample)
+    # jitted (op by op, each small op would compile on its own): rows_of_x is asked while tracing
+    got = jax.jit(lambda t: S.tensor_stats(rows_of_x, t, "rowwise", sample))(t)
+    want = jax.jit(lambda x, t: S.tensor_stats(x, t, "rowwise", sample))(x, t)
     assert {k: float(v) for k, v in got.items()} == {k: float(v) for k, v in want.items()}
     # the whole tensor's type is read for its sharding (traced, then dropped), then the sampled rows
     assert asked == [slice(None)] + ([slice(None, None, stride)] if stride > 1 else [])
