@@ -55,24 +55,11 @@
 #include <vector>
 
 #include "lt_algo_config.h"
+#include "probe_common.cuh"
 
 using te_jax::AlgoConfig;
 
 namespace {
-
-[[noreturn]] void Fail(const char* file, int line, const char* expr, const std::string& why) {
-  std::fprintf(stderr, "%s:%d %s: %s\n", file, line, expr, why.c_str());
-  std::exit(1);
-}
-#define CHECK_CUDA(x)                                                                                        \
-  do {                                                                                                       \
-    if (cudaError_t e_ = (x); e_ != cudaSuccess) Fail(__FILE__, __LINE__, #x, cudaGetErrorString(e_));       \
-  } while (0)
-#define CHECK_LT(x)                                                                                          \
-  do {                                                                                                       \
-    if (cublasStatus_t s_ = (x); s_ != CUBLAS_STATUS_SUCCESS)                                                \
-      Fail(__FILE__, __LINE__, #x, "cuBLAS status " + std::to_string(int(s_)));                              \
-  } while (0)
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 constexpr int kMaxCandidates = 32;
@@ -84,17 +71,7 @@ constexpr int kScaleSlot = 64;
 // Roughly normal values (sum of four uniforms from a hash), times `scale`, as saturated e4m3.
 __global__ void FillE4m3(__nv_fp8_e4m3* out, int64_t count, uint32_t seed, float scale) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
-    float sum = 0.0f;
-    for (uint32_t j = 0; j < 4; ++j) {
-      uint32_t h = static_cast<uint32_t>(i) * 4u + j + seed * 0x9E3779B9u;
-      h ^= h >> 16;
-      h *= 0x7feb352dU;
-      h ^= h >> 15;
-      h *= 0x846ca68bU;
-      h ^= h >> 16;
-      sum += static_cast<float>(h) * (1.0f / 4294967296.0f) - 0.5f;
-    }
-    out[i] = __nv_fp8_e4m3(sum * 1.7320508f * scale);  // 4 uniforms: variance 1/3, so x sqrt(3) for 1
+    out[i] = __nv_fp8_e4m3(te_jax_probe::HashNormal(i, seed) * scale);
   }
 }
 
