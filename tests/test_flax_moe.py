@@ -61,7 +61,7 @@ def _rel(a, b) -> float:
 def test_without_autocast_is_the_reference(activation, score_function):
     layer = MoE(E, K_TOP, F, activation=activation, score_function=score_function, aux_loss_coeff=0.5)
     x = _x()
-    v = layer.init(jax.random.key(1), x)
+    v = jax.jit(layer.init)(jax.random.key(1), x)
     y, inter = jax.jit(lambda v, x: layer.apply(v, x, mutable=["intermediates"]))(v, x)
     np.testing.assert_allclose(y, _reference(v["params"], x, activation, score_function), rtol=1e-6, atol=1e-6)
     assert inter["intermediates"]["aux_loss"][0].shape == ()
@@ -78,7 +78,7 @@ def test_recipes_near_the_reference(name, recipe):
     layer = MoE(E, K_TOP, F, use_bias=True, num_shared_experts=int(name != "block"))
     x = _x()
     with te_jax.autocast(recipe=recipe):
-        v = layer.init(jax.random.key(1), x)
+        v = jax.jit(layer.init)(jax.random.key(1), x)
     params = {"params": v["params"]}
 
     def loss(v):
@@ -88,7 +88,7 @@ def test_recipes_near_the_reference(name, recipe):
     with te_jax.autocast(recipe=recipe):
         if name == "delayed":  # one step records the amaxes, so the scales fit the data
             _, g = jax.jit(te_jax.train.value_and_grad(loss))(v)
-            v = {**v, "fp8_meta": te_jax.state.apply_fp8_update(v["fp8_meta"], g["fp8_meta"])}
+            v = {**v, "fp8_meta": jax.jit(te_jax.state.apply_fp8_update)(v["fp8_meta"], g["fp8_meta"])}
         got_l, got_g = jax.jit(te_jax.train.value_and_grad(loss))(v)
     assert abs(float(got_l) - float(want_l)) / float(want_l) < 0.05
     for path in (("wi",), ("wo",), ("router",)) + ((("shared_wi", "kernel"),) if name != "block" else ()):
@@ -111,7 +111,7 @@ def test_scan_remat_bf16():
                     variable_axes={"params": 0, "fp8_meta": 0}, split_rngs={"params": True}, length=2)()
     x = _x(jnp.bfloat16)
     with te_jax.autocast(recipe=R.DelayedScaling(amax_history_len=4)):
-        v = stack.init(jax.random.key(2), x, None)
+        v = jax.jit(lambda key, x: stack.init(key, x, None))(jax.random.key(2), x)
         loss = lambda v: jnp.mean(stack.apply(v, x, None)[0].astype(jnp.float32) ** 2)  # noqa: E731
         value, grads = jax.jit(te_jax.train.value_and_grad(loss))(v)
     assert v["fp8_meta"]["MoE_0"]["wi"]["linear_weight"]["scale"].shape == (2, E, 1)
@@ -177,7 +177,7 @@ def test_expert_parallel_bad_input_errors_at_trace_time(ep_results):
 def test_expert_parallel_needs_a_mesh():
     layer = MoE(E, K_TOP, F)
     x = _x()
-    v = layer.init(jax.random.key(1), x)
+    v = jax.jit(layer.init)(jax.random.key(1), x)
     with te_jax.autocast(enabled=False, mesh_resource=te_jax.MeshResource(ep_resource="ep")):
         with pytest.raises(ValueError, match=r"MoE.*ep_resource='ep'.*needs a mesh with that axis"):
             layer.apply(v, x)

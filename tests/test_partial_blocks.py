@@ -302,7 +302,7 @@ def _linen_grads(layer: str, variables, recipe):
 @functools.lru_cache(maxsize=None)  # one high-precision step per layer serves every recipe
 def _linen_high_precision(layer: str):
     with te_jax.autocast(enabled=False):
-        params = LAYERS[layer]().init(jax.random.key(1), _LINEN_X)["params"]
+        params = jax.jit(LAYERS[layer]().init)(jax.random.key(1), _LINEN_X)["params"]
     return params, _linen_grads(layer, {"params": params}, None)
 
 
@@ -312,10 +312,10 @@ def test_linen_layers(layer, recipe):
     """The Linen layers under autocast at tokens = 30, features = 200: output and gradients near high precision."""
     params, ((_, y_hp), g_hp) = _linen_high_precision(layer)
     with te_jax.autocast(recipe=BUILTIN_RECIPES[recipe]):
-        variables = {**LAYERS[layer]().init(jax.random.key(1), _LINEN_X), "params": params}
+        variables = {**jax.jit(LAYERS[layer]().init)(jax.random.key(1), _LINEN_X), "params": params}
     if "fp8_meta" in variables:  # one step to calibrate the delayed scales
         _, g = _linen_grads(layer, variables, BUILTIN_RECIPES[recipe])
-        variables = {**variables, "fp8_meta": te_jax.state.apply_fp8_update(variables["fp8_meta"], g["fp8_meta"])}
+        variables = {**variables, "fp8_meta": jax.jit(te_jax.state.apply_fp8_update)(variables["fp8_meta"], g["fp8_meta"])}
     (_, y), g = _linen_grads(layer, variables, BUILTIN_RECIPES[recipe])
     tol = TOL.get(recipe, 0.08)
     assert y.shape == y_hp.shape and _rel(y, y_hp) < tol
