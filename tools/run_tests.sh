@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: on a fresh machine it makes its own virtual environment
 # (.venv), builds and installs te_jax into it, compile-checks the CUDA sources
-# when nvcc is present (tools/compile_cuda.sh, beside pytest; a CUDA compile error fails the run), and runs pytest.
+# when nvcc is present (tools/compile_cuda.sh; a CUDA compile error fails the run), then runs pytest.
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,13 +16,8 @@ $PY -m pip install -q --disable-pip-version-check \
 $PY -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . \
   -C cmake.define.TE_JAX_CUDA=OFF
 
-# The CUDA compile check runs beside pytest, its output printed after pytest's: the test workers leave a
-# core idle for part of the run (subprocesses starting, the last tests finishing), which the check fills.
-compile_pid=
-compile_log=$(mktemp)
 if command -v nvcc >/dev/null 2>&1; then
-  bash tools/compile_cuda.sh "$PY" >"$compile_log" 2>&1 &
-  compile_pid=$!
+  bash tools/compile_cuda.sh "$PY"
 else
   echo "run_tests: nvcc not found; skipping the CUDA compile check"
 fi
@@ -37,11 +32,4 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   export XLA_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false ${XLA_FLAGS:-}"
 fi
 # Two workers, one core each.
-status=0
-$PY -m pytest -q -n 2 "$@" || status=$?
-if [ -n "$compile_pid" ]; then
-  wait "$compile_pid" || status=1
-  cat "$compile_log"
-fi
-rm -f "$compile_log"
-exit "$status"
+$PY -m pytest -q -n 2 "$@"
