@@ -196,7 +196,9 @@ def test_every_recipe_trains_every_layer(recipe):
         assert set(meta) == set(QUANTIZED)
     else:
         assert not meta
-    with te_jax.autocast(recipe=rec):  # each forward one program (op by op, every small op compiles alone)
+    # Each forward as one program (op by op, every small op compiles alone); a jit each, since autocast is read
+    # when tracing.
+    with te_jax.autocast(recipe=rec):
         got = nnx.jit(lambda m, x: m(x))(model, x)
     want = nnx.jit(lambda m, x: m(x))(reference, x)
     error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
