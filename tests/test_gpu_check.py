@@ -219,14 +219,19 @@ def test_usage_examples_in_the_docstring_parse(tmp_path):
 
 
 def test_python_from_checkout_replaces_the_installed_python_only(tmp_path):
-    """The installed package's .py files become the checkout's (stale ones removed); other files stay."""
+    """The installed package's .py files become the checkout's, its recipes gallery included (stale ones removed);
+    other files stay."""
     installed = tmp_path / "te_jax"
     (installed / "ops").mkdir(parents=True)
+    (installed / "gallery").mkdir()
     (installed / "ops" / "gemm.py").write_text("old")
     (installed / "gone.py").write_text("a module the checkout no longer has")
+    (installed / "gallery" / "gone_recipe.py").write_text("a recipe the checkout no longer has")
     (installed / "_te_jax_cuda.so").write_text("compiled")
     count = gpu_check.overlay_python(tmp_path)
-    package = gpu_check.ROOT / "te_jax"
-    assert count == len(list(package.rglob("*.py")))
+    package, gallery = gpu_check.ROOT / "te_jax", sorted((gpu_check.ROOT / "recipes").glob("*.py"))
+    assert gallery and count == len(list(package.rglob("*.py"))) + len(gallery)
     assert (installed / "ops" / "gemm.py").read_text() == (package / "ops" / "gemm.py").read_text()
-    assert not (installed / "gone.py").exists() and (installed / "_te_jax_cuda.so").read_text() == "compiled"
+    assert all((installed / "gallery" / r.name).read_text() == r.read_text() for r in gallery)
+    assert not (installed / "gone.py").exists() and not (installed / "gallery" / "gone_recipe.py").exists()
+    assert (installed / "_te_jax_cuda.so").read_text() == "compiled"

@@ -351,16 +351,19 @@ def cutlass_build_flags(wheel: pathlib.Path | None, work: pathlib.Path, python: 
 
 
 def overlay_python(site: pathlib.Path) -> int:
-    """Makes the Python files of the package installed in ``site`` this checkout's ``te_jax/**/*.py`` (copied over,
-    files the checkout lacks removed); compiled modules and other files stay. Returns how many were copied."""
+    """Makes the Python files of the package installed in ``site`` the ones a build of this checkout installs:
+    ``te_jax/**/*.py``, and ``recipes/*.py`` as ``te_jax/gallery/`` (CMakeLists.txt's install rule). They are copied
+    over and installed Python files the checkout lacks are removed; compiled modules and other files stay. Returns
+    how many were copied."""
     package, installed = ROOT / "te_jax", site / "te_jax"
-    sources = {src.relative_to(package) for src in package.rglob("*.py")}
+    sources = {src.relative_to(package): src for src in package.rglob("*.py")}
+    sources.update({pathlib.Path("gallery") / src.name: src for src in (ROOT / "recipes").glob("*.py")})
     for old in installed.rglob("*.py"):
         if old.relative_to(installed) not in sources:
             old.unlink()
-    for rel in sources:
+    for rel, src in sources.items():
         (installed / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(package / rel, installed / rel)
+        shutil.copyfile(src, installed / rel)
     return len(sources)
 
 
