@@ -60,17 +60,20 @@ def tile_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
 
 
 def block_grouped_gemm(x, x_scale_t, w, w_scale_cols, groups_of_tiles, *, tile_n: int, stages: int,
-                       grid_tile_width: int, num_sms: int, scalar_weight_scale: bool):
+                       grid_tile_width: int, num_sms: int, scalar_weight_scale: bool, overlap: bool = False):
     """``y [M, N]`` (bf16) from ``x`` [M, K] e4m3 with its scales ``x_scale_t`` [K/128, M/64, 64] f32 (K-block
     major), ``w`` [G, N, K] e4m3 with ``w_scale_cols`` [G, K/128, N] f32 (each 128x128 block's scale repeated over
     its columns), and ``groups_of_tiles`` [M/128] int32.
 
     ``scalar_weight_scale`` (``tile_n`` 128: one weight block per tile and K step) folds the weight's scale into the
     row scales and promotes with one multiply-add per element; otherwise each column takes its own scale (two
-    multiplies and an add per element).
+    multiplies and an add per element). ``overlap`` (with ``scalar_weight_scale``) promotes each K step's partial
+    product during the next step's WGMMA instead of after its own, at the cost of a third accumulator's registers.
     """
     if scalar_weight_scale and tile_n != BLOCK:
         raise ValueError(f"scalar_weight_scale needs tile_n {BLOCK}, got {tile_n}")
+    if overlap and not scalar_weight_scale:
+        raise ValueError("overlap needs scalar_weight_scale")
     m, k = x.shape
     _, n, _ = w.shape
     tile_m = 2 * WG_ROWS
@@ -128,9 +131,28 @@ def block_grouped_gemm(x, x_scale_t, w, w_scale_cols, groups_of_tiles, *, tile_n
                     scaled = part * lax.broadcast_in_dim(row_scale, part.shape, [0])
                     return total + scaled * lax.broadcast_in_dim(col_scale, part.shape, [1])
 
+                def overlapped_step(_, x_smem, w_smem, xs_smem, ws_smem, carry):
+                    total, previous, previous_scale = carry
+
+                    def partial_product(acc):
+                        plgpu.wgmma(acc, x_smem.at[wg_rows], w_smem.transpose((1, 0)))
+                        # The previous step's promotion, issued while this step's WGMMA runs.
+                        folded = total + previous * lax.broadcast_in_dim(previous_scale, previous.shape, [0])
+                        return acc[...], folded
+
+                    part, total = pl.run_scoped(partial_product, plgpu.ACC((WG_ROWS, tile_n), jnp.float32))
+                    row_scale = plgpu.load(xs_smem.at[0, wg], layout=plgpu.Layout.WGMMA.reduce(1))
+                    return total, part, row_scale * ws_smem[0, 0]
+
                 def context(run):
                     zeros = plgpu.layout_cast(jnp.zeros((WG_ROWS, tile_n), jnp.float32), plgpu.Layout.WGMMA)
-                    y = run(zeros).astype(jnp.bfloat16)
+                    if overlap:
+                        no_scale = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32),
+                                                     plgpu.Layout.WGMMA.reduce(1))
+                        total, last, last_scale = run((zeros, zeros, no_scale))
+                        y = (total + last * lax.broadcast_in_dim(last_scale, last.shape, [0])).astype(jnp.bfloat16)
+                    else:
+                        y = run(zeros).astype(jnp.bfloat16)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for j in range(tile_n // epi_n):
                         slot = j % 2
@@ -141,7 +163,7 @@ def block_grouped_gemm(x, x_scale_t, w, w_scale_cols, groups_of_tiles, *, tile_n
                             out_smem.at[wg, slot],
                             out_gmem.at[rows, cols].at[wg_rows, pl.ds(j * epi_n, epi_n)])
 
-                make_pipeline(step, context)(
+                make_pipeline(overlapped_step if overlap else step, context)(
                     x_gmem.at[rows], w_gmem.at[g, cols], xs_gmem.at[:, pl.ds(mi * 2, 2)], ws_gmem.at[g, :, cols],
                     allocations=allocs)
 
@@ -180,15 +202,16 @@ def probe(shape, args, num_sms: int) -> None:
     x_rows = d["x"][:BLOCK].astype(jnp.float32) * jnp.repeat(d["x_s"][:BLOCK], BLOCK, axis=1)
     w0 = d["w"][0].astype(jnp.float32) * jnp.repeat(jnp.repeat(d["w_s"][0], BLOCK, axis=0), BLOCK, axis=1)
     ref = jnp.dot(x_rows, w0.T, precision=jax.lax.Precision.HIGHEST)
-    configs = [(t, s, g, scalar) for t in args.tile_n for s in args.stages for g in args.grid_tile_width
-               for scalar in (False, True) if t == BLOCK or not scalar]
-    for tile_n, stages, width, scalar in configs:
-        name = (f"Mosaic GPU block grouped (128x{tile_n}, {stages} stages, snake width {width}, "
-                f"{'scalar' if scalar else 'column'} weight scale)")
-        fn = jax.jit(lambda x, xs, w, ws, sz, tile_n=tile_n, stages=stages, width=width, scalar=scalar:
-                     block_grouped_gemm(x, xs, w, ws, tile_groups(sz, x.shape[0]), tile_n=tile_n,
-                                        stages=stages, grid_tile_width=width, num_sms=num_sms,
-                                        scalar_weight_scale=scalar))
+    promotions = {"column": (False, False), "scalar": (True, False), "scalar overlapped": (True, True)}
+    configs = [(t, s, g, p) for t in args.tile_n for s in args.stages for g in args.grid_tile_width
+               for p in args.promotion if t == BLOCK or not promotions[p][0]]
+    for tile_n, stages, width, promotion in configs:
+        name = f"Mosaic GPU block grouped (128x{tile_n}, {stages} stages, snake width {width}, {promotion})"
+        scalar, overlap = promotions[promotion]
+        fn = jax.jit(lambda x, xs, w, ws, sz, tile_n=tile_n, stages=stages, width=width, scalar=scalar,
+                     overlap=overlap: block_grouped_gemm(x, xs, w, ws, tile_groups(sz, x.shape[0]), tile_n=tile_n,
+                                                         stages=stages, grid_tile_width=width, num_sms=num_sms,
+                                                         scalar_weight_scale=scalar, overlap=overlap))
         try:
             ours = fn(d["x"], d["x_scale_t"], d["w"], d["w_scale_cols"], d["sizes"]).astype(jnp.float32)
         except Exception as e:  # a configuration Mosaic rejects (shared memory, registers): report, go on
@@ -212,6 +235,10 @@ def main(argv=None) -> int:
     p.add_argument("--tile-n", type=int, nargs="+", default=[128])
     p.add_argument("--stages", type=int, nargs="+", default=[4])
     p.add_argument("--grid-tile-width", type=int, nargs="+", default=[8])
+    p.add_argument("--promotion", nargs="+", default=["column", "scalar", "scalar overlapped"],
+                   choices=["column", "scalar", "scalar overlapped"],
+                   help="column: a scale per output column; scalar: the weight's scale folded into the row scales; "
+                        "scalar overlapped: the same, each step's promotion during the next step's WGMMA")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trials", type=int, default=5)
