@@ -1,4 +1,4 @@
-"""Accuracy spread: the 200-step training task of tests/test_flax_accuracy.py, per recipe, over many rounding keys.
+"""Accuracy spread: the 200-step training task of tests/flax/test_flax_accuracy.py, per recipe, over many rounding keys.
 
 The accuracy test trains one trajectory per recipe and compares its final loss
 with the bf16 run's. A recipe that rounds stochastically (NVFP4's gradients)

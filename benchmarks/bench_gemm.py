@@ -60,7 +60,7 @@ from jax import lax
 
 import te_jax  # noqa: F401
 from te_jax.ops import gemm as gemm_ops
-from te_jax.ops import grouped_gemm as grouped_ops
+from te_jax.ops.grouped import gemm as grouped_ops
 from timing import time_interleaved, write_results
 from te_jax.quantize import (CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)
 
@@ -126,7 +126,7 @@ GEMMS = {
 
 def dequantized(qa, qb) -> tuple[np.ndarray, np.ndarray]:
     """The operands' represented values in float64, from the reference dequantization."""
-    to64 = lambda st: np.asarray(jax.device_get(st.dequantize(jnp.float32, backend="reference")), np.float64)  # noqa: E731
+    to64 = lambda st: np.asarray(jax.device_get(dequantize(st, jnp.float32, backend="reference")), np.float64)  # noqa: E731
     return to64(qa), to64(qb)
 
 

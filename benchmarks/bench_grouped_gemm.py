@@ -14,7 +14,7 @@ For each shape, ``x [rows, K]`` (rows sorted by expert, ``group_sizes`` on the d
 * ``bf16 batched einsum``: the experts as a batch of equal-size groups (balanced routing only; its best case).
 
 With ``--backward`` each shape's table is instead the three GEMMs of ``te_jax.grouped_dense`` as its forward and
-backward issue them (``te_jax.ops.grouped_gemm``'s public ops), for the per-tensor recipes (fast accumulation
+backward issue them (``te_jax.ops.grouped.gemm``'s public ops), for the per-tensor recipes (fast accumulation
 forward, split accumulation backward, as ``DenseQuantizers`` default) and the block recipe:
 
 * ``fwd fast`` / ``fwd split``: ``x [rows, K] (E4M3) @ W_g^T``, fast or split accumulation, bfloat16 out;
@@ -32,7 +32,7 @@ shuffled order (benchmarks/timing.py); reported: the median ms per call and TFLO
 the same rows.
 
 The forward table makes the custom calls with ``jax.ffi.ffi_call`` (the kernels alone, no trace-time checks);
-the backward table calls ``te_jax.ops.grouped_gemm``.
+the backward table calls ``te_jax.ops.grouped.gemm``.
 
 Usage: python benchmarks/bench_grouped_gemm.py [--only REGEX] [--backward] [--iters 5] [--trials 5] [--no-ragged]
        [--out r.json] [--md r.md]
@@ -50,7 +50,7 @@ import numpy as np
 
 import te_jax  # noqa: F401  (registers the FFI targets)
 from te_jax.ops import gemm as gemm_ops
-from te_jax.ops import grouped_gemm as gg
+from te_jax.ops.grouped import gemm as gg
 from timing import selected, time_interleaved, write_results
 
 # (label, experts, top-k, tokens, K, N, skewed): issue 23's forward GEMMs.

@@ -66,9 +66,9 @@ from jax import lax
 import te_jax
 import te_jax.flax as tf
 from te_jax import recipe as R
-from te_jax.dense import DenseQuantizers
+from te_jax.core.dense import DenseQuantizers
 from te_jax.ops.gemm import gemm
-from te_jax.state import FP8_COLLECTION, apply_fp8_update
+from te_jax.train.update import FP8_COLLECTION, apply_fp8_update
 from timing import selected, time_interleaved, write_results
 
 BF16 = jnp.bfloat16

@@ -49,12 +49,12 @@ import bench_profile
 import te_jax
 from te_jax import moe
 from te_jax import recipe as R
-from te_jax._core import DenseQuantizers
+from te_jax.core import DenseQuantizers
 from te_jax.flax import MoE
-from te_jax.grouped_dense import grouped_dense, init_state, span_alignment
-from te_jax.grouped_mlp import grouped_mlp
-from te_jax.layernorm_mlp import MLPQuantizers
-from te_jax.state import apply_fp8_update
+from te_jax.core.grouped_dense import grouped_dense, init_state, span_alignment
+from te_jax.core.grouped_mlp import grouped_mlp
+from te_jax.core.layernorm_mlp import MLPQuantizers
+from te_jax.train.update import apply_fp8_update
 from te_jax.train import fp8_state_updates, value_and_grad
 from timing import selected, time_interleaved, write_results
 

@@ -36,7 +36,7 @@ from timing import (bandwidth_main, result_markdown, result_row, selected, time_
                     time_fn)
 from te_jax.ops import activation as aops
 from te_jax.ops import norm as nops
-from te_jax.ops.fused_cast import CastSpec
+from te_jax.ops.cast import CastSpec
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 F32 = jnp.float32

@@ -1,63 +1,65 @@
 """te_jax: FP8 and FP4 training for JAX and Flax on NVIDIA GPUs.
 
-``import te_jax`` loads the ops, quantization and sharding layers; the
-functional layers (``dense``, ``grouped_dense``, ``grouped_mlp``, ``layernorm_dense``,
-``layernorm_mlp``), the recipes, ``autocast``, the Flax helpers (``state``, ``train``, ``flax``, ``nnx``) and
-``inspect`` are imported on first use, so that ``import te_jax.ops`` never
-loads Flax or anything above the ops layer.
+The public face::
+
+    te_jax.autocast, te_jax.recipe          how tensors are quantized, and where
+    te_jax.MeshResource                     which mesh axes play which role
+    te_jax.dense, layernorm_dense, layernorm_mlp, grouped_dense, grouped_mlp
+                                            the functional ops
+    te_jax.flax, te_jax.nnx                 Linen and NNX layers
+    te_jax.train                            value_and_grad and TrainState for FP8 state
+    te_jax.inspect                          quantization statistics
+    te_jax.quantize, te_jax.ops             quantizers and primitives, for custom recipes and kernels
+
+The package is layered, one folder a floor (docs/architecture.md):
+``spec`` < ``ops`` < ``quantize`` < ``recipe`` < ``core`` < ``moe`` <
+``train`` < ``flax`` / ``nnx`` < ``inspect``. ``flax``, ``nnx``, ``train``,
+``inspect`` and ``moe`` are imported on first use, so ``import te_jax`` does
+not load Flax's module system.
 """
 
 import importlib
-import sys
-import types
 
-from te_jax import _ffi, backend, ops, quantize, sharding
-from te_jax._names import FP8_COLLECTION, STATS_COLLECTION
-from te_jax.sharding import MeshResource
+from te_jax import _compat, ops, quantize, recipe
+from te_jax.core.dense import dense
+from te_jax.core.grouped_dense import grouped_dense
+from te_jax.core.grouped_mlp import grouped_mlp
+from te_jax.core.layernorm_dense import layernorm_dense
+from te_jax.core.layernorm_mlp import layernorm_mlp
+from te_jax.ops.sharding import MeshResource
+from te_jax.recipe.autocast import autocast
+from te_jax.spec.names import FP8_COLLECTION
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = ("autocast", "dense", "flax", "grouped_dense", "grouped_mlp", "inspect", "layernorm_dense",
-                 "layernorm_mlp", "nnx", "recipe", "state", "train")
-_LAZY_NAMES = {
-    "DenseQuantizers": "te_jax.dense",
-    "MLPQuantizers": "te_jax.layernorm_mlp",
-    "dense": "te_jax.dense",
-    "grouped_dense": "te_jax.grouped_dense",
-    "grouped_mlp": "te_jax.grouped_mlp",
-    "layernorm_dense": "te_jax.layernorm_dense",
-    "layernorm_mlp": "te_jax.layernorm_mlp",
-    "autocast": "te_jax.autocast",
+_LAZY_MODULES = ("flax", "inspect", "moe", "nnx", "train")
+# Old root names: they keep working for one release and warn once.
+_MOVED_NAMES = {
+    "DenseQuantizers": ("te_jax.core.bundles", "DenseQuantizers"),
+    "MLPQuantizers": ("te_jax.core.bundles", "MLPQuantizers"),
+    "STATS_COLLECTION": ("te_jax.spec.names", "STATS_COLLECTION"),
+    "backend": ("te_jax.ops.backend", None),
+    "sharding": ("te_jax.ops.sharding", None),
+    "state": ("te_jax.train.update", None),
 }
 
 __all__ = [
-    "FP8_COLLECTION", "STATS_COLLECTION", "DenseQuantizers", "MLPQuantizers", "MeshResource", "autocast", "backend",
-    "dense", "grouped_dense", "grouped_mlp", "inspect", "layernorm_dense", "layernorm_mlp", "nnx", "ops", "quantize", "recipe",
-    "sharding", "state", "train",
+    "FP8_COLLECTION", "MeshResource", "autocast", "dense", "flax", "grouped_dense", "grouped_mlp", "inspect",
+    "layernorm_dense", "layernorm_mlp", "moe", "nnx", "ops", "quantize", "recipe", "train",
 ]
+
+_compat.install()
 
 
 def __getattr__(name: str):
-    # The functions dense / grouped_dense / grouped_mlp / layernorm_dense / layernorm_mlp / autocast share their
-    # module's name:
-    # the function wins.
-    if name in _LAZY_NAMES:
-        value = getattr(importlib.import_module(_LAZY_NAMES[name]), name)
-    elif name in _LAZY_MODULES:
+    if name in _LAZY_MODULES:
         value = importlib.import_module(f"te_jax.{name}")
+    elif name in _MOVED_NAMES:
+        module, attr = _MOVED_NAMES[name]
+        _compat.warn_moved(f"te_jax.{name}", module if attr is None else f"{module}.{attr}")
+        value = importlib.import_module(module)
+        return value if attr is None else getattr(value, attr)
     else:
         raise AttributeError(f"module 'te_jax' has no attribute {name!r}")
     globals()[name] = value
     return value
-
-
-class _Package(types.ModuleType):
-    """te_jax's module type: importing the submodule ``te_jax.dense`` (etc.) keeps ``te_jax.dense`` the function."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _LAZY_NAMES and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

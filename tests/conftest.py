@@ -9,6 +9,7 @@ run's executables. Subprocesses the tests start are not affected.
 """
 
 import os
+import sys
 import tempfile
 import uuid
 
@@ -21,3 +22,12 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), f"te_jax_tests_{run_id}"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# The tests live in one folder per floor (tests/ops, tests/core, ...); the helpers they share
+# (qtest_util, fp8_models, moe_util, norm_act_util) sit in tests/ and the fake-device scripts in
+# tests/multidevice, whichever folder a test runs from.
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _folder in (_TESTS, os.path.join(_TESTS, "multidevice")):
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)

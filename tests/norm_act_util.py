@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.ops.fused_cast import CastSpec, check_spec
+from te_jax.ops.cast import CastSpec, check_spec
 from te_jax.ops.quantize import key_words
-from te_jax.quantize import ref_norm_act as rna
+from te_jax.spec import reference_norm_act as rna
 from qtest_util import assert_outputs_same_bits, on_cpu
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "CUDA graphs with te_jax's calls inside; no-custom-calls: te_jax's calls between the "
                         f"graphs; off: no graphs), job names ending _graphs-MODE; alone: {GRAPHS_DEFAULT}")
     p.add_argument("--multi-gpu", action="store_true",
-                   help="the layer mesh check over two GPUs (tests/mesh_multidevice.py --check)")
+                   help="the layer mesh check over two GPUs (tests/multidevice/mesh_multidevice.py --check)")
     p.add_argument("--deadline", type=float, default=570, help="seconds from the start by which every job ends")
     p.add_argument("--estimate", action="append", default=[], metavar="NAME=SECONDS",
                    help="how long the jobs whose name is NAME or starts with NAME_ take (a job starts only when "
@@ -372,7 +372,7 @@ def install(wheel: pathlib.Path, site: pathlib.Path, log: pathlib.Path, python: 
     shutil.rmtree(site, ignore_errors=True)
     step(f"install {wheel.name} into {site}", [python, "-m", "pip", "install", "--no-deps", "--no-index",
                                                 "--target", str(site), str(wheel)], log)
-    check = ("import pathlib, sys, te_jax, te_jax._ffi; site = pathlib.Path(sys.argv[1]).resolve(); "
+    check = ("import pathlib, sys, te_jax, te_jax.ops.ffi; site = pathlib.Path(sys.argv[1]).resolve(); "
              "pkg = pathlib.Path(te_jax.__file__).resolve().parent; "
              "assert pkg.parent == site, f'imported {pkg}, not the one in {site}'; "
              "assert list(pkg.glob('_te_jax_cuda*')), f'{pkg} has no CUDA module'; print('te_jax from', pkg)")

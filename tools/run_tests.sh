@@ -24,7 +24,7 @@ fi
 
 # On a machine without a GPU the suite is mostly XLA:CPU compilation of many small programs. Two flags
 # make that cheaper: LLVM optimization level 0 (about two thirds of the time; no fast-math at either
-# level, but sums may run in another order: tests/test_distributed.py), and XLA:CPU's older elemental
+# level, but sums may run in another order: tests/multidevice/test_distributed.py), and XLA:CPU's older elemental
 # emitters for fusions instead of its MLIR fusion emitters (about 30% less again on the layer and
 # quantize tests; the same HLO, emitted another way). Flags given in XLA_FLAGS come after, so they
 # override these. A GPU machine keeps XLA's defaults (tools/gpu_check.py).

@@ -47,11 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def choose_backend() -> str:
     """The te_jax backend for this machine; on a GPU without te_jax's CUDA kernels, the reference (said aloud)."""
-    from te_jax import _ffi
+    from te_jax.ops import ffi as _ffi
 
     if jax.default_backend() == "gpu" and not _ffi.CUDA_BUILT:
         print("demo: te_jax's CUDA kernels are not built, so the FP8 runs use the pure-JAX reference "
-              f"(te_jax.backend 'reference'): correct, not fast. To fix: {_ffi.REBUILD_HINT}")
+              f"(te_jax.ops.backend 'reference'): correct, not fast. To fix: {_ffi.REBUILD_HINT}")
         return "reference"
     return "ffi"
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"data: {corpus.describe()}")
     start = time.perf_counter()
     results = []
-    with te_jax.backend.use(choose_backend()):
+    with te_jax.ops.backend.use(choose_backend()):
         for cfg in configs:
             results.append(train_lib.train(cfg, corpus))
     r0 = results[0]

@@ -40,7 +40,7 @@ import te_jax
 AXES = ("dp", "fsdp", "ep", "tp")
 BATCH = ("dp", "fsdp", "ep")  # the MoE's token axes in its order: data axes, then the experts' axis
 MESH_RESOURCE = te_jax.MeshResource(dp_resource="dp", fsdp_resource="fsdp", tp_resource="tp", ep_resource="ep")
-LOGICAL_RULES = te_jax.sharding.logical_axis_rules(MESH_RESOURCE)
+LOGICAL_RULES = te_jax.ops.sharding.logical_axis_rules(MESH_RESOURCE)
 
 
 def mesh_resource(shape: dict[str, int]) -> te_jax.MeshResource:

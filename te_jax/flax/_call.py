@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 import jax
 
-from te_jax._core import split_stats, with_stats
-from te_jax._layers import located
+from te_jax.core import split_stats, with_stats
+from te_jax.core.layer_support import located
 from te_jax.flax import _common as C
 
 

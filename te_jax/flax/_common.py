@@ -12,13 +12,13 @@ import numpy as np
 from flax.linen import meta
 
 from te_jax import FP8_COLLECTION
-from te_jax import _layers as L
-from te_jax.autocast import current_recipe, inspect_sample, inspecting
-from te_jax.inspect import stats as inspect_stats
-from te_jax.inspect.stats import STATS_COLLECTION
-from te_jax.state import QUANTIZE_RNG, module_path
-from te_jax._layers import HIGH_PRECISION, Initializer, canonical_input, compute_dtype  # noqa: F401  (shared)
-from te_jax.state_grad import missing_state_error
+from te_jax.core import layer_support as L
+from te_jax.recipe.autocast import current_recipe, inspect_sample, inspecting
+from te_jax.core import stats as inspect_stats
+from te_jax.core.stats import STATS_COLLECTION
+from te_jax.train.update import QUANTIZE_RNG, module_path
+from te_jax.core.layer_support import HIGH_PRECISION, Initializer, canonical_input, compute_dtype  # noqa: F401  (shared)
+from te_jax.core.state_guard import missing_state_error
 
 
 def where(module: nn.Module) -> str:

@@ -12,11 +12,11 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 from jax import lax
 
-from te_jax._core import DenseQuantizers
-from te_jax.dense import dense
+from te_jax.core import DenseQuantizers
+from te_jax.core.dense import dense
 from te_jax.flax import _common as C
 from te_jax.flax._call import call_op
-from te_jax.state import module_path
+from te_jax.train.update import module_path
 
 Dtype = Any
 

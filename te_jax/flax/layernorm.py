@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax._core import DenseQuantizers
-from te_jax._core.norm import NormSpec, normalize_hp
-from te_jax._layers import flax_normalize, norm_uses_bias
+from te_jax.core import DenseQuantizers
+from te_jax.core.norm import NormSpec, normalize_hp
+from te_jax.core.layer_support import flax_normalize, norm_uses_bias
 from te_jax.flax import _common as C
 from te_jax.flax._call import call_op
-from te_jax.layernorm_dense import layernorm_dense
-from te_jax.state import module_path
+from te_jax.core.layernorm_dense import layernorm_dense
+from te_jax.train.update import module_path
 
 Dtype = Any
 

@@ -3,7 +3,7 @@
 Off by default. Turned on by ``te_jax.autocast(recipe=..., inspect=True)``
 (part of jit's cache key, like the recipe). Then every quantized tensor of
 every te_jax layer (inputs, weights, outputs, output gradients, input
-gradients) gets the statistics of ``te_jax.inspect.stats`` (amax, scale,
+gradients) gets the statistics of ``te_jax.core.stats`` (amax, scale,
 underflow, saturation, relative error, spread of block scales), computed
 inside the step from the copy its GEMM reads, and they come back through the
 Flax collection ``"fp8_stats"`` (``STATS_COLLECTION``)::
@@ -26,7 +26,7 @@ roles. Writers: ``JsonlWriter``, ``TensorBoardWriter`` (``te_jax.inspect.writers
 """
 
 from te_jax.inspect.records import compare_table, format_table, mean_over, merge_max, to_rows
-from te_jax.inspect.stats import SATURATION_MARGIN, STAT_NAMES, STATS_COLLECTION, Sample, tensor_stats, zeros
+from te_jax.core.stats import SATURATION_MARGIN, STAT_NAMES, STATS_COLLECTION, Sample, tensor_stats, zeros
 from te_jax.inspect.writers import JsonlWriter, TensorBoardWriter, read_jsonl
 
 __all__ = [

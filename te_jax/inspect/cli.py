@@ -34,7 +34,7 @@ import te_jax
 from te_jax import recipe as R
 from te_jax.flax import LayerNorm, TransformerLayer
 from te_jax.inspect.records import Row, compare_table, format_table, mean_over, render, to_rows
-from te_jax.inspect.stats import STAT_NAMES, STATS_COLLECTION
+from te_jax.core.stats import STAT_NAMES, STATS_COLLECTION
 from te_jax.train import TrainState, value_and_grad
 
 SHORT_NAMES = {"delayed": R.DelayedScaling, "current": R.Float8CurrentScaling, "mxfp8": R.MXFP8BlockScaling,

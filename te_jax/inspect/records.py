@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from te_jax.inspect.stats import STAT_NAMES
+from te_jax.core.stats import STAT_NAMES
 from te_jax.recipe import ROLES
 
 Row = dict[str, Any]

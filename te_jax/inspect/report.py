@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from te_jax.inspect.records import Row, role_order
-from te_jax.inspect.stats import STAT_NAMES
+from te_jax.core.stats import STAT_NAMES
 
 INSTALL_HINT = 'pip install matplotlib  (or pip install -e ".[examples]")'
 _COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")

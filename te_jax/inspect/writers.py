@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from te_jax.inspect.records import Row, to_rows
-from te_jax.inspect.stats import STAT_NAMES
+from te_jax.core.stats import STAT_NAMES
 
 TENSORBOARD_HINT = "pip install tensorboardX  (or tensorflow, for flax.metrics.tensorboard)"
 

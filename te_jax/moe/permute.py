@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.moe.routing import expert_counts
-from te_jax.ops.grouped_layout import materialized, regroup_rows, regroup_sources, span_lengths
+from te_jax.ops.grouped.layout import materialized, regroup_rows, regroup_sources, span_lengths
 
 
 class Permutation(NamedTuple):

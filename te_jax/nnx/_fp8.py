@@ -17,11 +17,11 @@ from typing import Any
 import jax
 from flax import nnx
 
-from te_jax._core import with_stats
-from te_jax._layers import describe, located
-from te_jax.autocast import current_recipe, inspect_sample, inspecting
-from te_jax.inspect import stats as inspect_stats
-from te_jax.state import QUANTIZE_RNG
+from te_jax.core import with_stats
+from te_jax.core.layer_support import describe, located
+from te_jax.recipe.autocast import current_recipe, inspect_sample, inspecting
+from te_jax.core import stats as inspect_stats
+from te_jax.train.update import QUANTIZE_RNG
 from te_jax.nnx.variables import FP8Meta, FP8Stats
 
 _CONSTRUCT = ("construct the model under te_jax.autocast(recipe=...) with the recipe it is called under, and train "

@@ -14,9 +14,9 @@ from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 from jax import lax
 
-from te_jax._core import DenseQuantizers
-from te_jax._layers import canonical_axes
-from te_jax.dense import dense
+from te_jax.core import DenseQuantizers
+from te_jax.core.layer_support import canonical_axes
+from te_jax.core.dense import dense
 from te_jax.nnx._fp8 import as_path, init_fp8, recipe_or_none, run_op, where
 
 Dtype = Any

@@ -12,9 +12,9 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import initializers
 
-from te_jax._core import GEMMS, MLPQuantizers
-from te_jax._layers import activation_name, canonical_input, check_dtypes, compute_dtype, dropout_mask
-from te_jax.layernorm_mlp import GATED, layernorm_mlp
+from te_jax.core import GEMMS, MLPQuantizers
+from te_jax.core.layer_support import activation_name, canonical_input, check_dtypes, compute_dtype, dropout_mask
+from te_jax.core.layernorm_mlp import GATED, layernorm_mlp
 from te_jax.nnx._fp8 import as_path, init_fp8, recipe_or_none, run_op, where
 from te_jax.nnx.linear import default_bias_init, default_kernel_init, reshaped_init
 from te_jax.nnx.normalization import norm_args, norm_params, param

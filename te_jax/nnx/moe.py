@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
 
-from te_jax._layers import canonical_input, check_dtypes
-from te_jax._moe_layer import GEMMS, MoEQuantizers, activate, check_config, expert_width, route_tokens, routed_experts
+from te_jax.core.layer_support import canonical_input, check_dtypes
+from te_jax.moe.experts import GEMMS, MoEQuantizers, activate, check_config, expert_width, route_tokens, routed_experts
 from te_jax.nnx._fp8 import as_path, init_fp8, recipe_or_none, run_op, where
 from te_jax.nnx.normalization import LayerNormLinear, param
 

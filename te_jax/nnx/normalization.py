@@ -13,11 +13,11 @@ import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 
-from te_jax._core import DenseQuantizers
-from te_jax._core.norm import NormSpec, normalize_hp
-from te_jax._layers import canonical_axes, canonical_input, check_dtypes, compute_dtype, flax_normalize, \
+from te_jax.core import DenseQuantizers
+from te_jax.core.norm import NormSpec, normalize_hp
+from te_jax.core.layer_support import canonical_axes, canonical_input, check_dtypes, compute_dtype, flax_normalize, \
     norm_uses_bias
-from te_jax.layernorm_dense import layernorm_dense
+from te_jax.core.layernorm_dense import layernorm_dense
 from te_jax.nnx._fp8 import as_path, init_fp8, recipe_or_none, run_op, where
 from te_jax.nnx.linear import default_bias_init, default_kernel_init, reshaped_init
 

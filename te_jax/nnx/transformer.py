@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from te_jax._layers import attention_heads, canonical_input, check_dtypes, choose_attention_implementation, \
+from te_jax.core.layer_support import attention_heads, canonical_input, check_dtypes, choose_attention_implementation, \
     mlp_logical_axes, rotary_embedding, split_qkv
 from te_jax.nnx._fp8 import as_path, where
 from te_jax.nnx.linear import default_bias_init, default_kernel_init

@@ -1,5 +1,9 @@
-"""te_jax ops: one module per op family, each a custom call with a pure-JAX reference twin."""
+"""The primitives floor: one module per op family, each a custom call with a pure-JAX reference twin.
 
-from te_jax.ops import activation, fused_cast, gemm, norm, quantize
+Every primitive takes explicit arguments only (arrays, static options, mesh
+axes); nothing here reads an autocast, a recipe or a quantizer.
+"""
 
-__all__ = ["activation", "fused_cast", "gemm", "norm", "quantize"]
+from te_jax.ops import activation, backend, cast, gemm, norm, quantize, sharding
+
+__all__ = ["activation", "backend", "cast", "gemm", "norm", "quantize", "sharding"]

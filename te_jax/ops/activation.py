@@ -1,6 +1,6 @@
 """Activations fused with the output's quantization, and their backward fused with dbias.
 
-Activations (float32 math, ``te_jax.quantize.ref_norm_act`` is the reference
+Activations (float32 math, ``te_jax.spec.reference_norm_act`` is the reference
 twin): ``gelu`` (tanh approximation, ``jax.nn.gelu``'s default), ``relu``,
 ``silu``, ``squared_relu``, and the gated ``swiglu = silu(a) * g`` and
 ``geglu = gelu(a) * g``, where the input's last axis is ``[2F]``: ``a =
@@ -12,7 +12,7 @@ becomes ``[m, 2f]`` for the kernel, and the gradient comes back as
 ``[..., 2, F]`` (its columnwise copy ``[2, F, M]``).
 
 The output ``[M, N_out]`` (``M = prod(x.shape[:-1])``) goes through a cast
-(``CastSpec``, see ``te_jax.ops.fused_cast``) with the layouts of
+(``CastSpec``, see ``te_jax.ops.cast``) with the layouts of
 ``te_jax.ops.quantize``.
 
 FFI targets (vmap adds leading batch axes to every operand):
@@ -31,7 +31,7 @@ FFI targets (vmap adds leading batch axes to every operand):
     N]`` (``[..., 0]`` unless asked), ``workspace f32 [..., W]``: per-64-row
     partial column sums for dbias on a GPU (``W = ceil(M/64) * N``), else empty.
 
-Sharding (``te_jax.ops.partition``): rows and columns stay split (a gated
+Sharding (``te_jax.ops.primitive``): rows and columns stay split (a gated
 ``[..., 2F]`` input gathers its columns, ``[..., 2, F]`` keeps them); the
 fp8_tensor amax takes one pmax, fp8_current and nvfp4 casts of a split output
 write it in float32 and quantize it with the whole tensor's amax
@@ -53,14 +53,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-import te_jax._ffi  # noqa: F401  (registers the FFI targets)
-from te_jax import backend as backend_lib
-from te_jax.ops import partition
+import te_jax.ops.ffi  # noqa: F401  (registers the FFI targets)
+from te_jax.ops import backend as backend_lib
+from te_jax.ops import primitive as partition
 from te_jax.ops import quantize as qops
-from te_jax.ops.fused_cast import (
+from te_jax.ops.cast import (
     SPLIT_CASTS, CastOutputs, CastSpec, cast_operands, cast_reduce, cast_tokens, check_spec, result_shapes, split_cast,
 )
-from te_jax.quantize import ref_norm_act as rna
+from te_jax.spec import reference_norm_act as rna
 
 ACTIVATIONS = rna.ACTIVATIONS
 GATED = rna.GATED

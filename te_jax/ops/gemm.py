@@ -29,15 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_jax import backend as backend_lib
+from te_jax.ops import backend as backend_lib
 from te_jax.ops.gemm_call import CUBLAS_WORKSPACE_BYTES, Layout, call, workspace_bytes
-from te_jax.ops.quantize import pad_to_blocks
-from te_jax.quantize import modes
-from te_jax.quantize import numerics as nm
-from te_jax.quantize import reference as ref
-from te_jax.quantize.modes import ScalingMode
-from te_jax.quantize.scaled_tensor import ScaledTensor
-from te_jax.sharding import MeshResource
+from te_jax.ops.quantize import dequantize, dequantize_colwise, pad_to_blocks
+from te_jax.spec import modes
+from te_jax.spec import numerics as nm
+from te_jax.spec import reference as ref
+from te_jax.spec.modes import ScalingMode
+from te_jax.spec.scaled_tensor import ScaledTensor
+from te_jax.ops.sharding import MeshResource
 
 __all__ = ["CUBLAS_WORKSPACE_BYTES", "gemm", "gemm_fp8", "gemm_fp8_block", "gemm_mxfp8", "gemm_nvfp4",
            "workspace_bytes"]
@@ -164,7 +164,7 @@ def gemm_fp8(a, b, a_scale_inv, b_scale_inv, bias=None, *, out_dtype=jnp.bfloat1
       autotune: time cuBLASLt's candidate algorithms when this GEMM configuration is first run and keep the
         fastest (ignored on CPU). Off: cuBLASLt's heuristic choice, the same algorithm (and result bits) in
         every run.
-      backend: "ffi" or "reference" (default: ``te_jax.backend``'s context).
+      backend: "ffi" or "reference" (default: ``te_jax.ops.backend``'s context).
       mesh_resource: under sharding, the tensor / sequence parallel axes: a
         weight split over them stays split along N, and sequence-parallel
         partial products are reduce-scattered over M (None: neither).
@@ -352,7 +352,7 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_d
         raise ValueError on True.
       autotune: time cuBLASLt's candidate algorithms when a GEMM configuration first runs and keep the fastest
         (ignored on CPU). Off by default: cuBLASLt's heuristic choice, the same result bits in every run.
-      backend: "ffi" or "reference" (default: ``te_jax.backend``'s context).
+      backend: "ffi" or "reference" (default: ``te_jax.ops.backend``'s context).
       mesh_resource: the tensor / sequence parallel axes for a sharded GEMM
         (see ``gemm_fp8``); the functional layers pass their autocast's.
 
@@ -379,8 +379,8 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_d
         return _gemm_scaled(lhs, rhs, lc, rc, lb, rb, bias, fast_accum, out_dtype=out_dtype, autotune=autotune,
                             backend=backend, mesh_resource=mesh_resource)
     out_dtype = check_out_dtype(out_dtype)
-    lhs = lhs.dequantize(jnp.float32, backend=backend) if lq else lhs
-    rhs = rhs.dequantize(jnp.float32, backend=backend) if rq else rhs
+    lhs = dequantize(lhs, jnp.float32, backend=backend) if lq else lhs
+    rhs = dequantize(rhs, jnp.float32, backend=backend) if rq else rhs
     out = lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)), precision=lax.Precision.HIGHEST if lq or rq else None,
                           preferred_element_type=jnp.float32)
     if bias is not None:

@@ -30,10 +30,10 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-import te_jax._ffi  # noqa: F401  (registers the FFI targets)
-from te_jax.ops.partition import AxisClaims, device_local, mesh_axes
-from te_jax.quantize import modes
-from te_jax.sharding import MeshResource, axes_of
+import te_jax.ops.ffi  # noqa: F401  (registers the FFI targets)
+from te_jax.ops.primitive import AxisClaims, device_local, mesh_axes
+from te_jax.spec import modes
+from te_jax.ops.sharding import MeshResource, axes_of
 
 CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
 _SCALARS = {"a_t": "a_tm", "b_t": "b_tm"}  # per-tensor value -> one value per matrix of the leading axes

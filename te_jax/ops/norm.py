@@ -1,10 +1,10 @@
 """LayerNorm / RMSNorm fused with the output's quantization: FFI custom calls + reference twin.
 
 ``x [..., H]`` is normalized over H (float32 statistics) and written through a
-cast (``CastSpec``, see ``te_jax.ops.fused_cast``): unquantized, or quantized
+cast (``CastSpec``, see ``te_jax.ops.cast``): unquantized, or quantized
 rowwise ``[M, H]`` and/or columnwise ``[H, M]`` (``M = prod(x.shape[:-1])``)
 with the layouts of ``te_jax.ops.quantize``. The reference twin is
-``te_jax.quantize.ref_norm_act`` (``backend="reference"``).
+``te_jax.spec.reference_norm_act`` (``backend="reference"``).
 
 FFI targets (one per direction; the cast mode is an attribute; vmap adds
 leading batch axes to every operand, ``vmap_method="broadcast_all"``):
@@ -38,7 +38,7 @@ How the CUDA kernels fuse (passes over HBM; docs/norm_act.md):
   and writes every requested copy (NVFP4 with the Hadamard transform adds a
   tile pass for the transformed amax). y is never written in high precision.
 
-Sharding (``te_jax.ops.partition``): rows stay split, an H split is gathered
+Sharding (``te_jax.ops.primitive``): rows stay split, an H split is gathered
 (a norm needs whole rows). The fp8_tensor amax takes one pmax; fp8_current and
 nvfp4 casts of split rows write y in float32 and quantize it with the whole
 tensor's amax (``fused_cast.split_cast``, one extra pass); the backward's
@@ -56,14 +56,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-import te_jax._ffi  # noqa: F401  (registers the FFI targets)
-from te_jax import backend as backend_lib
-from te_jax.ops import partition
+import te_jax.ops.ffi  # noqa: F401  (registers the FFI targets)
+from te_jax.ops import backend as backend_lib
+from te_jax.ops import primitive as partition
 from te_jax.ops import quantize as qops
-from te_jax.ops.fused_cast import (
+from te_jax.ops.cast import (
     SPLIT_CASTS, CastOutputs, CastSpec, cast_operands, cast_reduce, cast_tokens, check_spec, result_shapes, split_cast,
 )
-from te_jax.quantize import ref_norm_act as rna
+from te_jax.spec import reference_norm_act as rna
 
 NORM_KINDS = rna.NORM_KINDS
 BWD_ROWS_PER_GROUP = 64

@@ -3,12 +3,12 @@
 Every op takes matrices ``x [..., M, N]``; leading axes are a batch (the
 kernels loop over it, and ``vmap`` adds to it). Each validates its inputs at
 trace time, then runs the ``te_jax_*`` custom call or, when the backend is
-"reference", the function of the same name in ``te_jax.quantize.reference``.
+"reference", the function of the same name in ``te_jax.spec.reference``.
 The columnwise copy of every mode is the quantization of the transposed
 matrix ``[..., N, M]``; an output that was not asked for is an empty
 ``[..., 0]`` array.
 
-Each custom call runs through ``te_jax.ops.partition``: under ``jit`` with
+Each custom call runs through ``te_jax.ops.primitive``: under ``jit`` with
 sharded operands it runs on every device's blocks (rows and columns may both
 stay sharded; a columnwise copy takes the transposed sharding), per-tensor
 amaxes take one pmax, and current scaling and NVFP4 cast with the whole
@@ -21,12 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import te_jax._ffi  # noqa: F401  (registers the FFI targets)
-from te_jax import backend as backend_lib
-from te_jax.ops import partition
-from te_jax.quantize import modes
-from te_jax.quantize import numerics as nm
-from te_jax.quantize import reference as ref
+import te_jax.ops.ffi  # noqa: F401  (registers the FFI targets)
+from te_jax.ops import backend as backend_lib
+from te_jax.ops import primitive as partition
+from te_jax.spec import modes
+from te_jax.spec import numerics as nm
+from te_jax.spec import reference as ref
+from te_jax.spec.scaled_tensor import ScaledTensor
 
 HIGH_PRECISION_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MXFP8_BLOCK = nm.MXFP8_BLOCK
@@ -478,9 +479,44 @@ _DEQUANTIZE = {
 }
 
 
-def dequantize(mode: modes.ModeSpec, data, scales, amax=None, *, out_dtype=jnp.float32, backend=None):
+def dequantize_matrix(mode: modes.ModeSpec, data, scales, amax=None, *, out_dtype=jnp.float32, backend=None):
     """Dequantizes one copy ``[..., M, N]`` (NVFP4: packed ``[..., M, N/2]``) of a tensor of scaling mode ``mode``.
 
     ``amax`` is the copy's global amax (NVFP4) and is ignored by the other modes.
     """
     return _DEQUANTIZE[mode.name](data, scales, amax, out_dtype=out_dtype, backend=backend)
+
+
+def dequantize(t: ScaledTensor, dtype=jnp.float32, backend: str | None = None) -> jax.Array:
+    """The values ``t`` represents, in its logical shape (from the rowwise copy if present)."""
+    if t.has_rowwise:
+        values = dequantize_matrix(t.scaling_mode, t.data, t.scale_inv, t.amax, out_dtype=dtype, backend=backend)
+        values = _first_columns(values, t.matrix_shape[1])
+    else:
+        values = jnp.swapaxes(dequantize_colwise(t, dtype, backend, undo_rht=True), -1, -2)
+    return values.reshape(*values.shape[:-2], *t.shape)
+
+
+def dequantize_colwise(t: ScaledTensor, dtype=jnp.float32, backend: str | None = None,
+                       undo_rht: bool = False) -> jax.Array:
+    """The columnwise copy's values of ``t`` as the matrix ``[N, M]``.
+
+    With ``t.rht`` these are Hadamard-domain values unless ``undo_rht``:
+    then a partial 16-group's transformed padding is part of them, so
+    they are ``[N, M']`` with ``M'`` rounded up to whole groups.
+    """
+    if not t.has_colwise:
+        raise ValueError("te_jax: this ScaledTensor has no columnwise copy")
+    amax = t.colwise_amax if t.scaling_mode.global_amax else t.amax
+    values = dequantize_matrix(t.scaling_mode, t.colwise_data, t.colwise_scale_inv, amax, out_dtype=jnp.float32,
+                               backend=backend)
+    if t.rht and not undo_rht:
+        return values.astype(dtype)
+    if t.rht:
+        values = nm.inverse_rht16(values)
+    return _first_columns(values, t.matrix_shape[0]).astype(dtype)
+
+
+def _first_columns(values: jax.Array, count: int) -> jax.Array:
+    """``values [..., R, C]`` without the block padding after column ``count`` (as it is when there is none)."""
+    return values if values.shape[-1] == count else values[..., :count]

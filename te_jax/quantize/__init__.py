@@ -1,50 +1,18 @@
-"""Quantization: scaling modes, ScaledTensor, quantizers and the reference numerics.
+"""The quantize floor: quantizers (one frozen dataclass per scaling mode), fused casts and dequantize.
 
-The scaling-mode registry (``modes``), ``ScaledTensor`` and the reference
-twins are imported with this package; the quantizers (``quantizers``,
-``delayed``) and the quantizer-level fused ops (``fused``) are imported on
-first use, so that the ops layer, which imports the reference twins from
-here, never loads them.
+A quantizer turns a high-precision array into a ``ScaledTensor``
+(``te_jax.spec``) through the primitives of ``te_jax.ops``.
 """
 
-import importlib
-
-from te_jax.quantize import modes, numerics, reference
-from te_jax.quantize.modes import ModeSpec, ScalingMode
-from te_jax.quantize.scaled_tensor import ScaledTensor, flattened_shape
-
-_LAZY = {
-    "CurrentScalingQuantizer": "te_jax.quantize.quantizers",
-    "Float8BlockQuantizer": "te_jax.quantize.quantizers",
-    "MXFP8Quantizer": "te_jax.quantize.quantizers",
-    "NVFP4Quantizer": "te_jax.quantize.quantizers",
-    "Quantizer": "te_jax.quantize.quantizers",
-    "as_matrix": "te_jax.quantize.quantizers",
-    "DelayedScalingQuantizer": "te_jax.quantize.delayed",
-}
-_LAZY_MODULES = ("delayed", "fused", "quantizers", "ref_norm_act")
+from te_jax.ops.quantize import dequantize, dequantize_colwise
+from te_jax.quantize import delayed, fused
+from te_jax.quantize.delayed import DelayedScalingQuantizer
+from te_jax.quantize.quantizers import (CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer,
+                                        NVFP4Quantizer, Quantizer, as_matrix)
+from te_jax.spec import ModeSpec, ScaledTensor, ScalingMode, flattened_shape
 
 __all__ = [
-    "CurrentScalingQuantizer",
-    "DelayedScalingQuantizer",
-    "Float8BlockQuantizer",
-    "MXFP8Quantizer",
-    "ModeSpec",
-    "NVFP4Quantizer",
-    "Quantizer",
-    "ScaledTensor",
-    "ScalingMode",
-    "as_matrix",
-    "flattened_shape",
-    "modes",
-    "numerics",
-    "reference",
+    "CurrentScalingQuantizer", "DelayedScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "ModeSpec",
+    "NVFP4Quantizer", "Quantizer", "ScaledTensor", "ScalingMode", "as_matrix", "delayed", "dequantize",
+    "dequantize_colwise", "flattened_shape", "fused",
 ]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in _LAZY_MODULES:
-        return importlib.import_module(f"te_jax.quantize.{name}")
-    raise AttributeError(f"module 'te_jax.quantize' has no attribute {name!r}")

@@ -40,11 +40,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from te_jax.ops import quantize as qops
-from te_jax.ops.fused_cast import CastSpec
-from te_jax.quantize import modes
-from te_jax.quantize import numerics as nm
+from te_jax.spec.scaled_tensor import CastSpec
+from te_jax.spec import modes
+from te_jax.spec import numerics as nm
 from te_jax.quantize.quantizers import as_matrix
-from te_jax.quantize.scaled_tensor import ScaledTensor
+from te_jax.spec.scaled_tensor import ScaledTensor
 
 State = dict[str, jax.Array]
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -145,7 +145,7 @@ class DelayedScalingQuantizer:
       scaling_factor_compute_algo: None or ``f(amax, scale, fp8_max, margin)``; the recipe binds its own
         TransformerEngine-style ``f(amax, scale, fp8_max, recipe)`` to this form.
       reduce_amax: callers reduce this tensor's amax across devices before
-        ``update_state`` (``te_jax.sharding.reduce_amax``).
+        ``update_state`` (``te_jax.ops.sharding.reduce_amax``).
       amax_reduction: "max" or "mean".
     """
 

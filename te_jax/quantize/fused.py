@@ -26,8 +26,8 @@ import jax.numpy as jnp
 
 from te_jax.ops import activation as act_ops
 from te_jax.ops import norm as norm_ops
-from te_jax.ops.fused_cast import CastOutputs, CastSpec
-from te_jax.quantize.scaled_tensor import ScaledTensor, flattened_shape
+from te_jax.spec.scaled_tensor import CastOutputs, CastSpec
+from te_jax.spec.scaled_tensor import ScaledTensor, flattened_shape
 
 
 class UnfusedCastWarning(UserWarning):

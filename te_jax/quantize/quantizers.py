@@ -16,7 +16,7 @@ The protocol every quantizer follows (custom recipes may return their own):
   ``x`` quantized with the scale that quantized ``like`` (a ScaledTensor of
   this quantizer whose values include all of ``x``'s, such as a
   rearrangement of some of its rows), without an amax pass of its own.
-* optional: ``scaling_mode`` (the ``te_jax.quantize.modes`` entry it
+* optional: ``scaling_mode`` (the ``te_jax.spec.modes`` entry it
   writes) and ``fused_cast(state, *, rowwise, colwise)``, the
   ``(CastSpec, scale)`` that writes the same ScaledTensor from inside a fused
   norm / activation kernel, or None when it cannot be fused
@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from te_jax.ops import quantize as qops
-from te_jax.ops.fused_cast import CastSpec
-from te_jax.quantize import modes
-from te_jax.quantize import numerics as nm
-from te_jax.quantize.scaled_tensor import ScaledTensor, flattened_shape
+from te_jax.spec.scaled_tensor import CastSpec
+from te_jax.spec import modes
+from te_jax.spec import numerics as nm
+from te_jax.spec.scaled_tensor import ScaledTensor, flattened_shape
 
 
 @runtime_checkable

@@ -1,0 +1,181 @@
+"""``layernorm_dense``: ``y = norm(x) @ W + b`` with the norm fused into the input's quantization.
+
+The functional core of ``te_jax.flax.LayerNormDenseGeneral`` (and, with
+``norm_type=None``, of attention output projections). Like ``te_jax.dense``
+it takes the quantizers and their state explicitly and returns the new state::
+
+    q = DenseQuantizers.from_recipe(recipe)
+    y, state = layernorm_dense(x, gamma, beta, kernel, bias, quantizers=q, state=q.init_state())
+
+Kernels and GEMMs (``x`` viewed as ``[M, H]``, ``W`` as ``[H, N]``)::
+
+    forward  ln, mean, rsigma = te_jax_norm_fwd(x)   ln written rowwise + columnwise by the "linear_input"
+                                                     quantizer inside the norm kernel (no bf16 ln in HBM)
+             y  = ln (rowwise)  @ W (columnwise, "linear_weight") + b
+    dgrad    dln = dy (rowwise, "linear_grad_output") @ W^T (rowwise)
+             dx, dgamma, dbeta = te_jax_norm_bwd(dln)
+    wgrad    dW = ln^T (columnwise) @ dy (columnwise)
+
+"linear_output" / "linear_grad_input" quantizers quantize-dequantize ``y`` /
+``dln`` as in ``te_jax.dense``; a role whose quantizer is None stays in high
+precision. Without any quantizer this is ``normalize(x) @ W + b`` on plain
+autodiff, which is what flax.linen's LayerNorm followed by DenseGeneral computes.
+
+State, keys, statistics and the state update carried as the gradient of
+``state`` work exactly as in ``te_jax.dense`` (all of it is ``te_jax.core``). When nothing is differentiated (inference),
+only the copies the forward GEMM reads are written.
+
+Rematerialization. Every forward quantized copy is named
+``checkpoint_name(..., QUANTIZED)`` and the norm statistics ``NORM_STATS``,
+so ``save_fp8_policy`` (``jax.checkpoint`` / ``nn.remat`` policy) keeps the
+FP8 copies and recomputes only GEMMs and elementwise work in backward, never a
+cast (``fp8_checkpoint_policy(PRE_ACTIVATION)`` also keeps an MLP's first GEMM
+output). FP8 leaves are named as their uint8 bits: see ``te_jax.core.remat``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax.core import (NORM_STATS, PRE_ACTIVATION, QUANTIZED, DenseQuantizers, GemmQuant, Plan, as_quantizers,
+                          check_gemm, check_high_precision, check_no_dot_general, cotangent, fp8_checkpoint_policy,
+                          given_stats, high_precision_state, keep, mesh_resource_or_autocast, raw_key,
+                          save_fp8_policy, state_cotangent, state_leaves, updated_state, vary_of)
+from te_jax.core.norm import NormSpec, as_norm, norm_backward, norm_input, normalize_hp
+from te_jax.recipe.autocast import with_plan_mesh
+from te_jax.core.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves
+from te_jax.ops.sharding import MeshResource, to_varying
+
+__all__ = ["NORM_STATS", "PRE_ACTIVATION", "QUANTIZED", "fp8_checkpoint_policy", "layernorm_dense",
+           "save_fp8_policy"]
+
+_WHERE = "layernorm_dense"
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerNormDensePlan(Plan):
+    """The static facts of one layernorm_dense call (``vary``: x, gamma, beta, kernel, bias)."""
+
+    q: DenseQuantizers
+    norm: NormSpec | None
+    dtype: Any  # the kernel's dtype: the compute and output dtype
+    x_dtype: Any
+    bias_dtype: Any  # None: no bias
+
+
+def layernorm_dense(
+    x: jax.Array,
+    gamma: jax.Array | None,
+    beta: jax.Array | None,
+    kernel: jax.Array,
+    bias: jax.Array | None = None,
+    *,
+    norm_type: str | None = "layernorm",
+    zero_centered_gamma: bool = False,
+    epsilon: float = 1e-6,
+    quantizers: DenseQuantizers | Mapping[str, Any] | None = None,
+    state: Mapping[str, Any] | None = None,
+    key: jax.Array | None = None,
+    mesh_resource: MeshResource | None = None,
+    precision=None,
+    inspect: bool | Sample = False,
+    dot_general=None,
+) -> tuple[jax.Array, dict[str, Any] | None]:
+    """``norm(x) @ kernel + bias`` over x's last axis, with the norm fused into the input's cast.
+
+    Args:
+      x: ``[..., H]``, float32/bfloat16/float16.
+      gamma, beta: the norm's ``[H]`` scale and bias (beta None: no bias; rmsnorm has none).
+        Both None with ``norm_type=None``.
+      kernel: ``[H, *features]``; its dtype is the compute (output) dtype.
+      bias: ``features``-shaped, or None.
+      norm_type: "layernorm", "rmsnorm", or None (no norm: a dense layer on x's last axis).
+      zero_centered_gamma: the norm scales by ``1 + gamma``.
+      epsilon: added to the variance.
+      quantizers, state, key, mesh_resource: as in ``te_jax.dense``.
+      precision: ``lax.dot_general`` precision of the high-precision path.
+      inspect: quantization statistics, as in ``te_jax.dense``.
+      dot_general: the product of the unquantized path instead of
+        ``lax.dot_general`` (e.g. a flax ``Fp8DotGeneral`` instance); only without quantizers.
+
+    Returns:
+      ``(y [..., *features], new_state)``, new_state as in ``te_jax.dense``.
+    """
+    where = _WHERE
+    q = as_quantizers(quantizers)
+    inspect = as_sample(inspect)
+    check_no_dot_general(where, dot_general, q.any)
+    norm = as_norm(norm_type, zero_centered_gamma, epsilon, gamma, beta, where)
+    check_high_precision(where, x=x, gamma=gamma, beta=beta, kernel=kernel, bias=bias)
+    if x.ndim < 1 or kernel.ndim < 2 or x.shape[-1] != kernel.shape[0]:
+        raise ValueError(f"te_jax: {where}: x [..., H] and kernel [H, *features] must share H; got x {x.shape}, "
+                         f"kernel {kernel.shape}")
+    features = kernel.shape[1:]
+    if bias is not None and tuple(bias.shape) != features:
+        raise ValueError(f"te_jax: {where}: bias must have the kernel's feature shape {features}, got {bias.shape}")
+    lead, h, n = x.shape[:-1], x.shape[-1], math.prod(features)
+    dtype = kernel.dtype
+    if not q.any:
+        ln = normalize_hp(norm, x, gamma, beta, dtype)
+        y = (dot_general or lax.dot_general)(ln, kernel, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision)
+        if bias is not None:
+            y = y + bias.astype(y.dtype)
+        return y, high_precision_state(state, inspect)
+    inner = check_gemm(q, state, key, where)
+    x2, k2 = x.reshape(-1, h), kernel.reshape(h, n)
+    b2 = None if bias is None else bias.reshape(n)
+    qstats = stats_input(q.quantized_roles(), given_stats(state)) if inspect else None
+    plan = _LayerNormDensePlan(mesh_resource_or_autocast(mesh_resource), state_leaves(inner), stats_leaves(qstats),
+                               vary_of(x, gamma, beta, kernel, bias), inspect, q, norm, dtype, x.dtype,
+                               None if bias is None else bias.dtype)
+    y, new_inner, fwd_stats = _vjp(plan, x2, gamma, beta, k2, b2, inner, raw_key(key), qstats)
+    return y.reshape(*lead, *features), updated_state(state, new_inner, fwd_stats)
+
+
+def _forward(plan: _LayerNormDensePlan, x, gamma, beta, kernel, bias, state, key, training: bool):
+    g = GemmQuant(plan.q, state, key, plan.mesh_resource, plan.inspect)
+    ln, stats = norm_input(plan.norm, g, x, gamma, beta, kernel.dtype, training)
+    kq = g.quantize("weight", kernel, rowwise=training, colwise=True, flatten_axis=1)
+    y = g.gemm(ln, kq, ((1,), (0,)), out_dtype=kernel.dtype, bias=bias, fast_accum=plan.q.fast_accum)
+    y = to_varying(g.qdq("output", y), plan.all_vary)
+    res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(kq, "rowwise"), g.st,
+           g.grads, key, g.stats)
+    return (y, g.new_state(), g.stats), res
+
+
+# The statistics input ``qstats`` is never read: its cotangent carries the statistics out of backward.
+def _primal(plan, x, gamma, beta, kernel, bias, state, key, qstats):
+    return _forward(plan, x, gamma, beta, kernel, bias, state, key, training=False)[0]
+
+
+def _fwd(plan, x, gamma, beta, kernel, bias, state, key, qstats):
+    return _forward(plan, x, gamma, beta, kernel, bias, state, key, training=True)
+
+
+def _bwd(plan: _LayerNormDensePlan, res, cts):
+    x, gamma, beta, stats, ln, kq, st, grads, key, fwd_stats = res
+    dy = cts[0]
+    g = GemmQuant.backward(plan.q, st, key, plan.mesh_resource, plan.inspect, _WHERE)
+    dyq = g.quantize("grad_output", dy, rowwise=True, colwise=True)
+    # Backward GEMMs split their accumulation unless the recipe asks otherwise, as te_jax.dense does.
+    fast = plan.q.backward_fast_accum
+    dln = g.qdq("grad_input", g.gemm(dyq, kq, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast))
+    dk = g.gemm(ln, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast)
+    db = None if plan.bias_dtype is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(plan.bias_dtype)
+    dx, dgamma, dbeta = norm_backward(plan.norm, dln, x, gamma, beta, stats, plan.x_dtype)
+    u = plan.all_vary
+    vx, vg, vb, vk, vbias = plan.vary
+    dstats = stats_cotangent(plan.stats_leaves, {**fwd_stats, **g.stats}, u) if plan.inspect else None
+    return (cotangent(dx, u, vx), cotangent(dgamma, u, vg), cotangent(dbeta, u, vb), cotangent(dk, u, vk),
+            cotangent(db, u, vbias), state_cotangent(plan.state_leaves, {**grads, **g.grads}, u), None, dstats)
+
+
+_vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))
+_vjp.defvjp(_fwd, with_plan_mesh(_bwd))

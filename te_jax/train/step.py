@@ -1,0 +1,269 @@
+"""Training with FP8 state: gradients that carry the state update, TrainState, accumulation.
+
+The state after forward and backward comes back as the gradient of
+``variables["fp8_meta"]`` (``te_jax.train.update`` explains the form). Turning a
+bf16 train step into an FP8 one changes three lines::
+
+    state = te_jax.train.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)  # whole variables
+
+    @jax.jit
+    def train_step(state, x, y):
+        def loss_fn(params):
+            return loss(state.apply_fn(params, x), y)                     # 1: was {"params": params}
+        with te_jax.autocast(recipe=recipe):                              # 2
+            loss, grads = te_jax.train.value_and_grad(loss_fn)(state.params)  # 3: was jax.value_and_grad
+        return state.apply_gradients(grads=grads), loss
+
+(initialize the model under the same autocast so "fp8_meta" exists).
+``grads["params"]`` are ordinary gradients; ``grads["fp8_meta"]`` is the
+state update. Its amaxes are reduced across devices (``te_jax.ops.sharding``),
+so it is identical on every device, and a ``lax.pmean`` over the whole
+gradient tree keeps it identical; the mean of identical copies equals them
+up to the rounding of XLA's all-reduce (it adds the copies one by one, so an
+ulp or two can move). Do not scale or clip it: ``TrainState`` and
+``apply_gradients`` give the optimizer the parameters only.
+
+Quantization statistics (``te_jax.autocast(..., inspect=True)``, see
+``te_jax.inspect``) travel the same way: the variables hold the
+"fp8_stats" collection, its gradient is the statistics of the step
+(``grads["fp8_stats"]``, uses of one layer merged by max), and
+``apply_gradients`` leaves ``fp8_stats`` as it is.
+
+Only these helpers may step FP8 state. The backward of a stateful layer
+raises ``FP8StateError`` when traced outside ``value_and_grad``/``grad``
+over variables holding "fp8_meta" (or outside ``fp8_state_updates()``, the
+declaration for functional-API users; ``te_jax.core.state_guard``): ``jax.grad``
+over all the variables would let an optimizer move the state like a
+parameter, ``jax.grad`` over the parameters alone would leave it stale. The
+gradients ``value_and_grad`` returns for such variables are a
+``FP8Gradients``: flax's ``TrainState.apply_gradients`` raises
+``FP8StateError`` on them, and handing them whole to an optax
+``tx.update``/``optax.apply_updates`` built on a plain variables dict fails
+with a pytree structure error (``FP8Gradients`` against ``dict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.training import train_state
+from jax import lax
+
+from te_jax.core.stats import STATS_COLLECTION
+from te_jax.train.update import FP8_COLLECTION, apply_fp8_update, merge_fp8_updates, to_max_merging, unused_update
+from te_jax.core.state_guard import FP8StateError, fp8_state_updates
+
+__all__ = ["FP8Gradients", "FP8StateError", "TrainState", "accumulate_gradients", "apply_gradients",
+           "fp8_state_updates", "grad", "merge_gradients", "value_and_grad"]
+
+# Collections whose gradient is not a gradient but a max-merged result: the fp8 state update, the statistics.
+MAX_MERGED = (FP8_COLLECTION, STATS_COLLECTION)
+
+
+def _has_fp8(tree: Any) -> bool:
+    """Whether ``tree`` is a variables dict holding fp8_meta or fp8_stats."""
+    return isinstance(tree, Mapping) and any(c in tree for c in MAX_MERGED)
+
+
+def _merged(tree: Mapping) -> list[str]:
+    return [c for c in MAX_MERGED if c in tree]
+
+
+class FP8Gradients(dict):
+    """The gradients of a variables dict holding "fp8_meta" or "fp8_stats" (a dict; a pytree of its own type).
+
+    ``grads["params"]`` are gradients; ``grads["fp8_meta"]`` is the state
+    update and ``grads["fp8_stats"]`` the statistics, neither of which an
+    optimizer may see. Being a type of its own, the whole dict cannot be
+    mapped against a plain variables dict (an optax update over all the
+    variables fails), and flax's ``TrainState.apply_gradients``, which asks
+    for its "_overwrite_with_gradient" entry, gets ``FP8StateError``.
+    """
+
+    def __contains__(self, key: object) -> bool:
+        if key == OVERWRITE_WITH_GRADIENT:
+            raise FP8StateError(
+                f"te_jax: these gradients carry the FP8 state update ({', '.join(map(repr, _merged(self)))}), "
+                f"which flax's TrainState.apply_gradients would hand to the optimizer; step with "
+                f"te_jax.train.TrainState (a drop-in for flax's, created with params=the whole variables dict) or "
+                f"te_jax.train.apply_gradients")
+        return super().__contains__(key)
+
+    def __repr__(self) -> str:
+        return f"FP8Gradients({dict.__repr__(self)})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    FP8Gradients,
+    lambda g: (tuple((jax.tree_util.DictKey(k), g[k]) for k in sorted(g)), tuple(sorted(g))),
+    lambda keys, children: FP8Gradients(zip(keys, children)),
+    lambda g: (tuple(g[k] for k in sorted(g)), tuple(sorted(g))),
+)
+
+
+def _is_tracer(tree: Any) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
+
+
+def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Callable:
+    """``jax.value_and_grad`` whose differentiated argument may be a variables dict with "fp8_meta".
+
+    The gradient of ``fp8_meta`` is its update for this step (apply it with
+    ``te_jax.train.update.apply_fp8_update`` or ``TrainState.apply_gradients``), that
+    of ``fp8_stats`` the step's quantization statistics; every other leaf gets
+    its ordinary gradient. Uses of one state merge by max, not sum. Called
+    outside jit, the computation is jitted internally, so ``fun``'s outputs
+    (and aux) must be arrays.
+
+    With "fp8_meta" or "fp8_stats" in the differentiated variables the
+    gradients are a ``FP8Gradients`` dict, and the differentiation runs
+    inside ``fp8_state_updates()`` when "fp8_meta" is there. Stateful layers
+    whose state is not in the differentiated argument raise ``FP8StateError``.
+    """
+    if not isinstance(argnums, int):
+        raise ValueError(f"te_jax: value_and_grad differentiates one argument; argnums must be an int, got {argnums!r}")
+
+    def wrapped(*args, **kwargs):
+        variables = args[argnums]
+        if not _has_fp8(variables):
+            return jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)
+
+        def run(variables):
+            v = {**variables, **{c: to_max_merging(variables[c]) for c in _merged(variables)}}
+
+            def f(v):
+                return fun(*args[:argnums], v, *args[argnums + 1:], **kwargs)
+
+            if has_aux:
+                out, vjp_fn, aux = jax.vjp(f, v, has_aux=True)
+            else:
+                (out, vjp_fn), aux = jax.vjp(f, v), None
+            if jnp.shape(out) != () or not jnp.issubdtype(jnp.result_type(out), jnp.floating):
+                raise TypeError(f"te_jax: value_and_grad needs a real scalar output, got {jnp.result_type(out)}"
+                                f"{list(jnp.shape(out))}")
+            (grads,) = vjp_fn(jnp.ones_like(out))
+            grads = FP8Gradients({**grads, **{c: jax.tree.map(lambda g: lax.convert_element_type(g, jnp.float32),
+                                                              grads[c]) for c in _merged(grads)}})
+            return out, aux, grads
+
+        # Max-merging cotangents only work traced; eager calls run jitted.
+        with fp8_state_updates(FP8_COLLECTION in variables):
+            out, aux, grads = run(variables) if _is_tracer(variables) else jax.jit(run)(variables)
+        return ((out, aux) if has_aux else out), grads
+
+    return wrapped
+
+
+def grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Callable:
+    """``value_and_grad`` without the value (``(grads, aux)`` with ``has_aux``)."""
+    vg = value_and_grad(fun, argnums, has_aux)
+
+    def wrapped(*args, **kwargs):
+        value, grads = vg(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return wrapped
+
+
+def merge_gradients(a: Any, b: Any) -> Any:
+    """Gradients of two micro-batches: parameters summed, fp8 updates and statistics max-merged."""
+    if not _has_fp8(a):
+        return jax.tree.map(jnp.add, a, b)
+    return FP8Gradients({k: (merge_fp8_updates if k in MAX_MERGED else lambda x, y: jax.tree.map(jnp.add, x, y))(
+        a[k], b[k]) for k in a})
+
+
+def accumulate_gradients(fun: Callable, variables: Any, micro_batches: Any, *, has_aux: bool = False,
+                         average: bool = True):
+    """Loss and gradients over micro-batches (a pytree with a leading micro-batch axis), by ``lax.scan``.
+
+    ``fun(variables, micro_batch)`` returns the loss (and aux). Parameter
+    gradients are summed (then divided by the number of micro-batches when
+    ``average``, as is the loss); fp8 updates are max-merged, so the state
+    takes one step whose amax is the largest over the micro-batches.
+
+    Returns:
+      ``(loss, grads)``, or ``((loss, stacked aux), grads)`` with ``has_aux``.
+    """
+    n = jax.tree.leaves(micro_batches)[0].shape[0]
+    vg = value_and_grad(fun, has_aux=has_aux)
+
+    def body(acc, batch):
+        value, g = vg(variables, batch)
+        loss, aux = value if has_aux else (value, None)
+        return (acc[0] + loss, merge_gradients(acc[1], g)), aux
+
+    zero = _map_trainable(lambda t: jax.tree.map(jnp.zeros_like, t), variables)
+    if _has_fp8(variables):
+        # "unused this step": the identity of the max-merge
+        zero = FP8Gradients(zero, **{c: unused_update(variables[c]) for c in _merged(variables)})
+    (loss, grads), aux = lax.scan(body, (jnp.zeros((), jnp.float32), zero), micro_batches)
+    if average:
+        loss = loss / n
+        grads = _map_trainable(lambda t: jax.tree.map(lambda g: g / n, t), grads)
+    return ((loss, aux) if has_aux else loss), grads
+
+
+def _trainable(tree: Any) -> Any:
+    """What the optimizer sees: the variables without fp8_meta and fp8_stats (just the params when that is all)."""
+    if not _has_fp8(tree):
+        return tree
+    rest = {k: v for k, v in tree.items() if k not in MAX_MERGED}
+    return rest["params"] if set(rest) == {"params"} else rest
+
+
+def _with_trainable(tree: Any, trainable: Any) -> Any:
+    if not _has_fp8(tree):
+        return trainable
+    rest = {k for k in tree if k not in MAX_MERGED}
+    out = {**(trainable if rest != {"params"} else {"params": trainable}), **{c: tree[c] for c in _merged(tree)}}
+    return FP8Gradients(out) if isinstance(tree, FP8Gradients) else out
+
+
+def _map_trainable(fn, tree):
+    return _with_trainable(tree, fn(_trainable(tree)))
+
+
+def apply_gradients(variables: Any, grads: Any, opt_state: Any, tx: optax.GradientTransformation):
+    """One optimizer step on the parameters and the fp8 state update applied.
+
+    Returns:
+      ``(new_variables, new_opt_state)``.
+    """
+    if _has_fp8(variables) and not _has_fp8(grads):
+        raise FP8StateError(f"te_jax: the variables hold {' and '.join(map(repr, _merged(variables)))} but the "
+                            "gradients do not; compute them with te_jax.train.value_and_grad over the whole "
+                            "variables dict")
+    updates, new_opt_state = tx.update(_trainable(grads), opt_state, _trainable(variables))
+    new = _with_trainable(variables, optax.apply_updates(_trainable(variables), updates))
+    if FP8_COLLECTION in new:
+        new[FP8_COLLECTION] = apply_fp8_update(variables[FP8_COLLECTION], grads[FP8_COLLECTION])
+    return new, new_opt_state
+
+
+class TrainState(train_state.TrainState):
+    """``flax.training.train_state.TrainState`` whose ``params`` may be the whole variables dict.
+
+    With ``params={"params": ..., "fp8_meta": ...}``, the optimizer sees only
+    ``params["params"]`` and ``apply_gradients`` replaces fp8_meta by the
+    state its gradient carries (an "fp8_stats" collection is kept as it is).
+    Without either it is flax's TrainState (which overwrites flax's own FP8
+    collection, "_overwrite_with_gradient", with its gradient).
+    """
+
+    @classmethod
+    def create(cls, *, apply_fn, params, tx, **kwargs):
+        if not _has_fp8(params):  # flax's, which also handles flax's own fp8 collection
+            return super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        return cls(step=0, apply_fn=apply_fn, params=params, tx=tx, opt_state=tx.init(_trainable(params)), **kwargs)
+
+    def apply_gradients(self, *, grads, **kwargs):
+        if not _has_fp8(self.params):
+            return super().apply_gradients(grads=grads, **kwargs)
+        params, opt_state = apply_gradients(self.params, grads, self.opt_state, self.tx)
+        return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)

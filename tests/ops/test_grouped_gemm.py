@@ -1,0 +1,508 @@
+"""Grouped GEMM op: the CPU handlers vs the reference twin and vs float64 products per group.
+
+The CPU handler and the twin dequantize identically (bit for bit) and both
+multiply in float32, but in different summation orders (the handler's i-k-j
+loop, XLA's dot), so they agree to float32 rounding: relative error <= 1e-5
+of the output's scale, as the dense GEMM (tests/ops/test_gemm.py). What the
+grouping decides exactly (which rows or columns belong to which group, the
+zeros past the groups, NaN confined to its group) is checked exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from qtest_util import run_on_fake_devices
+
+from te_jax.ops import gemm as dense_gemm
+from te_jax.ops.gemm_call import GemmEmulationWarning
+from te_jax.ops.grouped import call as grouped_call
+from te_jax.ops.grouped import cuda as grouped_cuda
+from te_jax.ops.grouped import reference as grouped_reference
+from te_jax.ops.grouped import gemm as GG
+from te_jax.ops.grouped.layout import GroupedLayout
+from te_jax.quantize import CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
+
+E4, E5 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
+G, M, K, N = 4, 160, 256, 128
+
+# name -> (quantizer of A, quantizer of B)
+MODES = {
+    "fp8_e4m3xe4m3": (CurrentScalingQuantizer(E4), CurrentScalingQuantizer(E4)),
+    "fp8_e5m2xe4m3": (CurrentScalingQuantizer(E5), CurrentScalingQuantizer(E4)),
+    "block_1x128x128x128": (Float8BlockQuantizer(), Float8BlockQuantizer(block_2d=True)),
+    "block_1x128x1x128": (Float8BlockQuantizer(), Float8BlockQuantizer()),
+    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer()),
+    "nvfp4": (NVFP4Quantizer(), NVFP4Quantizer(block_2d=True)),
+}
+WGRAD_MODES = {  # both wgrad operands are activations / gradients: 1D blocks (RHT on both for NVFP4)
+    "fp8_e4m3xe5m2": (CurrentScalingQuantizer(E4), CurrentScalingQuantizer(E5)),
+    "block_1x128": (Float8BlockQuantizer(), Float8BlockQuantizer()),
+    "mxfp8": (MXFP8Quantizer(), MXFP8Quantizer()),
+    "nvfp4_rht": (NVFP4Quantizer(rht=True), NVFP4Quantizer(rht=True)),
+}
+SIZES = {
+    "random_with_zeros": [70, 0, 41, 33],
+    "all_in_one": [0, 0, M, 0],
+    "tail_rows": [20, 5, 0, 31],  # sum < M: the rest of out is zero
+    "empty": [0, 0, 0, 0],
+}
+
+
+@pytest.fixture(autouse=True)
+def _on_cpu():
+    """Runs on XLA:CPU on every machine: these tests check the CPU handlers (and the CPU-only align=1); the CUDA
+    grouped kernels are tested against the reference twin in test_grouped_gemm_gpu.py."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+def _rng(*names) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(repr(names).encode()))
+
+
+def _data(rng, *shape) -> jax.Array:
+    x = rng.normal(size=shape) * np.exp(rng.uniform(-1.5, 1.5, size=shape[:-1] + (1,)))
+    return jnp.asarray(x, jnp.float32)
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _close(out, want, tol=1e-5):
+    out, want = _f64(out), np.asarray(want, np.float64)
+    scale = max(np.abs(want).max(initial=0.0), 1e-30)
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol * scale)
+
+
+def _rows_of(sizes, rows):
+    """The group of each row (-1 past the groups)."""
+    group = np.full(rows, -1)
+    start = 0
+    for g, m in enumerate(sizes):
+        group[start:min(start + m, rows)] = g
+        start += m
+    return group
+
+
+def _forward_operands(mode: str, seed=0):
+    qa, qb = MODES[mode]
+    rng = _rng(mode, seed)
+    x, w = _data(rng, M, K), _data(rng, G, K, N)
+    xq = qa.quantize(x, rowwise=True, flatten_axis=1)
+    wq = jax.vmap(lambda w: qb.quantize(w, colwise=True, flatten_axis=1))(w)
+    dx = dequantize(xq)
+    dw = jnp.stack([dequantize(jax.tree.map(lambda a: a[g], wq)) for g in range(G)])  # [G, K, N]
+    return xq, wq, dx, dw
+
+
+@pytest.mark.parametrize("sizes", list(SIZES))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_forward_matches_reference_and_float64(mode, sizes):
+    xq, wq, dx, dw = _forward_operands(mode)
+    gs = jnp.asarray(SIZES[sizes], jnp.int32)
+    out = GG.grouped_gemm(xq, wq, gs, out_dtype=F32)
+    twin = GG.grouped_gemm(xq, wq, gs, out_dtype=F32, backend="reference")
+    group = _rows_of(SIZES[sizes], M)
+    want = np.zeros((M, N))
+    for g in range(G):
+        want[group == g] = _f64(dx)[group == g] @ _f64(dw[g])
+    _close(out, want)
+    _close(out, twin)
+    assert np.all(np.asarray(out)[group < 0] == 0) and np.all(np.asarray(twin)[group < 0] == 0)
+
+
+@pytest.mark.parametrize("mode", ["fp8_e4m3xe4m3", "block_1x128x1x128", "mxfp8", "nvfp4"])
+def test_dgrad_layout_matches_dense_gemm_per_group(mode):
+    """dy [M, N] @ W_g^T reads W's rowwise copy; each group's rows equal the dense GEMM of just those rows."""
+    qa, qb = MODES[mode]
+    rng = _rng("dgrad", mode)
+    dy, w = _data(rng, M, N), _data(rng, G, K, N)
+    dyq = qa.quantize(dy, flatten_axis=1)
+    wq = jax.vmap(lambda w: qb.quantize(w, colwise=True, flatten_axis=1))(w)
+    sizes = SIZES["random_with_zeros"]
+    out = GG.grouped_gemm(dyq, wq, jnp.asarray(sizes, jnp.int32), (1, 1), out_dtype=F32)
+    group = _rows_of(sizes, M)
+    full = dequantize(dyq)
+    for g in range(G):
+        wg = jax.tree.map(lambda a: a[g], wq)
+        want = dense_gemm.gemm(full, dequantize(wg), ((1,), (1,)), out_dtype=F32)
+        _close(np.asarray(out)[group == g], np.asarray(want)[group == g])
+
+
+def _spans(sizes, align, extent):
+    """(group, member, in_spans) of each column of the aligned-span layout."""
+    gs = jnp.asarray(sizes, jnp.int32)
+    group, index, member = GG.grouped_positions(gs, extent, align)
+    return np.asarray(group), np.asarray(member), np.asarray(GG.in_spans(gs, extent, align))
+
+
+def _wgrad_operands(mode: str, sizes, align: int):
+    """x [Mc, P] and dy [Mc, Q] in aligned spans (each group zero padded to its span), quantized columnwise."""
+    qa, qb = WGRAD_MODES[mode]
+    rng = _rng("wgrad", mode, tuple(sizes))
+    mc = -(-(M + G * align) // align) * align
+    group, member, spans = _spans(sizes, align, mc)
+    x = _data(rng, mc, K) * member[:, None]
+    dy = _data(rng, mc, N) * member[:, None]
+    xq = qa.quantize(x, rowwise=False, colwise=True, flatten_axis=1)
+    dyq = qb.quantize(dy, rowwise=False, colwise=True, flatten_axis=1)
+    return xq, dyq, group, spans
+
+
+@pytest.mark.parametrize("sizes", ["random_with_zeros", "all_in_one", "empty"])
+@pytest.mark.parametrize("mode", list(WGRAD_MODES))
+def test_wgrad_layout_matches_reference_and_float64(mode, sizes):
+    qa, _ = WGRAD_MODES[mode]
+    align = GG.GROUP_ALIGN[qa.scaling_mode.family]
+    xq, dyq, group, spans = _wgrad_operands(mode, SIZES[sizes], align)
+    gs = jnp.asarray(SIZES[sizes], jnp.int32)
+    out = GG.grouped_gemm(xq, dyq, gs, (0, 0), group_axis=1, out_dtype=F32)
+    twin = GG.grouped_gemm(xq, dyq, gs, (0, 0), group_axis=1, out_dtype=F32, backend="reference")
+    assert out.shape == (G, K, N)
+    # Each group contracts over its whole span. With the Hadamard transform the padding columns of a group that
+    # ends inside a 16-column block hold transformed values, and only the whole block's products are the
+    # untransformed ones: the Hadamard-domain product equals the product of the values with the transform undone.
+    a, b = _f64(dequantize_colwise(xq)), _f64(dequantize_colwise(dyq))
+    undone = [_f64(dequantize_colwise(t, undo_rht=True)) for t in (xq, dyq)] if mode.endswith("rht") else None
+    for g in range(G):
+        cols = (group == g) & spans
+        want = a[:, cols] @ b[:, cols].T
+        _close(np.asarray(out)[g], want, tol=1e-5 if cols.any() else 0)
+        if undone is not None and cols.any():
+            _close(np.asarray(out)[g], undone[0][:, cols] @ undone[1][:, cols].T, tol=1e-5)
+        if not cols.any():
+            assert np.all(np.asarray(out)[g] == 0)
+    _close(out, twin)
+
+
+@pytest.mark.parametrize("group_axis", [0, 1])
+def test_unaligned_spans_on_cpu_and_per_group_scales(group_axis):
+    """align=1 (CPU only) and one scale_inv per group: each group decodes with its own value."""
+    rng = _rng("per_group", group_axis)
+    sizes = [7, 0, 19, 3]
+    gs = jnp.asarray(sizes, jnp.int32)
+    sa, sb = jnp.asarray(rng.uniform(0.5, 2, G), jnp.float32), jnp.asarray(rng.uniform(0.5, 2, G), jnp.float32)
+    if group_axis == 0:
+        a = jnp.asarray(rng.normal(size=(40, 32)), E4)
+        b = jnp.asarray(rng.normal(size=(G, 16, 32)), E4)
+    else:
+        a = jnp.asarray(rng.normal(size=(24, 32)), E4)
+        b = jnp.asarray(rng.normal(size=(16, 32)), E4)
+    kw = dict(group_axis=group_axis, align=1, out_dtype=F32)
+    out = GG.grouped_gemm_fp8(a, b, sa, sb, gs, **kw)
+    twin = GG.grouped_gemm_fp8(a, b, sa, sb, gs, backend="reference", **kw)
+    _close(out, twin)
+    fa, fb = _f64(a), _f64(b)
+    if group_axis == 0:
+        group = _rows_of(sizes, 40)
+        for g in range(G):
+            want = (fa[group == g] * float(sa[g])) @ (fb[g] * float(sb[g])).T
+            _close(np.asarray(out)[group == g], want)
+    else:
+        start = 0
+        for g, m in enumerate(sizes):
+            want = (fa[:, start:start + m] * float(sa[g])) @ (fb[:, start:start + m] * float(sb[g])).T
+            _close(np.asarray(out)[g], want, tol=1e-5 if m else 0)
+            start += m
+
+
+@pytest.mark.parametrize("out_dtype", [F32, BF16])
+def test_bias_per_group_and_zero_tail(out_dtype):
+    xq, wq, dx, dw = _forward_operands("fp8_e4m3xe4m3", seed=1)
+    sizes = SIZES["tail_rows"]
+    gs = jnp.asarray(sizes, jnp.int32)
+    bias = _data(_rng("bias"), G, N)
+    out = GG.grouped_gemm(xq, wq, gs, bias=bias, out_dtype=out_dtype)
+    twin = GG.grouped_gemm(xq, wq, gs, bias=bias, out_dtype=out_dtype, backend="reference")
+    assert out.dtype == out_dtype
+    group = _rows_of(sizes, M)
+    want = np.zeros((M, N))
+    for g in range(G):
+        want[group == g] = _f64(dx)[group == g] @ _f64(dw[g]) + _f64(bias[g])
+    tol = 1e-5 if out_dtype == F32 else 2**-8
+    _close(out, want, tol)
+    _close(out, twin, tol)
+    assert np.all(np.asarray(out, np.float32)[group < 0] == 0)
+
+
+def test_nan_and_inf_stay_in_their_group():
+    rng = _rng("nan")
+    sizes = [10, 6, 0, 16]
+    gs = jnp.asarray(sizes, jnp.int32)
+    a = np.asarray(rng.normal(size=(40, 32)), np.float32)
+    b = np.asarray(rng.normal(size=(G, 16, 32)), np.float32)
+    a[3, 5] = np.nan  # group 0
+    a[36, 0] = np.nan  # past the groups: never read
+    b[3, 2, 7] = np.inf  # group 3's matrix
+    a, b = jnp.asarray(a, E4), jnp.asarray(b, E4)
+    one = jnp.ones((1,), jnp.float32)
+    for backend in ("ffi", "reference"):
+        out = np.asarray(GG.grouped_gemm_fp8(a, b, one, one, gs, align=1, out_dtype=F32, backend=backend))
+        assert np.isnan(out[3]).all()
+        assert not np.isnan(np.delete(out[:16], 3, axis=0)).any()
+        assert np.isinf(out[16:32, 2]).all() or np.isnan(out[16:32, 2]).all()
+        assert np.isfinite(np.delete(out[16:32], 2, axis=1)).all()
+        assert np.all(out[32:] == 0)
+
+
+def test_group_sizes_past_the_rows_are_cut():
+    """sum(group_sizes) > M breaks the caller's contract; the handler cuts the groups at M and stays in bounds."""
+    xq, wq, _, _ = _forward_operands("fp8_e4m3xe4m3", seed=2)
+    gs = jnp.asarray([100, 100, 100, 100], jnp.int32)
+    out = GG.grouped_gemm(xq, wq, gs, out_dtype=F32)
+    twin = GG.grouped_gemm(xq, wq, gs, out_dtype=F32, backend="reference")
+    _close(out, twin)
+
+
+def test_under_jit_with_traced_sizes():
+    xq, wq, _, _ = _forward_operands("block_1x128x128x128", seed=3)
+    f = jax.jit(lambda gs: GG.grouped_gemm(xq, wq, gs, out_dtype=F32))
+    for sizes in SIZES.values():
+        gs = jnp.asarray(sizes, jnp.int32)
+        np.testing.assert_array_equal(np.asarray(f(gs)), np.asarray(GG.grouped_gemm(xq, wq, gs, out_dtype=F32)))
+
+
+def test_workspace_bytes():
+    assert GG.grouped_workspace_bytes(8) == 32 * 1024 * 1024 + 8 * 1024
+
+
+def test_errors():
+    a = jnp.zeros((32, 32), E4)
+    b = jnp.zeros((G, 16, 32), E4)
+    one = jnp.ones((1,), jnp.float32)
+    gs = jnp.asarray([8, 8, 8, 8], jnp.int32)
+    with pytest.raises(TypeError, match="group_sizes must be an int32 array"):
+        GG.grouped_gemm_fp8(a, b, one, one, gs.astype(jnp.uint32))
+    with pytest.raises(TypeError, match="group_sizes must be an int32 array"):
+        GG.grouped_gemm_fp8(a, b, one, one, gs.reshape(2, 2))
+    with pytest.raises(ValueError, match="B has 4 matrices but group_sizes has 3 groups"):
+        GG.grouped_gemm_fp8(a, b, one, one, gs[:3])
+    with pytest.raises(ValueError, match="group_axis=0 needs A"):
+        GG.grouped_gemm_fp8(a, b[0], one, one, gs)
+    with pytest.raises(ValueError, match="group_axis must be 0"):
+        GG.grouped_gemm_fp8(a, b, one, one, gs, group_axis=2)
+    with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
+        GG.grouped_gemm_fp8(a.astype(jnp.bfloat16), b, one, one, gs)
+    with pytest.raises(TypeError, match="E5M2 x E5M2"):
+        GG.grouped_gemm_fp8(a.astype(E5), b.astype(E5), one, one, gs)
+    with pytest.raises(ValueError, match="one value per group"):
+        GG.grouped_gemm_fp8(a, b, jnp.ones((3,), jnp.float32), one, gs)
+    with pytest.raises(ValueError, match=r"bias must be \[G, N\]"):
+        GG.grouped_gemm_fp8(a, b, one, one, gs, bias=jnp.zeros((16,)))
+    with pytest.raises(ValueError, match="group_axis=0 only"):
+        GG.grouped_gemm_fp8(a, a, one, one, gs, group_axis=1, bias=jnp.zeros((G, 32)))
+    # Untileable contraction of a block mode, and spans that would split a block.
+    s = jnp.ones((32, 1), jnp.float32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        GG.grouped_gemm_fp8_block(a, s, b, jnp.ones((G, 16, 1), jnp.float32), gs)
+    a128 = jnp.zeros((32, 128), E4)
+    with pytest.raises(ValueError, match="align .* multiple of its block"):
+        GG.grouped_gemm_fp8_block(a128, s, a128, s, gs, group_axis=1, align=16)
+
+
+def test_cuda_checks():
+    """What the CUDA lowering refuses (checked here without a GPU)."""
+    lay = GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 0, 16)
+    grouped_cuda.check_cuda(lay, (48, 32), (G, 64, 32))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        grouped_cuda.check_cuda(lay, (48, 40), (G, 64, 40))
+    wg = GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 1, 1)
+    with pytest.raises(ValueError, match="align to be a multiple of 16"):
+        grouped_cuda.check_cuda(wg, (64, 64), (32, 64))
+
+
+@pytest.mark.parametrize("a_dt, b_dt", [(E4, E4), (E5, E4), (E4, E5)])  # forward / E4M3 grads, HYBRID dgrad, wgrad
+def test_every_per_tensor_combination_has_a_cuda_kernel(a_dt, b_dt):
+    """Each out dtype and fast_accum grouped_dense can ask for runs a kernel: the direct one, or the float32 one
+    then a cast, never with less exact accumulation than asked."""
+    for out in (jnp.bfloat16, jnp.float32, jnp.float16):
+        for fast in (True, False):
+            lay = GroupedLayout(GG.ScalingMode.FP8_TENSOR, "te_jax_grouped_gemm_fp8", ("a", "b", "a_t", "b_t"), 0,
+                                16, attrs=(("fast_accum", fast),), out_dtype=jnp.dtype(out))
+            run = grouped_cuda.cuda_kernel(lay, a_dt, b_dt)
+            run_fast = dict(run.attrs)["fast_accum"]
+            assert (jnp.dtype(a_dt), jnp.dtype(b_dt), run.out_dtype, run_fast) in grouped_cuda.CUDA_FP8_KERNELS
+            assert run.out_dtype in (jnp.dtype(out), jnp.dtype(jnp.float32)) and run_fast in (fast, False)
+
+
+def test_block_cuda_kernels():
+    """The Float8 block recipe's GEMMs (1x128 activations and gradients) run a kernel; the rest is refused."""
+    def lay(axis, out, a2=False, b2=False):
+        return GroupedLayout(GG.ScalingMode.FP8_BLOCK, "te_jax_grouped_gemm_fp8_block", ("a", "a_s", "b", "b_s"),
+                             axis, 128, attrs=(("a_block_2d", a2), ("b_block_2d", b2)), out_dtype=jnp.dtype(out))
+    for out in (jnp.bfloat16, jnp.float32):
+        for axis, b2 in ((0, True), (0, False), (1, False)):
+            run = grouped_cuda.cuda_kernel(lay(axis, out, b2=b2), E4, E4)
+            assert (jnp.dtype(E4), jnp.dtype(E4), run.out_dtype, b2, axis) in grouped_cuda.CUDA_BLOCK_KERNELS
+    with pytest.raises(ValueError, match="fp8_format=Format.E4M3"):
+        grouped_cuda.cuda_kernel(lay(0, jnp.bfloat16, b2=True), E5, E4)
+    with pytest.raises(ValueError, match="x_block_scaling_dim=1"):
+        grouped_cuda.cuda_kernel(lay(0, jnp.bfloat16, a2=True), E4, E4)
+    with pytest.raises(ValueError, match="both operands"):
+        grouped_cuda.cuda_kernel(lay(1, jnp.float32, b2=True), E4, E4)
+
+
+def test_cuda_kernel_tables_match_the_sources():
+    """grouped_cuda's kernel tables list exactly the instantiations of csrc/cuda/grouped_gemm.cuh, each with its
+    source file."""
+    csrc = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "cuda"
+    header = (csrc / "grouped_gemm.cuh").read_text()
+    kinds = {"kE4M3": jnp.dtype(E4), "kE5M2": jnp.dtype(E5), "kBf16": jnp.dtype(jnp.bfloat16),
+             "kF32": jnp.dtype(jnp.float32)}
+
+    def entries(macro):
+        body = header[header.index(f"#define {macro}(X)"):].split("\n\n")[0]
+        return [[p.strip() for p in args.split(",")] for args in re.findall(r"X\(([^)]*)\)", body)]
+
+    fp8 = entries("TE_JAX_GROUPED_FP8_KERNELS")
+    assert {(kinds[a], kinds[b], kinds[o], f == "true") for a, b, o, f in fp8} == grouped_cuda.CUDA_FP8_KERNELS
+    block = entries("TE_JAX_GROUPED_FP8_BLOCK_KERNELS")
+    assert {(kinds[a], kinds[b], kinds[o], rows == "128", int(axis.endswith("kContraction")))
+            for a, b, o, rows, axis in block} == grouped_cuda.CUDA_BLOCK_KERNELS
+    sources = "".join(p.read_text() for p in csrc.glob("grouped_gemm_sm90_*.cu"))
+    for a, b, o, f in fp8:
+        assert f"TE_JAX_INSTANTIATE_GROUPED_FP8({a}, {b}, {o}, {f})" in sources
+    for a, b, o, rows, axis in block:
+        assert f"TE_JAX_INSTANTIATE_GROUPED_FP8_BLOCK({a}, {b}, {o}, {rows}, {axis})" in sources
+
+
+def _cuda_hlo(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_cuda_lowering():
+    """Lowered for a GPU (no GPU needed): the float32 kernel then a cast, the K-block-major block wgrad scales
+    (the emulation's lowering: test_cuda_lowering_of_the_emulation)."""
+    gs = jnp.asarray([32, 32], jnp.int32)
+    one = jnp.ones((1,), jnp.float32)
+    bias = jnp.zeros((2, 128), jnp.float16)
+    hlo = _cuda_hlo(lambda a, b: GG.grouped_gemm_fp8(a, b, one, one, gs, bias, out_dtype=jnp.float16, backend="ffi"),
+                    jnp.zeros((64, 128), E4), jnp.zeros((2, 128, 128), E5))
+    assert "@te_jax_grouped_gemm_fp8(" in hlo and "fast_accum = false" in hlo
+    assert "-> tensor<64x128xf16>" in hlo and "tensor<2x128xf32>" in hlo  # result cast, bias given as float32
+    a, s = jnp.zeros((128, 256), E4), jnp.ones((128, 2), jnp.float32)
+    hlo = _cuda_hlo(lambda a, s: GG.grouped_gemm_fp8_block(a, s, a, s, gs, group_axis=1, backend="ffi"), a, s)
+    assert "stablehlo.transpose" in hlo and "@te_jax_grouped_gemm_fp8_block(" in hlo
+
+
+def test_grouped_positions():
+    group, index, member = GG.grouped_positions(jnp.asarray([3, 0, 17, 1], jnp.int32), 64, 16)
+    group, index, member = map(np.asarray, (group, index, member))
+    np.testing.assert_array_equal(group[:16], 0)
+    np.testing.assert_array_equal(member[:16], np.arange(16) < 3)
+    np.testing.assert_array_equal(group[16:48], 2)
+    np.testing.assert_array_equal(index[16:48], np.arange(32))
+    np.testing.assert_array_equal(member[16:48], np.arange(32) < 17)
+    np.testing.assert_array_equal(group[48:64], 3)
+    np.testing.assert_array_equal(member[48:64], np.arange(16) < 1)
+    spans = np.asarray(GG.in_spans(jnp.asarray([3, 0, 17, 1], jnp.int32), 80, 16))
+    np.testing.assert_array_equal(spans, np.arange(80) < 64)  # padding in, past the last span out
+
+
+def test_groups_sharded_with_their_experts():
+    """On 4 fake devices: B's experts (group_axis 0) or out's groups (group_axis 1) split over "ep" give the
+    one-device result bit for bit; rows are combined by one all-reduce, group slices need none."""
+    here = pathlib.Path(__file__).resolve().parents[1] / "multidevice"
+    proc = run_on_fake_devices([here / "grouped_gemm_multidevice.py"], devices=4, cwd=here)
+    cases = {c["case"]: c for c in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
+    assert set(cases) == {"fp8:rows", "fp8:spans", "block:rows", "block:spans", "bf16:rows", "bf16:spans"}, \
+        proc.stderr[-4000:]
+    for name, case in cases.items():
+        assert case["equal"], case
+        if name.endswith("rows"):
+            assert case["collectives"]["all-reduce"] == 1 and case["spec"] == "P()", case
+        else:
+            assert case["collectives"]["all-reduce"] == 0 and case["spec"] == "P('ep', None, None)", case
+
+
+def _emulation_case(mode: str, group_axis: int, has_bias: bool = False):
+    """Random MXFP8 / NVFP4 operands of a grouped call: (layout, operand values, group sizes, bias, op, align).
+
+    group_axis 1: the random codes fill every span's padding too (each group contracts over its whole span) and
+    the columns past the last span (no group's).
+    """
+    rng = np.random.default_rng(11)
+    sizes = [37, 0, 60, 20]
+    gs = jnp.asarray(sizes, jnp.int32)
+    m, k = (128, 128) if group_axis == 0 else (64, 160)
+    b_rows = (len(sizes), 64) if group_axis == 0 else (48,)
+    if mode == "mxfp8":
+        def operand(rows):
+            return (jnp.asarray(rng.standard_normal((*rows, k)) * 2, jnp.float32).astype(E4),
+                    jnp.asarray(rng.integers(122, 132, size=(*rows, k // 32)), jnp.uint8))
+        (a, a_s), (b, b_s) = operand((m,)), operand(b_rows)
+        roles, values, align, pack, block = ("a", "a_s", "b", "b_s"), (a, a_s, b, b_s), 32, 1, 32
+        op = GG.grouped_gemm_mxfp8
+    else:
+        def operand(rows):
+            return (jnp.asarray(rng.integers(0, 256, size=(*rows, k // 2)), jnp.uint8),
+                    jnp.asarray(rng.uniform(0.5, 8.0, size=(*rows, k // 16)), jnp.float32).astype(E4))
+        (a, a_s), (b, b_s) = operand((m,)), operand(b_rows)
+        amax_a, amax_b = jnp.asarray([3.0], jnp.float32), jnp.asarray([5.0], jnp.float32)
+        roles, values = ("a", "a_s", "a_t", "b", "b_s", "b_t"), (a, a_s, amax_a, b, b_s, amax_b)
+        align, pack, block, op = 32, 2, 16, GG.grouped_gemm_nvfp4
+    bias = jnp.asarray(rng.standard_normal((len(sizes), 64)) * 4, jnp.float32) if has_bias else None
+    lay = GroupedLayout(GG.ScalingMode.MXFP8 if mode == "mxfp8" else GG.ScalingMode.NVFP4, "", roles, group_axis,
+                        align, out_dtype=jnp.dtype(jnp.float32), has_bias=has_bias, pack=pack, k_block=block)
+    return lay, values, gs, bias, op, align
+
+
+@pytest.mark.parametrize("group_axis", [0, 1])
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_gpu_emulation_matches_reference(mode, group_axis):
+    """The MXFP8 / NVFP4 ragged-dot emulation a non-sm_90 GPU lowers (bfloat16 operands), run here on XLA:CPU."""
+    lay, values, gs, _, op, align = _emulation_case(mode, group_axis)
+    got = grouped_reference.emulate(lay, *values, gs, jnp.zeros((0,), jnp.float32))
+    want = op(*values, gs, group_axis=group_axis, align=align, out_dtype=jnp.float32, backend="reference")
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert got.shape == want.shape and rel < (1e-6 if mode == "mxfp8" else 2**-7), rel
+
+
+@pytest.mark.parametrize("group_axis,has_bias", [(0, False), (0, True), (1, False)])
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_bf16_kernel_emulation_matches_reference(mode, group_axis, has_bias):
+    """The sm_90 emulation (bfloat16 operands, the bfloat16 grouped call), run here through the call's CPU twin:
+    the reference within one bfloat16 rounding of the result (and NVFP4's rounding of its operands); rows past
+    the groups, and the empty group's matrix, zero."""
+    lay, values, gs, bias, op, align = _emulation_case(mode, group_axis, has_bias)
+    got = grouped_call._emulate_with_bf16_kernel(lay, *values, gs, jnp.zeros((0,), jnp.float32) if bias is None
+                                                 else bias)
+    want = op(*values, gs, bias, group_axis=group_axis, align=align, out_dtype=jnp.float32, backend="reference")
+    rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    assert rel < (2**-8 if mode == "mxfp8" else 2**-7 + 2**-8), rel
+    if group_axis == 0:
+        assert not np.any(np.asarray(got[117:]))
+    else:
+        assert not np.any(np.asarray(got[1]))
+
+
+def test_cuda_lowering_of_the_emulation():
+    """Lowered for a GPU (no GPU here: sm_90 assumed): MXFP8 runs the bfloat16 grouped call when it tiles the
+    dequantized operands (multiples of 8), XLA's ragged dot when it does not; both warn."""
+    lay, values, gs, _, _, _ = _emulation_case("mxfp8", 0)
+    a, a_s, b, b_s = values
+
+    def lowered(b, b_s):
+        f = jax.jit(lambda *v: GG.grouped_gemm_mxfp8(*v, gs, out_dtype=jnp.bfloat16, backend="ffi"))
+        with pytest.warns(GemmEmulationWarning, match="emulation"):
+            return f.trace(a, a_s, b, b_s).lower(lowering_platforms=("cuda",)).as_text()
+
+    hlo = lowered(b, b_s)
+    assert "@te_jax_grouped_gemm_bf16(" in hlo and "ragged_dot" not in hlo
+    hlo = lowered(b[:, :60], b_s[:, :60])  # N 60: the bfloat16 kernel needs multiples of 8
+    assert "te_jax_grouped_gemm_bf16" not in hlo and "ragged_dot" in hlo
+    assert grouped_cuda.bf16_kernel_emulates(lay, 9.0, a.shape, b.shape)
+    assert not grouped_cuda.bf16_kernel_emulates(lay, 10.0, a.shape, b.shape)
+    assert "bfloat16 grouped kernel" in grouped_cuda.emulation_message(lay, 9.0, True)
+    assert "ragged dot" in grouped_cuda.emulation_message(lay, 10.0, False)
