@@ -61,8 +61,9 @@ from jax import lax
 import te_jax  # noqa: F401
 from te_jax.ops import gemm as gemm_ops
 from te_jax.ops.grouped import gemm as grouped_ops
-from timing import time_interleaved, write_results
+from timing import add_repeat_args, time_interleaved, write_results
 from te_jax.quantize import (CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer)
+from te_jax.quantize import dequantize
 
 FP8_PEAK_TFLOPS = 1979.0
 SHAPES = [(8192, 8192, 8192), (8192, 28672, 8192), (28672, 8192, 8192), (16384, 8192, 8192)]
@@ -350,9 +351,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--md", help="write the markdown table here")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--trials", type=int, default=9)
+    add_repeat_args(p, warmup=5, iters=20, trials=9)
     p.add_argument("--shapes", default="", help="M,N,K;M,N,K;... (default: the four standard shapes)")
     p.add_argument("--no-check", action="store_true", help="skip the correctness check")
     p.add_argument("--autotune", choices=("on", "off"), default="on",

@@ -51,7 +51,7 @@ import numpy as np
 import te_jax  # noqa: F401  (registers the FFI targets)
 from te_jax.ops import gemm as gemm_ops
 from te_jax.ops.grouped import gemm as gg
-from timing import selected, time_interleaved, write_results
+from timing import add_repeat_args, selected, time_interleaved, write_results
 
 # (label, experts, top-k, tokens, K, N, skewed): issue 23's forward GEMMs.
 SHAPES = [
@@ -237,9 +237,7 @@ def markdown(results: list[dict]) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="regex over the shape labels")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    add_repeat_args(p, warmup=2, iters=5, trials=5)
     p.add_argument("--no-ragged", action="store_true", help="leave out jax.lax.ragged_dot (slow)")
     p.add_argument("--backward", action="store_true",
                    help="time grouped_dense's forward, dgrad and wgrad GEMMs instead (module doc)")

@@ -37,7 +37,7 @@ from examples.gpt import data as data_lib  # noqa: E402
 from examples.gpt import train as gpt  # noqa: E402
 from examples.gpt.presets import PRESETS  # noqa: E402
 from benchmarks.device_profile import format_summary, profile_steps  # noqa: E402
-from benchmarks.timing import time_interleaved  # noqa: E402
+from benchmarks.timing import add_repeat_args, time_interleaved  # noqa: E402
 from te_jax import inspect as te_inspect  # noqa: E402
 
 
@@ -135,9 +135,7 @@ def main() -> None:
     p.add_argument("--recipes", default="delayed")
     p.add_argument("--batch", type=int, help="default: the preset's")
     p.add_argument("--seq-len", type=int, help="default: the preset's")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--trials", type=int, default=3)
+    add_repeat_args(p, warmup=3, iters=10, trials=3)
     p.add_argument("--sample", default="1", type=lambda s: [int(k) for k in s.split(",") if k],
                    help="comma-separated row strides of te_jax.inspect.Sample to time (default 1: every row)")
     p.add_argument("--bare", action="store_true", help="also time the step jitted without shardings or mesh")

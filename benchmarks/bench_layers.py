@@ -66,10 +66,14 @@ from jax import lax
 import te_jax
 import te_jax.flax as tf
 from te_jax import recipe as R
-from te_jax.core.dense import DenseQuantizers
 from te_jax.ops.gemm import gemm
-from te_jax.train.update import FP8_COLLECTION, apply_fp8_update
-from timing import selected, time_interleaved, write_results
+from te_jax.train import apply_fp8_update
+
+try:
+    from te_jax.core import DenseQuantizers
+except ImportError:  # a te_jax from before the floor plan (gpu_check --baseline-python with an older tree)
+    from te_jax import DenseQuantizers
+from timing import add_repeat_args, selected, time_interleaved, write_results
 
 BF16 = jnp.bfloat16
 RECIPES = {
@@ -163,8 +167,9 @@ def make_nnx_step(model: nnx.Module, recipe) -> CompiledStep:
 def _next_linen_variables(variables, grads):
     """Linen variables with the FP8 state (te_jax's and flax's) replaced by the step's update."""
     variables = dict(variables)
-    if FP8_COLLECTION in variables:
-        variables[FP8_COLLECTION] = apply_fp8_update(variables[FP8_COLLECTION], grads[FP8_COLLECTION])
+    if te_jax.FP8_COLLECTION in variables:
+        variables[te_jax.FP8_COLLECTION] = apply_fp8_update(variables[te_jax.FP8_COLLECTION],
+                                                          grads[te_jax.FP8_COLLECTION])
     if FLAX_FP8_COLLECTION in variables:
         variables[FLAX_FP8_COLLECTION] = grads[FLAX_FP8_COLLECTION]
     return variables
@@ -492,9 +497,7 @@ def step_shape(args) -> tuple[int, int, int]:
 
 def main() -> int:
     p = layer_parser(__doc__.splitlines()[0], "mlp,lndense,dense", "")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--trials", type=int, default=5)
+    add_repeat_args(p, warmup=3, iters=10, trials=5)
     p.add_argument("--sequential", action="store_true",
                    help="time each variant right after building it and free it before the next (less memory; "
                         "default: build all, then time them with their trials interleaved)")

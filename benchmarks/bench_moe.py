@@ -54,9 +54,9 @@ from te_jax.flax import MoE
 from te_jax.core.grouped_dense import grouped_dense, init_state, span_alignment
 from te_jax.core.grouped_mlp import grouped_mlp
 from te_jax.core.layernorm_mlp import MLPQuantizers
-from te_jax.train.update import apply_fp8_update
+from te_jax.train.step import apply_fp8_update
 from te_jax.train import fp8_state_updates, value_and_grad
-from timing import selected, time_interleaved, write_results
+from timing import add_repeat_args, selected, time_interleaved, write_results
 
 # (label, experts, top-k, tokens, hidden H, expert width F)
 LAYERS = [("mixtral", 8, 2, 16384, 4096, 14336), ("deepseek", 64, 8, 8192, 7168, 2048)]
@@ -250,10 +250,9 @@ def layer_markdown(results: list[dict]) -> str:
     for r in results:
         for name, prof in r.get("profiles", {}).items():
             cats = ", ".join(f"{c} {v:.2f}" for c, v in prof["categories"].items())
-            lines += ["", f"**{r['layer']}, {name}** (device trace, {PROFILE_STEPS} steps): wall "
-                      f"{prof['wall_ms']:.2f} ms/step, GPU busy {prof['busy_ms']:.2f} ms ({cats})", "",
-                      "| kernel | kind | ms | calls |", "|---|---|---|---|"]
-            lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.3f} | {k['calls']:g} |" for k in prof["kernels"]]
+            lines += bench_profile.kernel_table(
+                f"**{r['layer']}, {name}** (device trace, {PROFILE_STEPS} steps): wall "
+                f"{prof['wall_ms']:.2f} ms/step, GPU busy {prof['busy_ms']:.2f} ms ({cats})", prof["kernels"])
     return "\n".join(lines) + "\n"
 
 
@@ -263,9 +262,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="regex over the GEMM shape and layer labels")
     p.add_argument("--skip-gemms", action="store_true", help="only the layer (part 2)")
     p.add_argument("--recipes", default="delayed,current,block", help="comma-separated recipe names for the layer")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--trials", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    add_repeat_args(p, warmup=2, iters=5, trials=5)
     p.add_argument("--no-ragged", action="store_true",
                    help="leave out jax.lax.ragged_dot (the GEMM table's, and the layer with autocast off): at the "
                         "DeepSeek layer's shape XLA:GPU runs out of memory on a bf16 [T*k, E, H] intermediate")

@@ -34,8 +34,8 @@ import numpy as np
 import te_jax  # noqa: F401
 from timing import (bandwidth_main, result_markdown, result_row, selected, time_against_baseline, time_call,
                     time_fn)
-from te_jax.ops import activation as aops
-from te_jax.ops import norm as nops
+from te_jax.ops import norm_act as aops
+from te_jax.ops import norm_act as nops
 from te_jax.ops.cast import CastSpec
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

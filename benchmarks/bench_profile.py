@@ -137,6 +137,15 @@ def summarize(events: list[dict], steps: int) -> dict:
                 launches=len(events) / steps, short_launches=len(short) / steps, short_ms=sum(short) / steps / 1e3)
 
 
+def kernel_table(title: str, kernels: list[dict], ms_digits: int = 3, kind: str = "kind") -> list[str]:
+    """Markdown lines: a blank line, ``title``, a blank line, then a table of ``summarize``'s ``kernels``.
+
+    ``ms_digits``: the decimals of the ms column; ``kind``: the header of the category column.
+    """
+    return ["", title, "", f"| kernel | {kind} | ms | calls |", "|---|---|---|---|",
+            *(f"| `{k['kernel']}` | {k['category']} | {k['ms']:.{ms_digits}f} | {k['calls']:g} |" for k in kernels)]
+
+
 def markdown(rows: list[dict], top: int) -> str:
     lines = ["| section | variant | wall ms/step (profiled) | GPU busy ms | " + " | ".join(f"{c} ms" for c in CATEGORIES)
              + " |", "|---" * (len(CATEGORIES) + 4) + "|"]
@@ -151,10 +160,8 @@ def markdown(rows: list[dict], top: int) -> str:
     for r in rows:
         if "error" in r:
             continue
-        lines += ["", f"**{r['section']}, {r['name']}**: top {top} kernels per step", "",
-                  "| kernel | kind | ms | calls |", "|---|---|---|---|"]
-        lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.4f} | {k['calls']:g} |"
-                  for k in r["kernels"][:top]]
+        lines += kernel_table(f"**{r['section']}, {r['name']}**: top {top} kernels per step", r["kernels"][:top],
+                              ms_digits=4)
     return "\n".join(lines)
 
 

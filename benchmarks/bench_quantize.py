@@ -35,7 +35,11 @@ import numpy as np
 import te_jax  # noqa: F401
 from timing import bandwidth_main, result_markdown, result_row, selected, time_against_baseline, time_fn
 from te_jax.ops import quantize as qops
-from te_jax.spec import reference as ref
+
+try:
+    from te_jax.spec import reference as ref
+except ImportError:  # a te_jax from before the floor plan (gpu_check --baseline-python with an older tree)
+    from te_jax.quantize import reference as ref
 
 E4M3 = jnp.float8_e4m3fn
 F32 = jnp.float32

@@ -71,9 +71,8 @@ def markdown(rows: list[dict]) -> str:
                      + " | ".join(f"{c.get(k, 0.0):.2f}" for k in cats) + f" | {r['gaps_ms']:.2f} | "
                      f"{r['launches']:.0f} | {r['short_launches']:.0f} | {r['short_ms']:.2f} |")
     for r in rows:
-        lines += ["", f"**{r['preset']} {r['recipe']}**: the kernels that took longest, per step", "",
-                  "| kernel | category | ms | calls |", "|---|---|---|---|"]
-        lines += [f"| `{k['kernel']}` | {k['category']} | {k['ms']:.3f} | {k['calls']:g} |" for k in r["kernels"]]
+        lines += bench_profile.kernel_table(f"**{r['preset']} {r['recipe']}**: the kernels that took longest, per step",
+                                            r["kernels"], kind="category")
     return "\n".join(lines) + "\n"
 
 

@@ -109,6 +109,14 @@ def result_markdown(title: str, columns: Sequence[str], rows: Sequence[dict]) ->
     return "\n".join([title, "", *header, *map(result_row, rows)]) + "\n"
 
 
+def add_repeat_args(p: argparse.ArgumentParser, warmup: int, iters: int, trials: int) -> argparse.ArgumentParser:
+    """Adds ``--warmup``, ``--iters`` and ``--trials`` (the ``time_interleaved`` counts) with these defaults."""
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--trials", type=int, default=trials)
+    return p
+
+
 def bandwidth_parser(description: str, out_default: str) -> argparse.ArgumentParser:
     """The arguments of the memory-bound benchmarks: shape, repetitions, outputs, check."""
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -20,15 +20,19 @@ not load Flax's module system.
 
 import importlib
 
-from te_jax import _compat, ops, quantize, recipe
-from te_jax.core.dense import dense
-from te_jax.core.grouped_dense import grouped_dense
-from te_jax.core.grouped_mlp import grouped_mlp
-from te_jax.core.layernorm_dense import layernorm_dense
-from te_jax.core.layernorm_mlp import layernorm_mlp
-from te_jax.ops.sharding import MeshResource
-from te_jax.recipe.autocast import autocast
-from te_jax.spec.names import FP8_COLLECTION
+from te_jax import _compat
+
+_compat.install()  # first: old import paths resolve from here on
+
+from te_jax import ops, quantize, recipe  # noqa: E402
+from te_jax.core.dense import dense  # noqa: E402
+from te_jax.core.grouped_dense import grouped_dense  # noqa: E402
+from te_jax.core.grouped_mlp import grouped_mlp  # noqa: E402
+from te_jax.core.layernorm_dense import layernorm_dense  # noqa: E402
+from te_jax.core.layernorm_mlp import layernorm_mlp  # noqa: E402
+from te_jax.ops.sharding import MeshResource  # noqa: E402
+from te_jax.recipe.autocast import autocast  # noqa: E402
+from te_jax.spec.names import FP8_COLLECTION  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -40,16 +44,13 @@ _MOVED_NAMES = {
     "STATS_COLLECTION": ("te_jax.spec.names", "STATS_COLLECTION"),
     "backend": ("te_jax.ops.backend", None),
     "sharding": ("te_jax.ops.sharding", None),
-    "state": ("te_jax.train.update", None),
+    "state": ("te_jax.train.step", None),
 }
 
 __all__ = [
     "FP8_COLLECTION", "MeshResource", "autocast", "dense", "flax", "grouped_dense", "grouped_mlp", "inspect",
     "layernorm_dense", "layernorm_mlp", "moe", "nnx", "ops", "quantize", "recipe", "train",
 ]
-
-_compat.install()
-
 
 def __getattr__(name: str):
     if name in _LAZY_MODULES:

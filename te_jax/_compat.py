@@ -16,19 +16,21 @@ import warnings
 MOVED = {
     "te_jax.backend": "te_jax.ops.backend",
     "te_jax.sharding": "te_jax.ops.sharding",
-    "te_jax.state": "te_jax.train.update",
-    "te_jax.state_grad": "te_jax.core.state_guard",
+    "te_jax.state": "te_jax.train.step",
+    "te_jax.state_grad": "te_jax.core.gemm_quant",
     "te_jax.inspect.stats": "te_jax.core.stats",
     "te_jax.quantize.modes": "te_jax.spec.modes",
     "te_jax.quantize.numerics": "te_jax.spec.numerics",
     "te_jax.quantize.reference": "te_jax.spec.reference",
     "te_jax.quantize.ref_norm_act": "te_jax.spec.reference_norm_act",
-    "te_jax.quantize.scaled_tensor": "te_jax.spec.scaled_tensor",
+    "te_jax.quantize.scaled_tensor": "te_jax.spec.modes",
     "te_jax.ops.fused_cast": "te_jax.ops.cast",
     "te_jax.ops.partition": "te_jax.ops.primitive",
     "te_jax.ops.grouped_gemm": "te_jax.ops.grouped.gemm",
     "te_jax.ops.grouped_layout": "te_jax.ops.grouped.layout",
     "te_jax.ops.grouped_reference": "te_jax.ops.grouped.reference",
+    "te_jax.ops.norm": "te_jax.ops.norm_act",
+    "te_jax.ops.activation": "te_jax.ops.norm_act",
 }
 """Old module path -> new module path."""
 

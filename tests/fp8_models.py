@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 import te_jax
 from te_jax.flax import _common as C
-from te_jax.train.update import module_path
+from te_jax.flax._common import module_path
 
 
 class Dense(nn.Module):

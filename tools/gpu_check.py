@@ -17,7 +17,7 @@ NAME=SECONDS corrects the estimate of the jobs it names.
 
 Examples:
   python3 tools/gpu_check.py --tests --bench layers,quantize --out $OUT
-  python3 tools/gpu_check.py --tests "test_norm.py -k mxfp8"
+  python3 tools/gpu_check.py --tests "ops/test_norm.py -k mxfp8"
   python3 tools/gpu_check.py --wheel new.whl --baseline-wheel old.whl --rounds 2 \\
       --bench layers --bench-args layers="--sections mlp --trials 5"
   python3 tools/gpu_check.py --train delayed@125m:200,bf16@125m:200
@@ -152,11 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every benchmark also with this wheel (its own install folder), in turns, and "
                         "write the base/new ratio of each timing; the benchmark scripts are this checkout's, "
                         "so both wheels must have the API they use")
+    p.add_argument("--baseline-python", type=pathlib.Path, metavar="DIR",
+                   help="instead of --baseline-wheel: the baseline is the wheel this run uses with DIR's te_jax/*.py "
+                        "and recipes/*.py over it (e.g. `git archive OLD te_jax recipes` unpacked): a before/after "
+                        "comparison of a change that leaves csrc/ alone")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --baseline-wheel: base/new pairs per benchmark (base, new, base, new, ...)")
     p.add_argument("--tests", nargs="?", const="", metavar="PYTEST_ARGS",
                    help="run the test suite (pytest -n 8 from tests/); an optional quoted string of pytest "
-                        "arguments narrows it, e.g. \"test_norm.py -k mxfp8\"")
+                        "arguments narrows it, e.g. \"ops/test_norm.py -k mxfp8\"")
     p.add_argument("--bench", action="append", default=[], metavar="NAME[,NAME]",
                    help="run benchmarks/bench_NAME.py (repeatable)")
     p.add_argument("--bench-args", action="append", default=[], metavar="NAME=\"ARGS\"",
@@ -186,11 +190,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def has_baseline(args: argparse.Namespace) -> bool:
+    """Whether the benchmarks also run against a baseline (--baseline-wheel or --baseline-python)."""
+    return bool(args.baseline_wheel or getattr(args, "baseline_python", None))
+
+
 def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.executable) -> list[gpu_jobs.Job]:
     """The jobs, in the order they start: the tests, the benchmarks, the mesh check, the training runs."""
     # NCCL_NVLS_ENABLE=0: NVLink multicast stays off on the lent multi-GPU machines.
-    if args.rounds < 1 or (args.rounds > 1 and args.baseline_wheel is None):
-        raise SystemExit("gpu_check: --rounds takes a number >= 1, and more than 1 only with --baseline-wheel")
+    if args.baseline_wheel and args.baseline_python:
+        raise SystemExit("gpu_check: give --baseline-wheel or --baseline-python, not both")
+    if args.rounds < 1 or (args.rounds > 1 and not has_baseline(args)):
+        raise SystemExit("gpu_check: --rounds takes a number >= 1, and more than 1 only with a baseline")
     new_env = {"PYTHONPATH": str(layout.site("new")), "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
     jobs: list[gpu_jobs.Job] = []
     if args.tests is not None:
@@ -211,7 +222,7 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
             raise SystemExit(f"gpu_check: no benchmark {name!r} ({script} does not exist)")
         seen[name] = seen.get(name, 0) + 1
         stem = f"bench_{name}" + (f"_{seen[name]}" if seen[name] > 1 else "")
-        if args.baseline_wheel is None:
+        if not has_baseline(args):
             runs = [(stem, "new")]
         else:
             runs = [(f"{stem}_{which}{r}", which) for r in range(1, args.rounds + 1) for which in ("base", "new")]
@@ -224,7 +235,7 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
     if args.multi_gpu:
         jobs.append(gpu_jobs.Job(
             "mesh", MESH_ESTIMATE_S, 2,
-            [python, "mesh_multidevice.py", "--meshes", "dp2,tp2",
+            [python, "multidevice/mesh_multidevice.py", "--meshes", "dp2,tp2",
              "--recipes", "delayed,current,delayed_split,current_split", "--check"],
             cwd=str(ROOT / "tests"), env=new_env))
     if args.python_from_checkout and not args.wheel:
@@ -350,14 +361,16 @@ def cutlass_build_flags(wheel: pathlib.Path | None, work: pathlib.Path, python: 
     return ["-C", f"cmake.define.TE_JAX_CUTLASS_DIR={dest / 'cutlass_library' / 'source'}"]
 
 
-def overlay_python(site: pathlib.Path) -> int:
+def overlay_python(site: pathlib.Path, root: pathlib.Path = ROOT) -> int:
     """Makes the Python files of the package installed in ``site`` the ones a build of this checkout installs:
     ``te_jax/**/*.py``, and ``recipes/*.py`` as ``te_jax/gallery/`` (CMakeLists.txt's install rule). They are copied
     over and installed Python files the checkout lacks are removed; compiled modules and other files stay. Returns
     how many were copied."""
-    package, installed = ROOT / "te_jax", site / "te_jax"
+    package, installed = root / "te_jax", site / "te_jax"
+    if not package.is_dir():
+        raise SystemExit(f"gpu_check: {root} has no te_jax/ to put over the installed wheel")
     sources = {src.relative_to(package): src for src in package.rglob("*.py")}
-    sources.update({pathlib.Path("gallery") / src.name: src for src in (ROOT / "recipes").glob("*.py")})
+    sources.update({pathlib.Path("gallery") / src.name: src for src in (root / "recipes").glob("*.py")})
     for old in installed.rglob("*.py"):
         if old.relative_to(installed) not in sources:
             old.unlink()
@@ -372,7 +385,7 @@ def install(wheel: pathlib.Path, site: pathlib.Path, log: pathlib.Path, python: 
     shutil.rmtree(site, ignore_errors=True)
     step(f"install {wheel.name} into {site}", [python, "-m", "pip", "install", "--no-deps", "--no-index",
                                                 "--target", str(site), str(wheel)], log)
-    check = ("import pathlib, sys, te_jax, te_jax.ops.ffi; site = pathlib.Path(sys.argv[1]).resolve(); "
+    check = ("import pathlib, sys, te_jax; site = pathlib.Path(sys.argv[1]).resolve(); "
              "pkg = pathlib.Path(te_jax.__file__).resolve().parent; "
              "assert pkg.parent == site, f'imported {pkg}, not the one in {site}'; "
              "assert list(pkg.glob('_te_jax_cuda*')), f'{pkg} has no CUDA module'; print('te_jax from', pkg)")
@@ -445,11 +458,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{wheel.name}", flush=True)
     if args.baseline_wheel:
         install(args.baseline_wheel.resolve(), layout.site("base"), build_log, python)
+    elif args.baseline_python:
+        install(wheel, layout.site("base"), build_log, python)
+        print(f"gpu_check: baseline {wheel.name} with {overlay_python(layout.site('base'), args.baseline_python)} "
+              f"Python files from {args.baseline_python}", flush=True)
 
     header = machine_info(python) + [f"- wheel {wheel.name}"
                                      + (", te_jax/*.py from the checkout" if args.python_from_checkout else "")]
     if args.baseline_wheel:
         header.append(f"- baseline wheel {args.baseline_wheel.name}, {args.rounds} round(s)")
+    elif args.baseline_python:
+        header.append(f"- baseline: the same wheel with te_jax/*.py from {args.baseline_python}, {args.rounds} round(s)")
     gpus = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
                           text=True, check=True).stdout.splitlines()
     gpus = [g.strip() for g in gpus if g.strip()]
@@ -475,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = command_buffer_rows(layout, jobs)
         extra["command buffers"] = (rows, gpu_summary.table(
             rows, ["job", "te_jax_calls", "custom_calls_inside", "custom_calls_outside", "source"]))
-    if args.baseline_wheel:
+    if has_baseline(args):
         stems = sorted({job.name.rsplit("_", 1)[0] for job in jobs if job.name.startswith("bench_")})
         rows = ratio_rows(layout.out, stems, args.rounds)
         extra["base/new"] = (rows, gpu_summary.table(rows, ["benchmark", "timing", "base_ms", "new_ms", "base/new"]))

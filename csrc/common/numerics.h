@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define TE_HD __host__ __device__ __forceinline__
@@ -24,25 +25,26 @@
 
 namespace te_jax {
 
-TE_HD uint32_t FloatBits(float f) {
+// The bits of a float32 as uint32, or the other way round: the device's
+// intrinsics there, memcpy on the host.
+template <typename To, typename From>
+TE_HD To BitCast(From v) {
+  static_assert(sizeof(To) == 4 && sizeof(From) == 4, "BitCast converts between float and uint32_t");
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
+  if constexpr (std::is_same_v<To, uint32_t>) {
+    return __float_as_uint(v);
+  } else {
+    return __uint_as_float(v);
+  }
 #else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
+  To out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
 #endif
 }
 
-TE_HD float BitsFloat(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-#endif
-}
+TE_HD uint32_t FloatBits(float f) { return BitCast<uint32_t>(f); }
+TE_HD float BitsFloat(uint32_t u) { return BitCast<float>(u); }
 
 TE_HD bool IsFiniteF(float f) { return (FloatBits(f) & 0x7f800000u) != 0x7f800000u; }
 TE_HD bool IsNanF(float f) { return (FloatBits(f) & 0x7fffffffu) > 0x7f800000u; }

@@ -11,8 +11,6 @@ namespace te_jax {
 namespace cuda {
 namespace {
 
-using fused::CastBuffers;
-
 // Output (b, r, c) of dx [rows, cols]: plain dy * act'(x); kGated, for c < F
 // da = dy * g * act'(a), for c >= F dg = dy * act(a) (a = x[:, :F], g = x[:, F:]).
 // A plain activation's vector is two 16-byte loads (dy, x), a gated one three.
@@ -87,8 +85,7 @@ ffi::Error ActBwd(cudaStream_t stream, const ActCall& c) {
     return InvalidArgument("workspace: need " + std::to_string(ws_need) + " float32 elements for the dbias partials");
   }
   if (B == 0) return ffi::Error::Success();
-  const FusedCastOut& o = c.out;
-  const CastBuffers bufs = fused::BuffersOf(o.q, o.s, o.q_t, o.s_t, o.amax, o.amax_t, o.scale);
+  const fused::CastBuffers bufs = fused::BuffersOf(c.out);
   float* ws = c.dbias ? c.workspace : nullptr;
   TE_RETURN_IF_ERROR(DispatchInput(c.x.element_type(), [&](auto tag) {
     using T = decltype(tag);

@@ -11,8 +11,6 @@ namespace te_jax {
 namespace cuda {
 namespace {
 
-using fused::CastBuffers;
-
 // Output (b, r, c) = act(x[b, r, c]), or act(x[b, r, c]) * x[b, r, F + c] (kGated):
 // a plain activation's vector is one 16-byte load, so the cast kernels keep
 // more of them in flight.
@@ -69,8 +67,7 @@ ffi::Error ActFwd(cudaStream_t stream, const ActCall& c) {
   const ActKind act = c.act;
   const int64_t F = c.out_cols;
   if (in.batch == 0) return ffi::Error::Success();
-  const FusedCastOut& o = c.out;
-  const CastBuffers bufs = fused::BuffersOf(o.q, o.s, o.q_t, o.s_t, o.amax, o.amax_t, o.scale);
+  const fused::CastBuffers bufs = fused::BuffersOf(c.out);
   return DispatchInput(c.x.element_type(), [&](auto tag) {
     using T = decltype(tag);
     return DispatchBool(IsGated(act), [&](auto gated) {

@@ -21,14 +21,8 @@ __global__ void __launch_bounds__(kAmaxThreads)
   const T* xb = x + b * size;
   uint32_t m = 0;
   if constexpr (kVec == 8) {
-    Raw8<T> raw[kAmaxUnroll];
-    LoadChunk8<kAmaxThreads>(xb, base, size, raw);
-#pragma unroll
-    for (int u = 0; u < kAmaxUnroll; ++u) {
-      float f[8];
-      Unpack8(raw[u], f);
-      m = max(m, AbsMaxBits8(f));
-    }
+    ForEachChunk8<kAmaxThreads, kAmaxUnroll>(xb, base, size,
+                                             [&](int, const float(&f)[8]) { m = max(m, AbsMaxBits8(f)); });
   } else {
 #pragma unroll
     for (int u = 0; u < kAmaxUnroll; ++u) {

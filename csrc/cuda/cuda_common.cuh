@@ -139,6 +139,19 @@ __device__ __forceinline__ void LoadChunk8(const T* x, int64_t base, int64_t siz
   }
 }
 
+// LoadChunk8's kUnroll vectors, then body(u, f) with vector u unpacked to float f[8], for u = 0 .. kUnroll - 1.
+template <int kThreads, int kUnroll, typename T, typename Body>
+__device__ __forceinline__ void ForEachChunk8(const T* x, int64_t base, int64_t size, Body&& body) {
+  Raw8<T> raw[kUnroll];
+  LoadChunk8<kThreads>(x, base, size, raw);
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    float f[8];
+    Unpack8(raw[u], f);
+    body(u, f);
+  }
+}
+
 // Element i (0..1) of a 32-bit word holding two 2-byte elements, as float.
 template <typename T>
 __device__ __forceinline__ float HalfWordToF(uint32_t w, int i) {

@@ -291,31 +291,46 @@ ffi::Error Run(GroupedFp8Call& c, int device, int64_t out_bytes, const ffi::AnyB
   return ffi::Error::Success();
 }
 
+// The FP8 handlers' frame: on `device`, Prepare's checks of the shared operands into a call, then
+// fill(c) (the handler's own checks and operands, an error ends the call), then Run with `dispatch`.
+template <typename Fill>
+ffi::Error RunFp8Call(const char* t, cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
+                      const ffi::AnyBuffer& b, const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& bias,
+                      ffi::AnyBuffer& out, ffi::AnyBuffer& workspace, int64_t group_axis, int64_t align, bool has_bias,
+                      ffi::Error (*dispatch)(const GroupedFp8Call&, cudaStream_t), Fill fill) {
+  gemm::DeviceGuard guard;
+  TE_RETURN_IF_ERROR(guard.Enter(device));
+  GroupedFp8Call c{};
+  int64_t out_bytes = 0;
+  TE_RETURN_IF_ERROR(Prepare(t, a, b, group_sizes, bias, out, workspace, group_axis, align, has_bias, &c, &out_bytes));
+  TE_RETURN_IF_ERROR(fill(c));
+  return Run(c, guard.device(), out_bytes, bias, has_bias, stream, dispatch);
+}
+
 ffi::Error GroupedGemmFp8(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_scale_inv,
                           ffi::AnyBuffer b_scale_inv, ffi::AnyBuffer group_sizes, ffi::AnyBuffer bias,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace, int64_t group_axis,
                           int64_t align, bool has_bias, bool fast_accum) {
   const char* t = "te_jax_grouped_gemm_fp8";
-  gemm::DeviceGuard guard;
-  TE_RETURN_IF_ERROR(guard.Enter(device));
-  GroupedFp8Call c{};
-  int64_t out_bytes = 0;
-  TE_RETURN_IF_ERROR(Prepare(t, a, b, group_sizes, bias, *out, *workspace, group_axis, align, has_bias, &c, &out_bytes));
-  if (c.axis == GroupAxis::kContraction && align % 16 != 0) {
-    return Invalid(t, "the CUDA grouped GEMM needs align a multiple of 16 for group_axis 1, got " + std::to_string(align));
-  }
-  for (const ffi::AnyBuffer* s : {&a_scale_inv, &b_scale_inv}) {
-    const int64_t count = static_cast<int64_t>(s->element_count());
-    if (s->element_type() != ffi::DataType::F32 || (count != 1 && count != c.groups)) {
-      return Invalid(t, "a_scale_inv and b_scale_inv must be float32 [1] or [G]");
+  auto fill = [&](GroupedFp8Call& c) -> ffi::Error {
+    if (c.axis == GroupAxis::kContraction && align % 16 != 0) {
+      return Invalid(t, "the CUDA grouped GEMM needs align a multiple of 16 for group_axis 1, got " + std::to_string(align));
     }
-  }
-  c.fast_accum = fast_accum;
-  c.a_scale_inv = static_cast<const float*>(a_scale_inv.untyped_data());
-  c.b_scale_inv = static_cast<const float*>(b_scale_inv.untyped_data());
-  c.a_scale_per_group = a_scale_inv.element_count() > 1;
-  c.b_scale_per_group = b_scale_inv.element_count() > 1;
-  return Run(c, guard.device(), out_bytes, bias, has_bias, stream, Dispatch);
+    for (const ffi::AnyBuffer* s : {&a_scale_inv, &b_scale_inv}) {
+      const int64_t count = static_cast<int64_t>(s->element_count());
+      if (s->element_type() != ffi::DataType::F32 || (count != 1 && count != c.groups)) {
+        return Invalid(t, "a_scale_inv and b_scale_inv must be float32 [1] or [G]");
+      }
+    }
+    c.fast_accum = fast_accum;
+    c.a_scale_inv = static_cast<const float*>(a_scale_inv.untyped_data());
+    c.b_scale_inv = static_cast<const float*>(b_scale_inv.untyped_data());
+    c.a_scale_per_group = a_scale_inv.element_count() > 1;
+    c.b_scale_per_group = b_scale_inv.element_count() > 1;
+    return ffi::Error::Success();
+  };
+  return RunFp8Call(t, stream, device, a, b, group_sizes, bias, *out, *workspace, group_axis, align, has_bias,
+                    Dispatch, fill);
 }
 
 // Checks a block-scale operand: float32 of exactly `dims`.
@@ -335,31 +350,30 @@ ffi::Error GroupedGemmFp8Block(cudaStream_t stream, int32_t device, ffi::AnyBuff
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
                                int64_t group_axis, int64_t align, bool has_bias, bool a_block_2d, bool b_block_2d) {
   const char* t = "te_jax_grouped_gemm_fp8_block";
-  gemm::DeviceGuard guard;
-  TE_RETURN_IF_ERROR(guard.Enter(device));
-  GroupedFp8Call c{};
-  int64_t out_bytes = 0;
-  TE_RETURN_IF_ERROR(Prepare(t, a, b, group_sizes, bias, *out, *workspace, group_axis, align, has_bias, &c, &out_bytes));
-  if (a_block_2d) return Invalid(t, "the CUDA grouped GEMM takes 1x128 blocks for a (a_block_2d false)");
-  if (c.k % 128 != 0 || (b_block_2d && c.n % 128 != 0)) {
-    return Invalid(t, "the block-scaled grouped GEMM needs K (and N with 128x128 B blocks) to be multiples of 128");
-  }
-  if (c.axis == GroupAxis::kRows) {
-    TE_RETURN_IF_ERROR(CheckScales(t, "a_s", a_s, {c.m, c.k / 128}));
-    TE_RETURN_IF_ERROR(b_block_2d ? CheckScales(t, "b_s", b_s, {c.groups, c.n / 128, c.k / 128})
-                                  : CheckScales(t, "b_s", b_s, {c.groups, c.n, c.k / 128}));
-  } else {
-    // K-block-major, so a group's span is a compact slice (CUTLASS derives
-    // each group's scale layout from its problem shape).
-    if (b_block_2d) return Invalid(t, "the CUDA grouped GEMM takes 1x128 blocks for b with group_axis 1");
-    if (c.m % 128 != 0) return Invalid(t, "the block-scaled group_axis 1 GEMM needs P to be a multiple of 128");
-    TE_RETURN_IF_ERROR(CheckScales(t, "a_s", a_s, {c.k / 128, c.m}));
-    TE_RETURN_IF_ERROR(CheckScales(t, "b_s", b_s, {c.k / 128, c.n}));
-  }
-  c.a_s = static_cast<const float*>(a_s.untyped_data());
-  c.b_s = static_cast<const float*>(b_s.untyped_data());
-  c.b_scale_rows = b_block_2d ? 128 : 1;
-  return Run(c, guard.device(), out_bytes, bias, has_bias, stream, DispatchBlock);
+  auto fill = [&](GroupedFp8Call& c) -> ffi::Error {
+    if (a_block_2d) return Invalid(t, "the CUDA grouped GEMM takes 1x128 blocks for a (a_block_2d false)");
+    if (c.k % 128 != 0 || (b_block_2d && c.n % 128 != 0)) {
+      return Invalid(t, "the block-scaled grouped GEMM needs K (and N with 128x128 B blocks) to be multiples of 128");
+    }
+    if (c.axis == GroupAxis::kRows) {
+      TE_RETURN_IF_ERROR(CheckScales(t, "a_s", a_s, {c.m, c.k / 128}));
+      TE_RETURN_IF_ERROR(b_block_2d ? CheckScales(t, "b_s", b_s, {c.groups, c.n / 128, c.k / 128})
+                                    : CheckScales(t, "b_s", b_s, {c.groups, c.n, c.k / 128}));
+    } else {
+      // K-block-major, so a group's span is a compact slice (CUTLASS derives
+      // each group's scale layout from its problem shape).
+      if (b_block_2d) return Invalid(t, "the CUDA grouped GEMM takes 1x128 blocks for b with group_axis 1");
+      if (c.m % 128 != 0) return Invalid(t, "the block-scaled group_axis 1 GEMM needs P to be a multiple of 128");
+      TE_RETURN_IF_ERROR(CheckScales(t, "a_s", a_s, {c.k / 128, c.m}));
+      TE_RETURN_IF_ERROR(CheckScales(t, "b_s", b_s, {c.k / 128, c.n}));
+    }
+    c.a_s = static_cast<const float*>(a_s.untyped_data());
+    c.b_s = static_cast<const float*>(b_s.untyped_data());
+    c.b_scale_rows = b_block_2d ? 128 : 1;
+    return ffi::Error::Success();
+  };
+  return RunFp8Call(t, stream, device, a, b, group_sizes, bias, *out, *workspace, group_axis, align, has_bias,
+                    DispatchBlock, fill);
 }
 
 // Checks the bfloat16 call's operands, group sizes, output and bias against

@@ -47,6 +47,21 @@ struct GroupGeometry {
   int64_t sfa_offset, sfb_offset, ld_sf;  // block mode: in scales; ld_sf in K blocks
 };
 
+// The operands of group g of a row-grouped GEMM (group_axis 0) whose rows start at `off`: rows [off, off + m) of
+// A [M, K] and D [M, N] (m = size, cut at M), B[g] [N, K]; every operand K- (D N-) contiguous.
+__device__ inline void RowGroupGeometry(const GroupedFp8Call& c, int64_t g, int64_t off, int32_t size,
+                                        GroupGeometry& geo) {
+  geo.m = static_cast<int>(min(static_cast<int64_t>(max(size, 0)), c.m - off));
+  geo.n = static_cast<int>(c.n);
+  geo.k = static_cast<int>(c.k);
+  geo.a_offset = off * c.k;
+  geo.b_offset = g * c.n * c.k;
+  geo.d_offset = off * c.n;
+  geo.lda = c.k;
+  geo.ldb = c.k;
+  geo.ldd = c.n;
+}
+
 __device__ inline GroupGeometry GeometryOf(const GroupedFp8Call& c, int64_t g, int64_t start, int32_t size) {
   GroupGeometry geo{};
   const bool block = c.a_s != nullptr;
@@ -54,15 +69,7 @@ __device__ inline GroupGeometry GeometryOf(const GroupedFp8Call& c, int64_t g, i
   if (c.axis == GroupAxis::kRows) {
     // start: the sum of the earlier groups' sizes; groups past M are cut.
     const int64_t off = min(start, c.m);
-    geo.m = static_cast<int>(min(static_cast<int64_t>(max(size, 0)), c.m - off));
-    geo.n = static_cast<int>(c.n);
-    geo.k = static_cast<int>(c.k);
-    geo.a_offset = off * c.k;
-    geo.b_offset = g * c.n * c.k;
-    geo.d_offset = off * c.n;
-    geo.lda = c.k;
-    geo.ldb = c.k;
-    geo.ldd = c.n;
+    RowGroupGeometry(c, g, off, size, geo);
     geo.sfa_offset = off * (c.k / 128);
     geo.sfb_offset = g * (c.n / max(c.b_scale_rows, 1)) * (c.k / 128);
     geo.ld_sf = c.k / 128;
@@ -115,24 +122,32 @@ __device__ inline GroupGeometry Bf16GeometryOf(const GroupedFp8Call& c, int64_t 
     geo.ldb = c.n;
     geo.ldd = c.n;
   } else {
-    const int64_t off = min(start, c.m);
-    geo.m = static_cast<int>(min(static_cast<int64_t>(max(size, 0)), c.m - off));
-    geo.n = static_cast<int>(c.n);
-    geo.k = static_cast<int>(c.k);
-    geo.a_offset = off * c.k;
-    geo.b_offset = g * c.n * c.k;
-    geo.d_offset = off * c.n;
-    geo.lda = c.k;
+    RowGroupGeometry(c, g, min(start, c.m), size, geo);
     geo.ldb = kLayout == Bf16Layout::kForward ? c.n : c.k;
-    geo.ldd = c.n;
   }
   return geo;
 }
 
+using GroupedProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+
+// CUTLASS's grouped GEMM (device adapter) of a mainloop and an epilogue.
+template <class Mainloop, class Epilogue>
+using GroupedGemm = cutlass::gemm::device::GemmUniversalAdapter<
+    cutlass::gemm::kernel::GemmUniversal<GroupedProblemShape, Mainloop, Epilogue>>;
+
 // The setup arrays of one grouped GEMM (problem shapes, operand pointers,
-// strides, alphas), carved from the front of the workspace.
-template <class ElementA, class ElementB, class ElementD, class StrideA, class StrideB, class StrideD, class Shape3>
+// strides, alphas), carved from the front of the workspace; its element,
+// stride and problem types are those of the GroupedGemm.
+template <class Gemm>
 struct PtrArrays {
+  using ElementA = typename Gemm::ElementA;
+  using ElementB = typename Gemm::ElementB;
+  using ElementD = typename Gemm::ElementD;
+  using StrideA = typename Gemm::GemmKernel::InternalStrideA;
+  using StrideB = typename Gemm::GemmKernel::InternalStrideB;
+  using StrideD = typename Gemm::GemmKernel::InternalStrideD;
+  using Shape3 = typename GroupedProblemShape::UnderlyingProblemShape;
+
   Shape3* problems;
   const ElementA** a;
   const ElementB** b;
@@ -168,14 +183,17 @@ struct PtrArrays {
   }
 };
 
-// The CUTLASS grouped GEMM of one dtype combination and accumulation mode.
-template <class ElementA, class ElementB, class ElementD, bool kFastAccum>
-struct Fp8GroupedKernel {
-  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+// The FP8 kernels' operand layouts: A [m, k] and B [n, k] k-contiguous (16-byte aligned), D [m, n] row-major.
+struct Fp8Layouts {
   using LayoutA = cutlass::layout::RowMajor;     // A [m, k], k contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // B [n, k], k contiguous
   using LayoutD = cutlass::layout::RowMajor;     // D [m, n]
   static constexpr int kAlignAB = 16;
+};
+
+// The CUTLASS grouped GEMM of one dtype combination and accumulation mode.
+template <class ElementA, class ElementB, class ElementD, bool kFastAccum>
+struct Fp8GroupedKernel : Fp8Layouts {
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
   // Split accumulation keeps a second float32 accumulator per thread (the promotion target): at 256x128
   // that overflows the registers (ptxas spills and serializes the wgmma pipeline), so it takes 128x128.
@@ -197,18 +215,13 @@ struct Fp8GroupedKernel {
       kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  static_assert(is_static<decltype(get<1>(StrideA{}))>::value && is_static<decltype(get<1>(StrideB{}))>::value &&
-                    is_static<decltype(get<1>(StrideD{}))>::value,
-                "the grouped operands are contiguous along their last axis");
-  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
-
+  using Gemm = GroupedGemm<Mainloop, Epilogue>;
   // The setup arrays, carved from the front of the workspace.
-  using Arrays = PtrArrays<ElementA, ElementB, ElementD, StrideA, StrideB, StrideD, Shape3>;
+  using Arrays = PtrArrays<Gemm>;
+  static_assert(is_static<decltype(get<1>(typename Arrays::StrideA{}))>::value &&
+                    is_static<decltype(get<1>(typename Arrays::StrideB{}))>::value &&
+                    is_static<decltype(get<1>(typename Arrays::StrideD{}))>::value,
+                "the grouped operands are contiguous along their last axis");
   __device__ static GroupGeometry Geometry(const GroupedFp8Call& c, int64_t g, int64_t start, int32_t size) {
     return GeometryOf(c, g, start, size);
   }
@@ -238,12 +251,7 @@ struct BlockCooperative {
 // BlockCooperative (a parameter for tools/research/cutlass_block_schedules).
 template <class ElementA, class ElementB, class ElementD, int kBScaleRows, GroupAxis kAxis,
           class Schedule = BlockCooperative>
-struct Fp8BlockGroupedKernel {
-  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-  using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::ColumnMajor;
-  using LayoutD = cutlass::layout::RowMajor;
-  static constexpr int kAlignAB = 16;
+struct Fp8BlockGroupedKernel : Fp8Layouts {
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
   using TileShape = typename Schedule::TileShape;
   using ClusterShape = typename Schedule::ClusterShape;
@@ -261,12 +269,7 @@ struct Fp8BlockGroupedKernel {
       ElementB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Schedule::KernelSchedule>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+  using Gemm = GroupedGemm<Mainloop, Epilogue>;
 
   struct Arrays : Fp8GroupedKernel<ElementA, ElementB, ElementD, true>::Arrays {
     const float** sfa;
@@ -340,7 +343,6 @@ struct Bf16GroupedKernel {
   using ElementA = Element;
   using ElementB = Element;
   using ElementD = Element;
-  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   // CUTLASS's views: A (m, k), B (n, k). RowMajor A: k contiguous; ColumnMajor A: m contiguous.
   // RowMajor B: n contiguous; ColumnMajor B: k contiguous.
   using LayoutA = std::conditional_t<kLayout == Bf16Layout::kWgrad, cutlass::layout::ColumnMajor,
@@ -362,20 +364,17 @@ struct Bf16GroupedKernel {
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using StrideA = typename Kernel::InternalStrideA;
-  using StrideB = typename Kernel::InternalStrideB;
-  using StrideD = typename Kernel::InternalStrideD;
-  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
-  static_assert(std::is_same_v<StrideA, std::conditional_t<kLayout == Bf16Layout::kWgrad, Stride<_1, int64_t, _0>,
-                                                           Stride<int64_t, _1, _0>>>,
+  using Gemm = GroupedGemm<Mainloop, Epilogue>;
+  using Arrays = PtrArrays<Gemm>;
+  static_assert(std::is_same_v<typename Arrays::StrideA,
+                               std::conditional_t<kLayout == Bf16Layout::kWgrad, Stride<_1, int64_t, _0>,
+                                                  Stride<int64_t, _1, _0>>>,
                 "A: (m, k) strides (1, lda) for kWgrad, (lda, 1) otherwise");
-  static_assert(std::is_same_v<StrideB, std::conditional_t<kLayout == Bf16Layout::kDgrad, Stride<int64_t, _1, _0>,
-                                                           Stride<_1, int64_t, _0>>>,
+  static_assert(std::is_same_v<typename Arrays::StrideB,
+                               std::conditional_t<kLayout == Bf16Layout::kDgrad, Stride<int64_t, _1, _0>,
+                                                  Stride<_1, int64_t, _0>>>,
                 "B: (n, k) strides (ldb, 1) for kDgrad, (1, ldb) otherwise");
 
-  using Arrays = PtrArrays<ElementA, ElementB, ElementD, StrideA, StrideB, StrideD, Shape3>;
   __device__ static GroupGeometry Geometry(const GroupedFp8Call& c, int64_t g, int64_t start, int32_t size) {
     return Bf16GeometryOf<kLayout>(c, g, start, size);
   }
@@ -406,6 +405,7 @@ __device__ inline Stride3 LeadingStride(int64_t ld) {
 // (or aligned spans) of the groups before it (G is at most a few thousand).
 template <class K>
 __global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedFp8Call c, typename K::Arrays arrays) {
+  using Arrays = typename K::Arrays;
   using ElementA = typename K::Gemm::ElementA;
   using ElementB = typename K::Gemm::ElementB;
   using ElementD = typename K::Gemm::ElementD;
@@ -416,14 +416,14 @@ __global__ void __launch_bounds__(kSetupThreads) SetupKernel(GroupedFp8Call c, t
       start += c.axis == GroupAxis::kRows ? s : (s + c.align - 1) / c.align * c.align;
     }
     const GroupGeometry geo = K::Geometry(c, g, start, c.group_sizes[g]);
-    arrays.problems[g] = typename K::Shape3(geo.m, geo.n, geo.k);
+    arrays.problems[g] = typename Arrays::Shape3(geo.m, geo.n, geo.k);
     arrays.a[g] = static_cast<const ElementA*>(c.a) + geo.a_offset;
     arrays.b[g] = static_cast<const ElementB*>(c.b) + geo.b_offset;
     arrays.d[g] = static_cast<ElementD*>(c.out) + geo.d_offset;
     // Each stride is (leading dimension, 1, 0) or (1, leading dimension, 0): only the leading dimension is dynamic.
-    arrays.stride_a[g] = LeadingStride<typename K::StrideA>(geo.lda);
-    arrays.stride_b[g] = LeadingStride<typename K::StrideB>(geo.ldb);
-    arrays.stride_d[g] = LeadingStride<typename K::StrideD>(geo.ldd);
+    arrays.stride_a[g] = LeadingStride<typename Arrays::StrideA>(geo.lda);
+    arrays.stride_b[g] = LeadingStride<typename Arrays::StrideB>(geo.ldb);
+    arrays.stride_d[g] = LeadingStride<typename Arrays::StrideD>(geo.ldd);
     arrays.alpha[g] = geo.alpha;
     K::SetupScales(c, g, geo, arrays);
   }
@@ -498,44 +498,25 @@ ffi::Error Run(const GroupedFp8Call& c, cudaStream_t stream) {
   return ffi::Error::Success();
 }
 
-template <Fp8Kind kA>
-struct Fp8Element;
-template <>
-struct Fp8Element<Fp8Kind::kE4M3> {
-  using type = cutlass::float_e4m3_t;
-};
-template <>
-struct Fp8Element<Fp8Kind::kE5M2> {
-  using type = cutlass::float_e5m2_t;
-};
-template <OutKind kOut>
-struct OutElement;
-template <>
-struct OutElement<OutKind::kF32> {
-  using type = float;
-};
-template <>
-struct OutElement<OutKind::kBf16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct OutElement<OutKind::kF16> {
-  using type = cutlass::half_t;
-};
+// The CUTLASS element types of the kinds (grouped_gemm.cuh).
+template <Fp8Kind k>
+using Fp8Element = std::conditional_t<k == Fp8Kind::kE4M3, cutlass::float_e4m3_t, cutlass::float_e5m2_t>;
+template <OutKind k>
+using OutElement = std::conditional_t<k == OutKind::kF32, float,
+                                      std::conditional_t<k == OutKind::kBf16, cutlass::bfloat16_t, cutlass::half_t>>;
 
 }  // namespace sm90
 
 template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, bool kFastAccum>
 ffi::Error RunGroupedFp8(const GroupedFp8Call& c, cudaStream_t stream) {
-  using K = sm90::Fp8GroupedKernel<typename sm90::Fp8Element<kA>::type, typename sm90::Fp8Element<kB>::type,
-                                   typename sm90::OutElement<kOut>::type, kFastAccum>;
+  using K = sm90::Fp8GroupedKernel<sm90::Fp8Element<kA>, sm90::Fp8Element<kB>, sm90::OutElement<kOut>, kFastAccum>;
   return sm90::Run<K>(c, stream);
 }
 
 template <Fp8Kind kA, Fp8Kind kB, OutKind kOut, int kBScaleRows, GroupAxis kAxis>
 ffi::Error RunGroupedFp8Block(const GroupedFp8Call& c, cudaStream_t stream) {
-  using K = sm90::Fp8BlockGroupedKernel<typename sm90::Fp8Element<kA>::type, typename sm90::Fp8Element<kB>::type,
-                                        typename sm90::OutElement<kOut>::type, kBScaleRows, kAxis>;
+  using K = sm90::Fp8BlockGroupedKernel<sm90::Fp8Element<kA>, sm90::Fp8Element<kB>, sm90::OutElement<kOut>,
+                                        kBScaleRows, kAxis>;
   return sm90::Run<K>(c, stream);
 }
 

@@ -6,6 +6,7 @@
 
 #include "norm_act_generic.cuh"
 #include "norm_act_kernels.cuh"
+#include "../common/norm_act_checks.h"
 
 namespace te_jax {
 namespace cuda {
@@ -274,12 +275,11 @@ inline ffi::Error LaunchDbiasReduce(cudaStream_t stream, const float* ws, int64_
   return LaunchError("DbiasReduceKernel");
 }
 
-inline CastBuffers BuffersOf(const ffi::AnyBuffer& q, const ffi::AnyBuffer& s, const ffi::AnyBuffer& q_t,
-                             const ffi::AnyBuffer& s_t, const ffi::AnyBuffer& amax, const ffi::AnyBuffer& amax_t,
-                             const ffi::AnyBuffer& scale) {
+// The device pointers of a handler's seven cast results (nullptr for an empty one).
+inline CastBuffers BuffersOf(const FusedCastOut& o) {
   auto ptr = [](const ffi::AnyBuffer& b) -> void* { return b.element_count() ? b.untyped_data() : nullptr; };
-  return CastBuffers{ptr(q), ptr(s), ptr(q_t), ptr(s_t), static_cast<float*>(ptr(amax)),
-                     static_cast<float*>(ptr(amax_t)), static_cast<float*>(ptr(scale)), q.element_type()};
+  return CastBuffers{ptr(o.q), ptr(o.s), ptr(o.q_t), ptr(o.s_t), static_cast<float*>(ptr(o.amax)),
+                     static_cast<float*>(ptr(o.amax_t)), static_cast<float*>(ptr(o.scale)), o.q.element_type()};
 }
 
 inline bool AllAligned16(std::initializer_list<const void*> ps) {

@@ -135,6 +135,14 @@ __global__ void __launch_bounds__(kThreads, kRowMinBlocks<T, kVec>) NormBwdRowKe
     for (int k = 0; k < 8; ++k) dg[j][k] = db[j][k] = 0.0f;
   }
 
+  // body(j, c0) for each vector j of this thread's part of a row (columns c0 .. c0 + 7) that lies inside it.
+  const auto each_vec = [&](auto&& body) {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
+      if (c0 < H) body(j, c0);
+    }
+  };
   // A thread copies and later reads only its own slots, so the ring needs no block barrier.
   const auto slot = [&](int stage, int which, int j, int k) {
     return ring + (((stage * 2 + which) * kVec + j) * kW + k) * kThreads + threadIdx.x;
@@ -144,17 +152,14 @@ __global__ void __launch_bounds__(kThreads, kRowMinBlocks<T, kVec>) NormBwdRowKe
     if (r < r_end) {
       const int64_t row = b * a.rows + r;
       const T* src[2] = {static_cast<const T*>(a.dy) + row * H, static_cast<const T*>(a.x) + row * H};
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
-        if (c0 >= H) continue;
+      each_vec([&](int j, int64_t c0) {
 #pragma unroll
         for (int which = 0; which < 2; ++which) {
           const uint4* p = reinterpret_cast<const uint4*>(src[which] + c0);
 #pragma unroll
           for (int k = 0; k < kW; ++k) CpAsync16(slot(stage, which, j, k), p + k);
         }
-      }
+      });
     }
     CpAsyncCommit();
   };
@@ -163,6 +168,12 @@ __global__ void __launch_bounds__(kThreads, kRowMinBlocks<T, kVec>) NormBwdRowKe
 #pragma unroll
     for (int k = 0; k < kW; ++k) raw.w[k] = *slot(stage, which, j, k);
     Unpack8(raw, f);
+  };
+  // Vector j (columns c0 ..) of the staged row's dy and x, and of gamma.
+  const auto load = [&](int stage, int j, int64_t c0, float (&d)[8], float (&v)[8], float (&w)[8]) {
+    unpack(stage, 0, j, d);
+    unpack(stage, 1, j, v);
+    Load8F(gam + c0, w);
   };
 
   const int64_t step = a.warp_per_row ? kThreads / 32 : 1;
@@ -185,14 +196,9 @@ __global__ void __launch_bounds__(kThreads, kRowMinBlocks<T, kVec>) NormBwdRowKe
     }
     CpAsyncWait<kS - 1>();  // this row's group has landed
     float sg = 0.0f, sgx = 0.0f;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
-      if (c0 >= H) continue;
+    each_vec([&](int j, int64_t c0) {
       float d[8], v[8], w[8];
-      unpack(stage, 0, j, d);
-      unpack(stage, 1, j, v);
-      Load8F(gam + c0, w);
+      load(stage, j, c0, d, v, w);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float xhat = NormXhat(v[k], mu, rs, a.rms);
@@ -202,26 +208,21 @@ __global__ void __launch_bounds__(kThreads, kRowMinBlocks<T, kVec>) NormBwdRowKe
         dg[j][k] = AddRn(dg[j][k], MulRn(d[k], xhat));
         db[j][k] = AddRn(db[j][k], d[k]);
       }
-    }
+    });
     RowSum2(sg, sgx, a.warp_per_row, red[parity]);
     const float mg = a.rms ? 0.0f : DivRn(sg, hf);
     const float mgx = DivRn(sgx, hf);
     T* dxr = static_cast<T*>(a.dx) + row * H;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
-      if (c0 >= H) continue;
+    each_vec([&](int j, int64_t c0) {
       float d[8], v[8], w[8], o[8];
-      unpack(stage, 0, j, d);
-      unpack(stage, 1, j, v);
-      Load8F(gam + c0, w);
+      load(stage, j, c0, d, v, w);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         const float xhat = NormXhat(v[k], mu, rs, a.rms);
         o[k] = DxOf(MulRn(d[k], NormWeight(w[k], a.zc)), xhat, mg, mgx, rs, a.rms);
       }
       StoreT8(dxr + c0, o);
-    }
+    });
     stage = stage + 1 == kS ? 0 : stage + 1;
     parity ^= 1;
   }
@@ -230,16 +231,13 @@ __global__ void __launch_bounds__(kThreads, kRowMinBlocks<T, kVec>) NormBwdRowKe
   float* ws_dg = a.ws + (b * a.groups + g) * H;
   float* ws_db = a.ws + (a.batch * a.groups + b * a.groups + g) * H;
   if (!a.warp_per_row) {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
-      if (c0 >= H) continue;
+    each_vec([&](int j, int64_t c0) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
         ws_dg[c0 + k] = dg[j][k];
         ws_db[c0 + k] = db[j][k];
       }
-    }
+    });
     return;
   }
   // A warp per row: the 8 warps' sums for the same columns, added in warp order.
@@ -247,13 +245,10 @@ __global__ void __launch_bounds__(kThreads, kRowMinBlocks<T, kVec>) NormBwdRowKe
   CpAsyncWait<0>();
   __syncthreads();  // part overlays the ring other warps may still be reading
   for (int which = 0; which < 2; ++which) {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const int64_t c0 = (int64_t{j} * tpr + lane) * 8;
-      if (c0 >= H) continue;
+    each_vec([&](int j, int64_t c0) {
 #pragma unroll
       for (int k = 0; k < 8; ++k) part[warp * H + c0 + k] = which ? db[j][k] : dg[j][k];
-    }
+    });
     __syncthreads();
     for (int64_t c = threadIdx.x; c < H; c += kThreads) {
       float s = part[c];

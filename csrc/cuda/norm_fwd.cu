@@ -288,8 +288,7 @@ ffi::Error NormFwd(cudaStream_t stream, const NormFwdCall& c) {
   const int64_t B = c.mb.batch, M = c.mb.rows, H = c.mb.cols;
   if (B * M == 0 || H == 0) return ffi::Error::Success();
   NormParams p{c.gamma, c.beta, M, H, c.na.rms, c.na.zero_centered_gamma, c.na.epsilon};
-  const FusedCastOut& o = c.out;
-  const CastBuffers bufs = fused::BuffersOf(o.q, o.s, o.q_t, o.s_t, o.amax, o.amax_t, o.scale);
+  const CastBuffers bufs = fused::BuffersOf(c.out);
   return DispatchInput(c.x.element_type(), [&](auto tag) {
     return RunNormFwd<decltype(tag)>(stream, c.x, p, c.mean, c.rsigma, B, c.sp, bufs, c.scale, c.key);
   });

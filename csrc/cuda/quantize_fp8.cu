@@ -45,16 +45,11 @@ __global__ void __launch_bounds__(kCastThreads) Fp8CastKernel(CastArgs a) {
   const int64_t base = chunk * (int64_t{kCastThreads} * kVec * kCastUnroll);
   uint32_t m = 0;
   if constexpr (kVec == 8) {
-    Raw8<T> raw[kCastUnroll];
-    LoadChunk8<kCastThreads>(x, base, size, raw);
-#pragma unroll
-    for (int u = 0; u < kCastUnroll; ++u) {
+    ForEachChunk8<kCastThreads, kCastUnroll>(x, base, size, [&](int u, const float(&f)[8]) {
       const int64_t idx = base + (int64_t{u} * kCastThreads + threadIdx.x) * 8;
-      float f[8];
-      Unpack8(raw[u], f);
       if constexpr (!kCurrent) m = max(m, AbsMaxBits8(f));
       if (q && idx < size) *reinterpret_cast<uint2*>(q + idx) = Fp8x8<E5>(f, scale);
-    }
+    });
   } else {
 #pragma unroll
     for (int u = 0; u < kCastUnroll; ++u) {

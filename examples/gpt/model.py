@@ -30,6 +30,11 @@ from examples.gpt.presets import ModelConfig
 INIT_STD = 0.02
 
 
+def layer_settings(c: ModelConfig):
+    """(dtype, kernel init, ``dot_general_cls``) of the model's layers: flax's FP8 GEMMs for ``flax_fp8``."""
+    return jnp.dtype(c.dtype), nn.initializers.normal(INIT_STD), nn.Fp8DirectDotGeneralOp if c.flax_fp8 else None
+
+
 class OneHotEmbed(nn.Module):
     """``nn.Embed``'s lookup (same "embedding" parameter) as a GEMM with the tokens' one-hot rows.
 
@@ -59,8 +64,7 @@ class GPT(nn.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """int32[batch, seq] byte tokens -> float32[batch, seq, vocab] logits."""
         c = self.config
-        dtype = jnp.dtype(c.dtype)
-        init = nn.initializers.normal(INIT_STD)
+        dtype, init, dot_general_cls = layer_settings(c)
         x = OneHotEmbed(c.vocab, c.hidden, embedding_init=init, dtype=dtype, name="embed")(tokens)
         for i in range(c.layers):
             if c.experts:
@@ -76,7 +80,7 @@ class GPT(nn.Module):
                 dtype=dtype,
                 kernel_init=init,
                 logical_axes=c.logical_axes,
-                dot_general_cls=nn.Fp8DirectDotGeneralOp if c.flax_fp8 else None,
+                dot_general_cls=dot_general_cls,
                 name=f"TransformerLayer_{i}",
             )(x)
         x = te_flax.LayerNorm(dtype=dtype, name="ln_f")(x)
@@ -106,11 +110,9 @@ class MoEBlock(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
-        dtype = jnp.dtype(c.dtype)
-        init = nn.initializers.normal(INIT_STD)
+        dtype, init, dot_general_cls = layer_settings(c)
         x = x + te_flax.SelfAttention(c.heads, c.kv_heads, c.hidden // c.heads, causal=True, rotary=c.rotary,
-                                      dtype=dtype, kernel_init=init,
-                                      dot_general_cls=nn.Fp8DirectDotGeneralOp if c.flax_fp8 else None,
+                                      dtype=dtype, kernel_init=init, dot_general_cls=dot_general_cls,
                                       name="attention")(x).astype(x.dtype)
         h = te_flax.LayerNorm(dtype=dtype, name="moe_norm")(x)
         axes = EXPERT_AXES if c.logical_axes else {}

@@ -24,7 +24,7 @@ State. ``state`` maps each role whose quantizer is stateful (delayed scaling)
 to its state. The returned state is the forward-updated one (input, weight
 and output amaxes recorded). The state after forward *and* backward comes
 back as the gradient of ``state``: ``te_jax.train.value_and_grad`` returns
-it and ``te_jax.train.update.apply_fp8_update`` (or ``te_jax.train.TrainState``)
+it and ``te_jax.train.apply_fp8_update`` (or ``te_jax.train.TrainState``)
 applies it; see ``te_jax.quantize.delayed`` for its max-mergeable form.
 Stateful amaxes are reduced across devices (``te_jax.ops.sharding.reduce_amax``)
 before the state is updated.
@@ -40,14 +40,14 @@ backward. Off, nothing of it is traced.
 Randomness. Stochastic rounding (NVFP4 gradients) needs ``key``, a PRNG key
 that must change every step (e.g. ``jax.random.fold_in(key, step)``); each
 role draws from ``jax.random.fold_in(key, ROLES.index(role))``. Flax layers
-take it from the "quantize" RNG stream (``te_jax.train.update.QUANTIZE_RNG``).
+take it from the "quantize" RNG stream (``te_jax.train.step.QUANTIZE_RNG``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +56,8 @@ from jax import lax
 from te_jax.core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, check_gemm, check_high_precision,
                           cotangent, given_stats, high_precision_state, keep, mesh_resource_or_autocast, raw_key,
                           state_cotangent, state_leaves, updated_state, vary_of)
-from te_jax.core.checks import contracting_axes
-from te_jax.core.remat import QUANTIZED, name_quantized
+from te_jax.core.bundles import contracting_axes
+from te_jax.core.gemm_quant import QUANTIZED, name_quantized
 from te_jax.recipe.autocast import with_plan_mesh
 from te_jax.core.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves
 from te_jax.ops.sharding import MeshResource, to_varying
@@ -152,6 +152,17 @@ class _DensePlan(Plan):
     bias_dtype: Any  # None: no bias
 
 
+class _Residuals(NamedTuple):
+    """What dense's backward reads (a pytree)."""
+
+    x: Any  # x quantized, columnwise copy only (wgrad), or x
+    kernel: Any  # the kernel quantized, rowwise copy only (dgrad), or the kernel
+    state: dict  # role -> incoming state (float32)
+    state_grads: dict  # role -> the forward roles' state updates (update form)
+    key: Any  # raw PRNG key or None
+    stats: Any  # the forward statistics, or None
+
+
 def _forward(plan: _DensePlan, x, kernel, bias, state, key):
     g = GemmQuant(plan.q, state, key, plan.mesh_resource, plan.inspect)
     xq = g.quantize("input", x, colwise=True, flatten_axis=plan.nb)
@@ -161,7 +172,7 @@ def _forward(plan: _DensePlan, x, kernel, bias, state, key):
                fast_accum=plan.q.fast_accum)
     y = to_varying(g.qdq("output", y, flatten_axis=plan.nb), plan.all_vary)  # custom calls drop varying types
     # Keep only the copies the backward GEMMs read: x columnwise (wgrad), W rowwise (dgrad).
-    res = (keep(xq, "colwise"), keep(kq, "rowwise"), g.st, g.grads, key, g.stats)
+    res = _Residuals(keep(xq, "colwise"), keep(kq, "rowwise"), g.st, g.grads, key, g.stats)
     return (y, g.new_state(), g.stats), res
 
 
@@ -174,28 +185,27 @@ def _fwd(plan, x, kernel, bias, state, key, qstats):
     return _forward(plan, x, kernel, bias, state, key)
 
 
-def _bwd(plan: _DensePlan, res, cotangents):
-    x_res, k_res, st, grads, key, fwd_stats = res
+def _bwd(plan: _DensePlan, res: _Residuals, cotangents):
     dy = cotangents[0]
-    g = GemmQuant.backward(plan.q, st, key, plan.mesh_resource, plan.inspect, _WHERE)
+    g = GemmQuant.backward(plan.q, res.state, res.key, plan.mesh_resource, plan.inspect, _WHERE)
     dyq = g.quantize("grad_output", dy, colwise=True, flatten_axis=plan.nb)
     dy_n = tuple(range(plan.nb, plan.nb + plan.nn))
     k_n = tuple(range(plan.nk, plan.nk + plan.nn))
     # Backward GEMMs split their accumulation unless the recipe asks otherwise (more exact gradients).
     fast = plan.q.backward_fast_accum
-    dx = g.qdq("grad_input", g.gemm(dyq, k_res, (dy_n, k_n), out_dtype=plan.x_dtype, fast_accum=fast),
+    dx = g.qdq("grad_input", g.gemm(dyq, res.kernel, (dy_n, k_n), out_dtype=plan.x_dtype, fast_accum=fast),
                flatten_axis=plan.nb)
     batch = tuple(range(plan.nb))
-    dk = g.gemm(x_res, dyq, (batch, batch), out_dtype=plan.k_dtype, fast_accum=fast)
+    dk = g.gemm(res.x, dyq, (batch, batch), out_dtype=plan.k_dtype, fast_accum=fast)
     dbias = None
     if plan.bias_dtype is not None:
         dbias = jnp.sum(dy.astype(jnp.float32), axis=batch).astype(plan.bias_dtype)
     # In shard_map: reduce over the axes an input does not vary over, as JAX's own transposes do.
     u = plan.all_vary
     vx, vk, vbias = plan.vary
-    dstats = stats_cotangent(plan.stats_leaves, {**fwd_stats, **g.stats}, u) if plan.inspect else None
+    dstats = stats_cotangent(plan.stats_leaves, {**res.stats, **g.stats}, u) if plan.inspect else None
     return (cotangent(dx, u, vx), cotangent(dk, u, vk), cotangent(dbias, u, vbias),
-            state_cotangent(plan.state_leaves, {**grads, **g.grads}, u), None, dstats)
+            state_cotangent(plan.state_leaves, {**res.state_grads, **g.grads}, u), None, dstats)
 
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))

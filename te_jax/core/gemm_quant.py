@@ -1,8 +1,12 @@
-"""One GEMM's quantization inside a custom VJP: quantize with state, keys, statistics, the GEMM, cotangents.
+"""One GEMM's quantization inside a custom VJP, and what every functional op carries in and out.
 
 ``GemmQuant`` is what a functional op's forward and backward call for every
-tensor they quantize and every GEMM they run; the helpers below turn what it
-recorded into the cotangents of the op's state and parameters.
+tensor they quantize and every GEMM they run; the helpers below it turn what
+it recorded into the cotangents of the op's state and parameters. Below
+them: the rematerialization names and policies, the norm fused in front of a
+GEMM, the ``Plan`` every custom VJP carries with the op's state in and out,
+and the state guard (``fp8_state_updates``, ``FP8StateError``): who may
+differentiate through FP8 state.
 """
 
 from __future__ import annotations
@@ -12,19 +16,20 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
-from te_jax.core.checks import check_key
-from te_jax.core.bundles import BACKWARD_FIELDS, ROLE_OF, DenseQuantizers
-from te_jax.core.remat import name_quantized
-from te_jax.recipe.autocast import current as current_autocast
-from te_jax.core.stats import Sample, primary_copy, tensor_stats
+from te_jax.core.bundles import BACKWARD_FIELDS, DenseQuantizers, ROLE_OF, check_key
+from te_jax.core.stats import STATS_COLLECTION, Sample, primary_copy, tensor_stats
 from te_jax.ops import gemm as gemm_ops
-from te_jax.quantize.delayed import as_float32
-from te_jax.spec.scaled_tensor import ScaledTensor
-from te_jax.recipe import ROLES
+from te_jax.ops import norm_act as norm_ops
 from te_jax.ops.sharding import MeshResource, match_cotangent, reduce_amax, varying_axes
-from te_jax.core.state_guard import check_state_update_applied
+from te_jax.quantize import dequantize, fused
+from te_jax.quantize.delayed import as_float32
+from te_jax.recipe import ROLES
+from te_jax.recipe.autocast import current as current_autocast
+from te_jax.spec.modes import ScaledTensor
 
 
 def mesh_resource_or_autocast(mesh_resource: MeshResource | None) -> MeshResource | None:
@@ -49,6 +54,7 @@ class GemmQuant:
                  inspect: Sample | None = None):
         self.q, self.key, self.mesh_resource = q, key, mesh_resource
         self.st = {r: as_float32(v) for r, v in state.items()}
+        self.stateful = q.stateful()  # role -> StatefulQuantizer (te_jax.quantize.protocols)
         self.new: dict[str, Any] = {}
         self.grads: dict[str, Any] = {}
         self.sample = inspect
@@ -89,11 +95,11 @@ class GemmQuant:
             amax = out[0].amax
             if amax is None:
                 raise ValueError(f"te_jax: the stateful quantizer of {role} returned a ScaledTensor without amax")
-            if getattr(qz, "reduce_amax", False):
-                amax = reduce_amax(amax, getattr(qz, "amax_reduction", "max"), self.mesh_resource)
-            self.new[role] = qz.update_state(self.st[role], amax)
-            self.grads[role] = qz.state_gradient(self.st[role], amax) if hasattr(qz, "state_gradient") \
-                else self.new[role]
+            sq = self.stateful[role]
+            if sq.reduce_amax:
+                amax = reduce_amax(amax, sq.amax_reduction, self.mesh_resource)
+            self.new[role] = sq.update_state(self.st[role], amax)
+            self.grads[role] = sq.state_gradient(self.st[role], amax)
         return out
 
     def quantize(self, field: str, x, *, rowwise=True, colwise=False, flatten_axis=-1):
@@ -145,7 +151,7 @@ def state_cotangent(leaves: tuple, grads: Mapping, all_vary) -> dict[str, dict]:
     ``leaves`` is ``state_leaves`` of the incoming state, ``grads`` the
     ``GemmQuant.grads`` of forward and backward merged. In shard_map each leaf
     is reduced by max over the axes it does not vary over (identical where the
-    amaxes were reduced already). Raises ``te_jax.core.state_guard.FP8StateError``
+    amaxes were reduced already). Raises ``te_jax.train.FP8StateError``
     when the caller did not declare that it applies the update.
     """
     check_state_update_applied([role for role, _ in leaves])
@@ -162,3 +168,215 @@ def cotangent(ct, all_vary, vary):
 def vary_of(*xs) -> tuple:
     """The varying axes (shard_map) of each array (empty for None)."""
     return tuple(frozenset() if x is None else varying_axes(x) for x in xs)
+
+
+QUANTIZED = "te_jax_quantized"  # every forward quantized copy (inputs, weights, activations)
+NORM_STATS = "te_jax_norm_stats"  # a norm's mean and rsigma
+PRE_ACTIVATION = "te_jax_pre_activation"  # an MLP's first GEMM output
+
+
+def fp8_checkpoint_policy(*extra_names: str):
+    """A remat policy that saves the FP8 copies and norm statistics (plus ``extra_names``)."""
+    return jax.checkpoint_policies.save_only_these_names(QUANTIZED, NORM_STATS, *extra_names)
+
+
+save_fp8_policy = fp8_checkpoint_policy()
+
+
+def name_quantized(t):
+    """``checkpoint_name(t, QUANTIZED)``, with FP8 leaves named as their uint8 bits.
+
+    Remat inserts ``reduce_precision(x, **finfo(x.dtype))`` on saved float
+    residuals, which for float8_e4m3fn follows IEEE rules and turns every value
+    of magnitude >= 256 into NaN (jax 0.10). The bits saved as uint8 are left alone.
+    """
+
+    def one(v):
+        if v is None or not (jnp.issubdtype(v.dtype, jnp.floating) and jnp.dtype(v.dtype).itemsize == 1):
+            return checkpoint_name(v, QUANTIZED)
+        bits = checkpoint_name(lax.bitcast_convert_type(v, jnp.uint8), QUANTIZED)
+        return lax.bitcast_convert_type(bits, v.dtype)
+
+    return jax.tree.map(one, t)
+
+
+NORM_TYPES = ("layernorm", "rmsnorm")
+
+
+@dataclasses.dataclass(frozen=True)
+class NormSpec:
+    """The norm in front of a GEMM: kind "layernorm" | "rmsnorm", zero-centred gamma, epsilon."""
+
+    kind: str
+    zero_centered_gamma: bool = False
+    epsilon: float = 1e-6
+
+
+def as_norm(norm_type: str | None, zero_centered_gamma: bool, epsilon: float, gamma, beta,
+            where: str) -> NormSpec | None:
+    """Validates the norm arguments; None when ``norm_type`` is None."""
+    if norm_type is None:
+        if gamma is not None or beta is not None:
+            raise ValueError(f"te_jax: {where}: norm_type=None takes no gamma/beta")
+        return None
+    if norm_type not in NORM_TYPES:
+        raise ValueError(f"te_jax: {where}: norm_type must be one of {NORM_TYPES} or None, got {norm_type!r}")
+    if gamma is None:
+        raise ValueError(f"te_jax: {where}: a {norm_type} needs gamma (pass ones for no scale)")
+    if beta is not None and norm_type == "rmsnorm":
+        raise ValueError(f"te_jax: {where}: rmsnorm has no beta; pass beta=None")
+    return NormSpec(norm_type, bool(zero_centered_gamma), float(epsilon))
+
+
+def norm_input(norm: NormSpec | None, g: GemmQuant, x, gamma, beta, dtype, training: bool):
+    """The GEMM input ``[M, H]``: ``norm(x)`` written by the "input" quantizer inside the norm kernel.
+
+    Returns ``(ln, (mean, rsigma))``; ln is a ScaledTensor (rowwise, and
+    columnwise when ``training``) or, without an input quantizer, an array in ``dtype``.
+    """
+    if norm is None:
+        ln = g.quantize("input", x, rowwise=True, colwise=training) if g.has("input") else x.astype(dtype)
+        return ln, (None, None)
+
+    def fn(qz, st, key):
+        return fused.norm(x, gamma, beta, qz, st, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
+                          epsilon=norm.epsilon, rowwise=True, colwise=training, key=key, out_dtype=dtype)
+
+    def reference(rows: slice) -> jax.Array:  # a norm is row by row: the rows asked for need only those rows of x
+        return fused.norm(x[rows], gamma, beta, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
+                          epsilon=norm.epsilon, out_dtype=jnp.float32, backend="reference")[0]
+
+    ln, mean, rsigma = g.run("input", fn, reference) if g.has("input") else fn(None, None, None)
+    return ln, checkpoint_name((mean, rsigma), NORM_STATS)
+
+
+def norm_backward(norm: NormSpec | None, dln, x, gamma, beta, stats, x_dtype):
+    """``(dx, dgamma, dbeta)`` from the gradient of the norm's output (x is None without a norm)."""
+    if norm is None:
+        return dln.astype(x_dtype), None, None
+    mean, rsigma = stats
+    dx, dgamma, dbeta = norm_ops.norm_bwd(dln, x, mean, rsigma, gamma, kind=norm.kind,
+                                          zero_centered_gamma=norm.zero_centered_gamma)
+    return dx, dgamma.astype(gamma.dtype), (None if beta is None else dbeta.astype(beta.dtype))
+
+
+def normalize_hp(norm: NormSpec | None, x, gamma, beta, dtype):
+    """High-precision (unquantized, autodiff) norm in ``dtype``; x is widened first when dtype is wider."""
+    if norm is None:
+        return x.astype(dtype)
+    wide = jnp.promote_types(x.dtype, dtype)
+    y = norm_ops.normalize(x.astype(wide), gamma, beta, kind=norm.kind,
+                           zero_centered_gamma=norm.zero_centered_gamma, epsilon=norm.epsilon)
+    return y.astype(dtype)
+
+
+STATS = STATS_COLLECTION  # the key of the statistics in a functional op's state
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The static facts of one functional-op call every custom VJP needs (its hashable nondiff argument).
+
+    Attributes:
+      mesh_resource: the mesh axes amaxes are reduced over and GEMMs partitioned by.
+      state_leaves: ``state_leaves`` of the incoming role states (per GEMM for an MLP).
+      stats_leaves: ``te_jax.core.stats.stats_leaves`` of the statistics input (per GEMM for an MLP).
+      vary: the varying axes (shard_map) of the op's array arguments, in order.
+      inspect: the rows statistics read (None: not inspecting).
+    """
+
+    mesh_resource: MeshResource | None
+    state_leaves: tuple
+    stats_leaves: tuple
+    vary: tuple
+    inspect: Sample | None
+
+    @property
+    def all_vary(self) -> frozenset[str]:
+        """Every axis some argument varies over."""
+        return frozenset().union(*self.vary)
+
+
+def given_stats(state: Mapping | None) -> Any:
+    """The statistics input in ``state`` (None when it has none)."""
+    return None if state is None else state.get(STATS)
+
+
+def high_precision_state(state: Mapping | None, inspect: Sample | None) -> dict | None:
+    """The new state of an unquantized call: ``state`` unchanged, with no forward statistics when inspecting."""
+    if state is None and not inspect:
+        return None
+    return {**dict(state or {}), **({STATS: {}} if inspect else {})}
+
+
+def updated_state(state: Mapping | None, updates: Mapping, fwd_stats: Any) -> dict:
+    """``state`` with ``updates`` (the forward-updated entries) and, when not None, ``fwd_stats`` under ``STATS``."""
+    return {**dict(state or {}), **updates, **({} if fwd_stats is None else {STATS: fwd_stats})}
+
+
+def with_stats(state: Mapping | None, stats: Any) -> dict | None:
+    """``state`` with the statistics input ``stats`` under ``STATS`` (``state`` itself when ``stats`` is None)."""
+    return state if stats is None else {**dict(state or {}), STATS: stats}
+
+
+def split_stats(new_state: Mapping | None) -> tuple[dict, Any]:
+    """``(the state without STATS, the forward statistics or None)`` of an op's returned state."""
+    new_state = dict(new_state or {})
+    return new_state, new_state.pop(STATS, None)
+
+
+_applies_updates = jax.make_user_context(default_value=False)
+
+FIX = (
+    "differentiate with te_jax.train.value_and_grad (or te_jax.train.grad) over the whole variables dict, "
+    "\"fp8_meta\" included, and step with te_jax.train.TrainState (or te_jax.train.apply_gradients), "
+    "not with jax.grad / jax.value_and_grad, flax.training.train_state.TrainState or optax.apply_updates. "
+    "A te_jax.nnx model: differentiate with te_jax.nnx.value_and_grad (or te_jax.nnx.grad), which applies the "
+    "update. Calling te_jax.dense / te_jax.layernorm_dense / te_jax.layernorm_mlp with state=... directly: "
+    "differentiate inside `with te_jax.train.fp8_state_updates():` and apply the state's gradient with "
+    "te_jax.train.apply_fp8_update"
+)
+
+
+class FP8StateError(ValueError):
+    """A step would corrupt FP8 state or leave it stale."""
+
+
+def fp8_state_updates(enabled: bool = True):
+    """Context manager: the caller applies the FP8 state updates that differentiation returns.
+
+    Inside it, stateful layers may be differentiated; the gradient of their
+    state is its update, to apply with ``te_jax.train.apply_fp8_update``,
+    never to hand to an optimizer. ``enabled=False`` withdraws the
+    declaration for its body.
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(f"te_jax: fp8_state_updates(enabled=...) must be True or False, got {enabled!r}")
+    return _applies_updates(enabled)
+
+
+def applies_fp8_state_updates() -> bool:
+    """Whether the innermost ``fp8_state_updates`` declares that the caller applies state updates."""
+    return _applies_updates.value
+
+
+def check_state_update_applied(roles) -> None:
+    """Raises ``FP8StateError`` unless the caller applies state updates; a no-op when ``roles`` is empty.
+
+    Called by the backward rule of every layer, at trace time, with the roles
+    whose state it returns an update for.
+    """
+    if roles and not applies_fp8_state_updates():
+        raise FP8StateError(
+            f"te_jax: this model keeps FP8 state (delayed scaling: the \"fp8_meta\" collection, here for "
+            f"{sorted(set(roles))}), and its update after each step comes back as the gradient of that state; "
+            f"an optimizer would change it like a parameter, and dropping it leaves the scales stale. To train, "
+            f"{FIX}."
+        )
+
+
+def missing_state_error(layer: str, name: str) -> ValueError:
+    """The error of a layer applied without the "fp8_meta" entry ``name`` that its recipe keeps."""
+    return ValueError(
+        f"te_jax: {layer} has no fp8_meta state {name!r}, which this recipe keeps: initialize the model "
+        f"under te_jax.autocast with it and apply the whole variables dict that init returns; to train, {FIX}")

@@ -4,7 +4,7 @@ The functional core of the mixture-of-experts layer, with the state contract
 of ``te_jax.dense``::
 
     q = DenseQuantizers.from_recipe(recipe)
-    state = init_state(q, num_groups)                  # {} unless a quantizer keeps state
+    state = q.init_state(num_groups=num_groups)        # {} unless a quantizer keeps state
     y, state = grouped_dense(x, kernel, group_sizes, quantizers=q, state=state)
 
 ``x [M, K]`` has its rows sorted by group (expert), ``kernel [G, K, N]``,
@@ -31,7 +31,8 @@ as they are. The weight of each expert is quantized on its own
 expert separately.
 
 State. Delayed scaling keeps one amax history per expert weight: the
-"linear_weight" state has a leading G axis (``init_state``). The inputs of
+"linear_weight" state has a leading G axis (``q.init_state(num_groups=G)``,
+or ``init_state(q, G)`` here). The inputs of
 all experts share one "linear_input" state and their output gradients one
 "linear_grad_output" state (one per-tensor scale for the whole ``[M, K]``
 activation, as it is quantized in one piece). The returned state is the
@@ -49,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,15 +58,16 @@ from jax import lax
 
 from te_jax.core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, check_high_precision, cotangent, keep,
                           mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state, vary_of)
-from te_jax.core.checks import check_key, check_state
-from te_jax.core.bundles import FORWARD_FIELDS, ROLE_OF
-from te_jax.core.remat import name_quantized
-from te_jax.recipe.autocast import with_plan_mesh
+from te_jax.core.bundles import FORWARD_FIELDS, ROLE_OF, check_key, check_state, scaling_mode_of
+from te_jax.core.gemm_quant import name_quantized
 from te_jax.ops.grouped import gemm as gg
 from te_jax.ops.grouped.layout import regroup_rows, span_lengths
-from te_jax.spec.scaled_tensor import ScaledTensor
-from te_jax.recipe import ROLES
 from te_jax.ops.sharding import MeshResource, to_varying
+from te_jax.quantize import dequantize
+from te_jax.quantize.protocols import QuantizeLike
+from te_jax.recipe import ROLES
+from te_jax.recipe.autocast import with_plan_mesh
+from te_jax.spec.modes import ScaledTensor
 
 __all__ = ["grouped_dense", "init_state", "span_alignment"]
 
@@ -74,12 +76,9 @@ _WEIGHT = ROLE_OF["weight"]
 
 
 def init_state(quantizers: DenseQuantizers | Mapping[str, Any] | None, num_groups: int) -> dict[str, Any]:
-    """The initial state of ``grouped_dense``: the weight's (delayed scaling) with a leading ``num_groups`` axis."""
-    q = as_quantizers(quantizers)
-    state = q.init_state()
-    if _WEIGHT in state:
-        state[_WEIGHT] = jax.tree.map(lambda a: jnp.broadcast_to(a, (num_groups, *a.shape)), state[_WEIGHT])
-    return state
+    """The initial state of ``grouped_dense``: the weight's (delayed scaling) with a leading ``num_groups`` axis
+    (``DenseQuantizers.init_state(num_groups=...)``)."""
+    return as_quantizers(quantizers).init_state(num_groups=num_groups)
 
 
 def check_grouped_inputs(x, kernel, group_sizes, bias, where: str = _WHERE) -> int:
@@ -103,8 +102,8 @@ def span_alignment(quantizers: DenseQuantizers | Mapping[str, Any] | None) -> in
     """The row alignment of wgrad's grouped operands under ``quantizers``: what the input and grad_output
     quantizers' modes need (16 per-tensor FP8 and NVFP4, 32 MXFP8, 128 Float8 block; 1 with neither)."""
     q = as_quantizers(quantizers)
-    aligns = [gg.GROUP_ALIGN[getattr(q, f).scaling_mode.family] for f in ("input", "grad_output")
-              if getattr(q, f) is not None and hasattr(getattr(q, f), "scaling_mode")]
+    found = (scaling_mode_of(getattr(q, f)) for f in ("input", "grad_output"))
+    aligns = [gg.GROUP_ALIGN[mode.family] for mode in found if mode is not None]
     return math.lcm(*aligns) if aligns else 1
 
 
@@ -130,10 +129,17 @@ def check_grouped_state(q: DenseQuantizers, state: Mapping | None, num_groups: i
         if not leaves or any(a.ndim < 1 or a.shape[0] != num_groups for a in leaves):
             raise ValueError(f"te_jax: {where}: the {_WEIGHT} state must have a leading axis of the {num_groups} "
                              f"experts (one amax history per expert); create it with "
-                             f"te_jax.core.grouped_dense.init_state(quantizers, {num_groups})")
+                             f"{_init_call(num_groups)}")
         state[_WEIGHT] = jax.tree.map(lambda a: a[0], weight)
-    check_state(q, state, where)
+    check_state(q, state, where, _init_call(num_groups))
     return {r: dict(weight if r == _WEIGHT else state[r]) for r in q.stateful()}
+
+
+def _init_call(num_groups: int) -> str:
+    """The call that makes a grouped op's state, as its errors name it: the ``init_state`` of the bundle passed as
+    ``quantizers=`` (a ``DenseQuantizers``; for grouped_mlp an ``MLPQuantizers``, whose state is the whole
+    ``{"wi": .., "wo": ..}``)."""
+    return f"quantizers.init_state(num_groups={num_groups})"
 
 
 def check_blocks(q: DenseQuantizers, spans: int, k: int, n: int, where: str = _WHERE) -> None:
@@ -146,7 +152,7 @@ def check_blocks(q: DenseQuantizers, spans: int, k: int, n: int, where: str = _W
     dims = {"input": ("input features", (spans, k)), "weight": ("input and output features", (k, n)),
             "grad_output": ("output features", (spans, n))}
     for field, (what, shape) in dims.items():
-        mode = getattr(getattr(q, field), "scaling_mode", None)
+        mode = scaling_mode_of(getattr(q, field))
         if mode is not None and not mode.tiles(shape, rowwise=True, colwise=True):
             raise ValueError(
                 f"te_jax: {where}: {mode.label} quantizes the {ROLE_OF[field]} tensor in blocks of "
@@ -294,7 +300,7 @@ def _quantize_spans(g: GemmQuant, field: str, t: jax.Array, rowwise):
     qz = getattr(g.q, field)
     if qz is None:
         return t
-    if hasattr(qz, "quantize_like") and isinstance(rowwise, ScaledTensor):
+    if isinstance(qz, QuantizeLike) and isinstance(rowwise, ScaledTensor):
         return name_quantized(qz.quantize_like(t, rowwise, rowwise=False, colwise=True, flatten_axis=1))
     role = ROLE_OF[field]
     key = None if g.key is None else jax.random.fold_in(jax.random.fold_in(g.key, ROLES.index(role)), 1)
@@ -367,6 +373,17 @@ def in_groups(t, member):
     return t if member is None else jnp.where(member, t, jnp.zeros((), t.dtype))
 
 
+class _Residuals(NamedTuple):
+    """What grouped_dense's backward reads (a pytree)."""
+
+    x_spans: Any  # x's columnwise copy in the wgrad span layout (or x itself, unquantized)
+    kernel: Any  # the expert weights quantized, rowwise copies only (dgrad)
+    group_sizes: Any
+    state: dict  # role -> incoming state (float32)
+    state_grads: dict  # role -> the forward roles' state updates (update form)
+    key: Any  # raw PRNG key or None
+
+
 def _forward(plan: _GroupedPlan, x, kernel, group_sizes, bias, state, key):
     g = GemmQuant(plan.q, state, key, plan.mesh_resource)
     row_sizes, member = _row_layout(plan, group_sizes, x.shape[0])
@@ -382,7 +399,7 @@ def _forward(plan: _GroupedPlan, x, kernel, group_sizes, bias, state, key):
         xs = keep(xq, "colwise")
     else:
         xs = _quantize_spans(g, "input", _in_spans(x, group_sizes, plan), xq)
-    res = (xs, keep(kq, "rowwise"), group_sizes, g.st, g.grads, key)
+    res = _Residuals(xs, keep(kq, "rowwise"), group_sizes, g.st, g.grads, key)
     return (y, g.new_state()), res
 
 
@@ -394,22 +411,22 @@ def _fwd(plan, x, kernel, group_sizes, bias, state, key):
     return _forward(plan, x, kernel, group_sizes, bias, state, key)
 
 
-def _bwd(plan: _GroupedPlan, res, cotangents):
-    xs, k_res, group_sizes, st, grads, key = res
+def _bwd(plan: _GroupedPlan, res: _Residuals, cotangents):
+    group_sizes = res.group_sizes
     dy = cotangents[0]
-    g = GemmQuant.backward(plan.q, st, key, plan.mesh_resource, None, _WHERE)
+    g = GemmQuant.backward(plan.q, res.state, res.key, plan.mesh_resource, None, _WHERE)
     fast = plan.q.backward_fast_accum
     row_sizes, member = _row_layout(plan, group_sizes, dy.shape[0])
     dy = in_groups(dy, member)
     dyq = g.quantize("grad_output", dy, colwise=plan.aligned, flatten_axis=1)
-    dx = grouped_matmul(keep(dyq, "rowwise"), k_res, row_sizes, (1, 1), group_axis=0, align=plan.align,
+    dx = grouped_matmul(keep(dyq, "rowwise"), res.kernel, row_sizes, (1, 1), group_axis=0, align=plan.align,
                          out_dtype=plan.x_dtype, fast_accum=fast)
     dx = g.qdq("grad_input", dx, flatten_axis=1)
     if plan.aligned:
         dys = keep(dyq, "colwise")
     else:
         dys = _quantize_spans(g, "grad_output", _in_spans(dy, group_sizes, plan), dyq)
-    dk = grouped_matmul(xs, dys, group_sizes, (0, 0), group_axis=1, align=plan.align, out_dtype=plan.k_dtype,
+    dk = grouped_matmul(res.x_spans, dys, group_sizes, (0, 0), group_axis=1, align=plan.align, out_dtype=plan.k_dtype,
                          fast_accum=fast)
     dbias = None
     if plan.bias_dtype is not None:
@@ -417,7 +434,7 @@ def _bwd(plan: _GroupedPlan, res, cotangents):
     u = plan.all_vary
     vx, vk, vbias = plan.vary
     return (cotangent(dx, u, vx), cotangent(dk, u, vk), None, cotangent(dbias, u, vbias),
-            state_cotangent(plan.state_leaves, {**grads, **g.grads}, u), None)
+            state_cotangent(plan.state_leaves, {**res.state_grads, **g.grads}, u), None)
 
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))

@@ -8,7 +8,7 @@ align=...)`` writes it): group g's rows start at ``sum_{h<g} roundup(m_h,
 align)``; the rows between groups give zeros and get zero gradients::
 
     q = MLPQuantizers(wi=DenseQuantizers.from_recipe(r, path + ("wi",)), wo=...)
-    state = {"wi": init_state(q.wi, G), "wo": init_state(q.wo, G)}
+    state = q.init_state(num_groups=G)                 # {"wi": {...}, "wo": {...}}, weights' with a G axis
     y, state = grouped_mlp(x, wi, wo, group_sizes, activation="swiglu", quantizers=q, state=state,
                            group_align=span)
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -44,13 +44,13 @@ from jax.ad_checkpoint import checkpoint_name
 from te_jax.core import (GEMMS, PRE_ACTIVATION, GemmQuant, MLPQuantizers, Plan, as_mlp_quantizers,
                           check_high_precision, cotangent, keep, mesh_resource_or_autocast, raw_key, state_cotangent,
                           state_leaves, updated_state, vary_of)
-from te_jax.core.checks import check_key
+from te_jax.core.bundles import check_key
 from te_jax.core.bundles import FORWARD_FIELDS
 from te_jax.recipe.autocast import with_plan_mesh
 from te_jax.core.grouped_dense import (aligned_row_layout, bias_grad, check_blocks, check_grouped_inputs,
                                   check_grouped_state, grouped_dense, grouped_matmul, in_groups,
                                   quantize_expert_weights, span_alignment)
-from te_jax.ops import activation as act_ops
+from te_jax.ops import norm_act as act_ops
 from te_jax.quantize import fused
 from te_jax.spec import reference_norm_act as ref_norm_act
 from te_jax.ops.sharding import MeshResource, to_varying
@@ -95,10 +95,10 @@ def grouped_mlp(
         x, wi and wo share the compute dtype.
       group_sizes: int32 ``[G]`` on the device.
       wi_bias, wo_bias: ``[G, W]``, ``[G, H_out]`` or None.
-      activation: one of ``te_jax.ops.activation.ACTIVATIONS`` (each maps zero to zero, so the padding rows stay
+      activation: one of ``te_jax.ops.norm_act.ACTIVATIONS`` (each maps zero to zero, so the padding rows stay
         zero between the GEMMs).
       quantizers: ``MLPQuantizers`` (or ``{"wi": ..., "wo": ...}``), None for high precision.
-      state: ``{"wi": state, "wo": state}``, each as ``te_jax.core.grouped_dense.init_state(q, G)`` makes it.
+      state: ``{"wi": state, "wo": state}``, as ``quantizers.init_state(num_groups=G)`` makes it.
       key: PRNG key for stochastic rounding (wi draws from ``fold_in(key, 0)``, wo from ``fold_in(key, 1)``).
       mesh_resource: as in ``te_jax.grouped_dense``.
       group_align: the row layout's alignment: a multiple of both GEMMs' ``span_alignment``.
@@ -123,10 +123,10 @@ def grouped_mlp(
     check_blocks(q.wi, x.shape[0], x.shape[1], width, f"{_WHERE} (wi)")
     check_blocks(q.wo, x.shape[0], f, wo.shape[2], f"{_WHERE} (wo)")
     state = dict(state or {})
-    inner = {g: check_grouped_state(getattr(q, g), state.get(g), num_groups, f"{_WHERE} ({g})") for g in GEMMS}
+    inner = {g: check_grouped_state(qg, state.get(g), num_groups, f"{_WHERE} ({g})") for g, qg in q.by_gemm().items()}
     if key is None:
-        for g in GEMMS:
-            check_key(getattr(q, g), FORWARD_FIELDS, f"{_WHERE} ({g})")
+        for g, qg in q.by_gemm().items():
+            check_key(qg, FORWARD_FIELDS, f"{_WHERE} ({g})")
     plan = _GroupedMLPPlan(mesh_resource_or_autocast(mesh_resource), tuple((g, state_leaves(inner[g])) for g in GEMMS),
                            (), vary_of(x, wi, wi_bias, wo, wo_bias), None, q, activation, group_align, x.dtype,
                            None if wi_bias is None else wi_bias.dtype, None if wo_bias is None else wo_bias.dtype)
@@ -169,6 +169,20 @@ def _keys(key):
     return (None, None) if key is None else (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
 
 
+class _Residuals(NamedTuple):
+    """What grouped_mlp's backward reads (a pytree); per-GEMM entries are ``{"wi": ..., "wo": ...}``."""
+
+    x: Any  # x quantized, columnwise copy only (wi's wgrad)
+    wi: Any  # wi's expert weights quantized, rowwise copies only (dgrad)
+    hid: Any  # the first GEMM's output (pre-activation)
+    a: Any  # the activation output quantized, columnwise copy only (wo's wgrad)
+    wo: Any  # wo's expert weights quantized, rowwise copies only (dgrad)
+    group_sizes: Any
+    state: dict  # gemm -> role -> incoming state (float32)
+    state_grads: dict  # gemm -> role -> the forward roles' state updates (update form)
+    key: Any  # raw PRNG key or None
+
+
 def _forward(plan: _GroupedMLPPlan, x, wi, bi, wo, bo, group_sizes, state, key):
     ki, ko = _keys(key)
     gi = GemmQuant(plan.q.wi, state["wi"], ki, plan.mesh_resource)
@@ -192,8 +206,8 @@ def _forward(plan: _GroupedMLPPlan, x, wi, bi, wo, bo, group_sizes, state, key):
     if bo is not None:
         y = in_groups(y, member)
     y = to_varying(go.qdq("output", y, flatten_axis=1), plan.all_vary)
-    res = (keep(xq, "colwise"), keep(wiq, "rowwise"), hid, keep(a, "colwise"), keep(woq, "rowwise"), group_sizes,
-           {"wi": gi.st, "wo": go.st}, {"wi": gi.grads, "wo": go.grads}, key)
+    res = _Residuals(keep(xq, "colwise"), keep(wiq, "rowwise"), hid, keep(a, "colwise"), keep(woq, "rowwise"),
+                     group_sizes, {"wi": gi.st, "wo": go.st}, {"wi": gi.grads, "wo": go.grads}, key)
     return (y, {"wi": gi.new_state(), "wo": go.new_state()}), res
 
 
@@ -211,17 +225,17 @@ def _backward_gemms(plan: _GroupedMLPPlan, g: GemmQuant, grad, weight, inputs, r
     return g.qdq("grad_input", dgrad, flatten_axis=1), wgrad
 
 
-def _bwd(plan: _GroupedMLPPlan, res, cts):
-    xs, wiq, hid, a, woq, group_sizes, st, grads, key = res
+def _bwd(plan: _GroupedMLPPlan, res: _Residuals, cts):
     dy = cts[0]
-    ki, ko = _keys(key)
-    gi, go = (GemmQuant.backward(getattr(plan.q, g), st[g], k, plan.mesh_resource, None, f"{_WHERE} ({g})")
-              for g, k in zip(GEMMS, (ki, ko)))
+    hid, group_sizes = res.hid, res.group_sizes
+    ki, ko = _keys(res.key)
+    gi, go = (GemmQuant.backward(qg, res.state[g], k, plan.mesh_resource, None, f"{_WHERE} ({g})")
+              for (g, qg), k in zip(plan.q.by_gemm().items(), (ki, ko)))
     row_sizes, member = aligned_row_layout(group_sizes, dy.shape[0], plan.align)
     # Second GEMM.
     dy = in_groups(dy, member)
     dyq = go.quantize("grad_output", dy, colwise=True, flatten_axis=1)
-    da, dwo = _backward_gemms(plan, go, dyq, woq, a, row_sizes, group_sizes, plan.q.wo.backward_fast_accum)
+    da, dwo = _backward_gemms(plan, go, dyq, res.wo, res.a, row_sizes, group_sizes, plan.q.wo.backward_fast_accum)
     dbo = None if plan.bo_dtype is None else bias_grad(dy, group_sizes, plan.align, plan.bo_dtype)
     # Activation backward, fused with the cast of dh (wi's grad_output).
     if gi.has("grad_output"):
@@ -233,12 +247,12 @@ def _bwd(plan: _GroupedMLPPlan, res, cts):
     if plan.bi_dtype is not None:  # per group: the kernel's fused column sum spans every group
         dbi = bias_grad(ref_norm_act.act_apply_grad(da, hid, plan.activation), group_sizes, plan.align, plan.bi_dtype)
     # First GEMM.
-    dx, dwi = _backward_gemms(plan, gi, dh, wiq, xs, row_sizes, group_sizes, plan.q.wi.backward_fast_accum)
+    dx, dwi = _backward_gemms(plan, gi, dh, res.wi, res.x, row_sizes, group_sizes, plan.q.wi.backward_fast_accum)
     u = plan.all_vary
     vx, vwi, vbi, vwo, vbo = plan.vary
     new = {"wi": gi, "wo": go}
     leaves = dict(plan.state_leaves)
-    dstate = {g: state_cotangent(leaves[g], {**grads[g], **new[g].grads}, u) for g in GEMMS}
+    dstate = {g: state_cotangent(leaves[g], {**res.state_grads[g], **new[g].grads}, u) for g in GEMMS}
     return (cotangent(dx, u, vx), cotangent(dwi, u, vwi), cotangent(dbi, u, vbi), cotangent(dwo, u, vwo),
             cotangent(dbo, u, vbo), None, dstate, None)
 

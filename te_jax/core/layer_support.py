@@ -17,7 +17,7 @@ import numpy as np
 from flax.linen import dtypes as flax_dtypes
 from jax import lax
 
-from te_jax.core.norm import NORM_TYPES
+from te_jax.core.gemm_quant import NORM_TYPES
 from te_jax.core.layernorm_mlp import ACTIVATIONS, GATED
 
 HIGH_PRECISION = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

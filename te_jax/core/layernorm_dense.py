@@ -30,7 +30,7 @@ Rematerialization. Every forward quantized copy is named
 so ``save_fp8_policy`` (``jax.checkpoint`` / ``nn.remat`` policy) keeps the
 FP8 copies and recomputes only GEMMs and elementwise work in backward, never a
 cast (``fp8_checkpoint_policy(PRE_ACTIVATION)`` also keeps an MLP's first GEMM
-output). FP8 leaves are named as their uint8 bits: see ``te_jax.core.remat``.
+output). FP8 leaves are named as their uint8 bits: see ``te_jax.core.gemm_quant``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +48,7 @@ from te_jax.core import (NORM_STATS, PRE_ACTIVATION, QUANTIZED, DenseQuantizers,
                           check_gemm, check_high_precision, check_no_dot_general, cotangent, fp8_checkpoint_policy,
                           given_stats, high_precision_state, keep, mesh_resource_or_autocast, raw_key,
                           save_fp8_policy, state_cotangent, state_leaves, updated_state, vary_of)
-from te_jax.core.norm import NormSpec, as_norm, norm_backward, norm_input, normalize_hp
+from te_jax.core.gemm_quant import NormSpec, as_norm, norm_backward, norm_input, normalize_hp
 from te_jax.recipe.autocast import with_plan_mesh
 from te_jax.core.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves
 from te_jax.ops.sharding import MeshResource, to_varying
@@ -139,14 +139,29 @@ def layernorm_dense(
     return y.reshape(*lead, *features), updated_state(state, new_inner, fwd_stats)
 
 
+class _Residuals(NamedTuple):
+    """What layernorm_dense's backward reads (a pytree)."""
+
+    x: Any  # the input (None without a norm: the backward needs it for the norm's gradient only)
+    gamma: Any
+    beta: Any
+    norm_stats: Any  # the norm's (mean, rsigma)
+    ln: Any  # the normed input quantized, columnwise copy only (wgrad)
+    kernel: Any  # the kernel quantized, rowwise copy only (dgrad)
+    state: dict  # role -> incoming state (float32)
+    state_grads: dict  # role -> the forward roles' state updates (update form)
+    key: Any  # raw PRNG key or None
+    stats: Any  # the forward statistics, or None
+
+
 def _forward(plan: _LayerNormDensePlan, x, gamma, beta, kernel, bias, state, key, training: bool):
     g = GemmQuant(plan.q, state, key, plan.mesh_resource, plan.inspect)
     ln, stats = norm_input(plan.norm, g, x, gamma, beta, kernel.dtype, training)
     kq = g.quantize("weight", kernel, rowwise=training, colwise=True, flatten_axis=1)
     y = g.gemm(ln, kq, ((1,), (0,)), out_dtype=kernel.dtype, bias=bias, fast_accum=plan.q.fast_accum)
     y = to_varying(g.qdq("output", y), plan.all_vary)
-    res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(kq, "rowwise"), g.st,
-           g.grads, key, g.stats)
+    res = _Residuals(None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(kq, "rowwise"),
+                     g.st, g.grads, key, g.stats)
     return (y, g.new_state(), g.stats), res
 
 
@@ -159,22 +174,22 @@ def _fwd(plan, x, gamma, beta, kernel, bias, state, key, qstats):
     return _forward(plan, x, gamma, beta, kernel, bias, state, key, training=True)
 
 
-def _bwd(plan: _LayerNormDensePlan, res, cts):
-    x, gamma, beta, stats, ln, kq, st, grads, key, fwd_stats = res
+def _bwd(plan: _LayerNormDensePlan, res: _Residuals, cts):
     dy = cts[0]
-    g = GemmQuant.backward(plan.q, st, key, plan.mesh_resource, plan.inspect, _WHERE)
+    g = GemmQuant.backward(plan.q, res.state, res.key, plan.mesh_resource, plan.inspect, _WHERE)
     dyq = g.quantize("grad_output", dy, rowwise=True, colwise=True)
     # Backward GEMMs split their accumulation unless the recipe asks otherwise, as te_jax.dense does.
     fast = plan.q.backward_fast_accum
-    dln = g.qdq("grad_input", g.gemm(dyq, kq, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast))
-    dk = g.gemm(ln, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast)
+    dln = g.qdq("grad_input", g.gemm(dyq, res.kernel, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast))
+    dk = g.gemm(res.ln, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast)
     db = None if plan.bias_dtype is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(plan.bias_dtype)
-    dx, dgamma, dbeta = norm_backward(plan.norm, dln, x, gamma, beta, stats, plan.x_dtype)
+    dx, dgamma, dbeta = norm_backward(plan.norm, dln, res.x, res.gamma, res.beta, res.norm_stats, plan.x_dtype)
     u = plan.all_vary
     vx, vg, vb, vk, vbias = plan.vary
-    dstats = stats_cotangent(plan.stats_leaves, {**fwd_stats, **g.stats}, u) if plan.inspect else None
+    dstats = stats_cotangent(plan.stats_leaves, {**res.stats, **g.stats}, u) if plan.inspect else None
     return (cotangent(dx, u, vx), cotangent(dgamma, u, vg), cotangent(dbeta, u, vb), cotangent(dk, u, vk),
-            cotangent(db, u, vbias), state_cotangent(plan.state_leaves, {**grads, **g.grads}, u), None, dstats)
+            cotangent(db, u, vbias), state_cotangent(plan.state_leaves, {**res.state_grads, **g.grads}, u), None,
+            dstats)
 
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))

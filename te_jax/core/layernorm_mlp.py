@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,10 +49,10 @@ from te_jax.core import (GEMMS, PRE_ACTIVATION, GemmQuant, MLPQuantizers, Plan, 
                           check_high_precision, check_no_dot_general, cotangent, given_stats, high_precision_state,
                           keep, mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state,
                           vary_of)
-from te_jax.core.norm import NormSpec, as_norm, norm_backward, norm_input, normalize_hp
+from te_jax.core.gemm_quant import NormSpec, as_norm, norm_backward, norm_input, normalize_hp
 from te_jax.recipe.autocast import with_plan_mesh
 from te_jax.core.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves
-from te_jax.ops import activation as act_ops
+from te_jax.ops import norm_act as act_ops
 from te_jax.quantize import fused
 from te_jax.ops.sharding import MeshResource, to_varying
 
@@ -220,6 +220,25 @@ def _activation_output(plan: _MLPPlan, go: GemmQuant, hid, mask, training: bool)
                                                 backend="reference"))[0]
 
 
+class _Residuals(NamedTuple):
+    """What layernorm_mlp's backward reads (a pytree); per-GEMM entries are ``{"wi": ..., "wo": ...}``."""
+
+    x: Any  # the input (None without a norm)
+    gamma: Any
+    beta: Any
+    norm_stats: Any  # the norm's (mean, rsigma)
+    ln: Any  # the normed input quantized, columnwise copy only (wi's wgrad)
+    k1: Any  # kernel_1 quantized, rowwise copy only (wi's dgrad)
+    hid: Any  # the first GEMM's output (pre-activation), for the activation's gradient
+    a: Any  # the activation output quantized, columnwise copy only (wo's wgrad)
+    k2: Any  # kernel_2 quantized, rowwise copy only (wo's dgrad)
+    mask: Any  # the dropout mask [M, F], or None
+    state: dict  # gemm -> role -> incoming state (float32)
+    state_grads: dict  # gemm -> role -> the forward roles' state updates (update form)
+    key: Any  # raw PRNG key or None
+    stats: Any  # gemm -> the forward statistics, or None
+
+
 def _forward(plan: _MLPPlan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, qstats, training: bool):
     ki, ko = _keys(key)
     gi = GemmQuant(plan.q.wi, state["wi"], ki, plan.mesh_resource, plan.inspect)
@@ -232,9 +251,9 @@ def _forward(plan: _MLPPlan, x, gamma, beta, k1, b1, k2, b2, mask, state, key, q
     k2q = go.quantize("weight", k2, rowwise=training, colwise=True, flatten_axis=1)
     y = go.gemm(a, k2q, ((1,), (0,)), out_dtype=plan.dtype, bias=b2, fast_accum=plan.q.wo.fast_accum)
     y = to_varying(go.qdq("output", y), plan.all_vary)
-    res = (None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(k1q, "rowwise"), hid,
-           keep(a, "colwise"), keep(k2q, "rowwise"), mask, {"wi": gi.st, "wo": go.st},
-           {"wi": gi.grads, "wo": go.grads}, key, _stats(gi, go))
+    res = _Residuals(None if plan.norm is None else x, gamma, beta, stats, keep(ln, "colwise"), keep(k1q, "rowwise"),
+                     hid, keep(a, "colwise"), keep(k2q, "rowwise"), mask, {"wi": gi.st, "wo": go.st},
+                     {"wi": gi.grads, "wo": go.grads}, key, _stats(gi, go))
     return (y, {"wi": gi.new_state(), "wo": go.new_state()}, _stats(gi, go)), res
 
 
@@ -250,17 +269,17 @@ def _fwd(plan, *args):
     return _forward(plan, *args, training=True)
 
 
-def _bwd(plan: _MLPPlan, res, cts):
-    x, gamma, beta, stats, ln, k1q, hid, a, k2q, mask, st, grads, key, fwd_stats = res
+def _bwd(plan: _MLPPlan, res: _Residuals, cts):
     dy = cts[0]
-    ki, ko = _keys(key)
-    gi, go = (GemmQuant.backward(getattr(plan.q, g), st[g], k, plan.mesh_resource, plan.inspect, f"{_WHERE} ({g})")
-              for g, k in zip(GEMMS, (ki, ko)))
+    hid, mask = res.hid, res.mask
+    ki, ko = _keys(res.key)
+    gi, go = (GemmQuant.backward(qg, res.state[g], k, plan.mesh_resource, plan.inspect, f"{_WHERE} ({g})")
+              for (g, qg), k in zip(plan.q.by_gemm().items(), (ki, ko)))
     # Second GEMM. Backward GEMMs split their accumulation unless the recipe asks otherwise, as te_jax.dense does.
     dyq = go.quantize("grad_output", dy, rowwise=True, colwise=True)
     fast_wo = plan.q.wo.backward_fast_accum
-    da = go.qdq("grad_input", go.gemm(dyq, k2q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wo))
-    dk2 = go.gemm(a, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wo)
+    da = go.qdq("grad_input", go.gemm(dyq, res.k2, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wo))
+    dk2 = go.gemm(res.a, dyq, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wo)
     db2 = None if plan.b2_dtype is None else jnp.sum(dy.astype(jnp.float32), axis=0).astype(plan.b2_dtype)
     if mask is not None:
         da = da * mask
@@ -279,18 +298,18 @@ def _bwd(plan: _MLPPlan, res, cts):
     db1 = None if not has_b1 else db1.astype(plan.b1_dtype)
     # First GEMM and the norm.
     fast_wi = plan.q.wi.backward_fast_accum
-    dln = gi.qdq("grad_input", gi.gemm(dh, k1q, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wi))
-    dk1 = gi.gemm(ln, dh, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wi)
-    dx, dgamma, dbeta = norm_backward(plan.norm, dln, x, gamma, beta, stats, plan.x_dtype)
+    dln = gi.qdq("grad_input", gi.gemm(dh, res.k1, ((1,), (1,)), out_dtype=plan.dtype, fast_accum=fast_wi))
+    dk1 = gi.gemm(res.ln, dh, ((0,), (0,)), out_dtype=plan.dtype, fast_accum=fast_wi)
+    dx, dgamma, dbeta = norm_backward(plan.norm, dln, res.x, res.gamma, res.beta, res.norm_stats, plan.x_dtype)
     u = plan.all_vary
     vx, vg, vb, vk1, vb1, vk2, vb2, _ = plan.vary
     new = {"wi": gi, "wo": go}
     leaves = dict(plan.state_leaves)
-    dstate = {g: state_cotangent(leaves[g], {**grads[g], **new[g].grads}, u) for g in GEMMS}
+    dstate = {g: state_cotangent(leaves[g], {**res.state_grads[g], **new[g].grads}, u) for g in GEMMS}
     dstats = None
     if plan.inspect:
         stats_leaves_of = dict(plan.stats_leaves)
-        dstats = {g: stats_cotangent(stats_leaves_of[g], {**fwd_stats[g], **new[g].stats}, u) for g in GEMMS}
+        dstats = {g: stats_cotangent(stats_leaves_of[g], {**res.stats[g], **new[g].stats}, u) for g in GEMMS}
     return (cotangent(dx, u, vx), cotangent(dgamma, u, vg), cotangent(dbeta, u, vb), cotangent(dk1, u, vk1),
             cotangent(db1, u, vb1), cotangent(dk2, u, vk2), cotangent(db2, u, vb2), None, dstate, None, dstats)
 

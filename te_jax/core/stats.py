@@ -39,9 +39,7 @@ weights, small next to activations and gradients.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import numbers
 
 from collections.abc import Callable, Iterable, Mapping
 
@@ -53,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from te_jax.ops.quantize import dequantize, dequantize_colwise, pad_to_blocks
 from te_jax.spec import numerics as nm
-from te_jax.spec.scaled_tensor import ScaledTensor, ScalingMode
+from te_jax.spec.modes import ScaledTensor, ScalingMode
 from te_jax.recipe.autocast import Sample, as_sample  # noqa: F401  (re-exported)
 from te_jax.ops.sharding import dim_shards, explicit_axes, match_cotangent, varying_axes
 

@@ -24,7 +24,7 @@ Rematerialization: ``nn.remat(Layer, policy=te_jax.flax.save_fp8_policy)``
 keeps the FP8 copies (and norm statistics) instead of recomputing the casts
 in backward; ``fp8_checkpoint_policy(PRE_ACTIVATION)`` also keeps the MLP's
 first GEMM output. Every layer's quantized copies carry these names (the
-functional cores name them; ``te_jax.core.remat``).
+functional cores name them; ``te_jax.core.gemm_quant``).
 """
 
 from te_jax.flax.dense import DenseGeneral
@@ -32,7 +32,7 @@ from te_jax.flax.layernorm import LayerNorm, LayerNormDenseGeneral
 from te_jax.flax.mlp import LayerNormMLP
 from te_jax.flax.moe import MoE
 from te_jax.flax.transformer import SelfAttention, TransformerLayer, rotary_embedding
-from te_jax.core.remat import NORM_STATS, PRE_ACTIVATION, QUANTIZED, fp8_checkpoint_policy, save_fp8_policy
+from te_jax.core.gemm_quant import NORM_STATS, PRE_ACTIVATION, QUANTIZED, fp8_checkpoint_policy, save_fp8_policy
 
 __all__ = [
     "DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MoE", "NORM_STATS", "PRE_ACTIVATION",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -11,14 +11,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import meta
 
-from te_jax import FP8_COLLECTION
 from te_jax.core import layer_support as L
-from te_jax.recipe.autocast import current_recipe, inspect_sample, inspecting
+from te_jax.core import split_stats, with_stats
 from te_jax.core import stats as inspect_stats
-from te_jax.core.stats import STATS_COLLECTION
-from te_jax.train.update import QUANTIZE_RNG, module_path
 from te_jax.core.layer_support import HIGH_PRECISION, Initializer, canonical_input, compute_dtype  # noqa: F401  (shared)
-from te_jax.core.state_guard import missing_state_error
+from te_jax.core.layer_support import located, norm_uses_bias
+from te_jax.core.gemm_quant import missing_state_error
+from te_jax.core.stats import STATS_COLLECTION
+from te_jax.recipe.autocast import current_recipe, inspect_sample, inspecting
+from te_jax.spec.names import FP8_COLLECTION
+from te_jax.spec.names import QUANTIZE_RNG
+
+
+def module_path(module) -> tuple[str, ...]:
+    """A Flax module's path (its scope's names), e.g. ``("TransformerLayer_0", "mlp", "wi")``."""
+    scope = getattr(module, "scope", None)
+    return tuple(getattr(scope, "path", ()) or ())
 
 
 def where(module: nn.Module) -> str:
@@ -192,3 +200,75 @@ def dot_general_of(module: nn.Module, dot_general_cls, quantized: bool):
         raise ValueError(f"te_jax: {where(module)}: dot_general_cls cannot be combined with te_jax.autocast "
                          "(te_jax's quantized GEMMs replace it); drop one of them")
     return dot_general_cls()
+
+
+def call_op(module: nn.Module, quantizers, op: Callable, gemms: Sequence[str] | None = None) -> jax.Array:
+    """``op(state=..., key=..., inspect=...) -> (y, new_state)`` with the layer's FP8 state and statistics.
+
+    Args:
+      module: the layer (call from its compact ``__call__``).
+      quantizers: its quantizers: a ``DenseQuantizers``, or with ``gemms`` a
+        bundle with one ``DenseQuantizers`` attribute per GEMM (``MLPQuantizers``).
+      op: the functional op with every other argument bound.
+      gemms: None for a layer with one GEMM (entries ``<path>/<role>``), else
+        the GEMMs' names (entries ``<path>/<gemm>/<role>``).
+
+    Returns:
+      y. The forward-updated state and the forward statistics are stored in
+      "fp8_meta" and "fp8_stats" where those collections are mutable; the op's
+      errors name the module.
+    """
+    if gemms is None:
+        state, stats = gemm_state(module, quantizers), stats_input(module, quantizers)
+        inspect = inspect_arg(stats)
+    else:
+        state = {g: gemm_state(module, quantizers.by_gemm()[g], g) for g in gemms}
+        each = {g: stats_input(module, quantizers.by_gemm()[g], g) for g in gemms}
+        inspect = inspect_arg(*each.values())
+        stats = {g: v for g, v in each.items() if v is not None} if inspect else None
+    try:
+        y, new_state = op(state=with_stats(state, stats), key=quantize_key(module, quantizers.any), inspect=inspect)
+    except ValueError as err:
+        raise located(err, where(module)) from None
+    new_state, fwd_stats = split_stats(new_state)
+    if gemms is None:
+        store_gemm_state(module, new_state)
+        store_stats(module, fwd_stats)
+    else:
+        for g in gemms:
+            store_gemm_state(module, new_state.get(g), g)
+            store_stats(module, (fwd_stats or {}).get(g), g)
+    return y
+
+
+def norm_params(module: nn.Module, x: jax.Array, *, layernorm_type: str, zero_centered_gamma: bool, use_scale: bool,
+                use_bias: bool | None, scale_init, bias_init, scale_axes, bias_axes, bias_name: str):
+    """The norm's ``(gamma, beta, zero_centered_gamma)`` as the kernels take them (``[H]`` arrays)."""
+    use_bias = norm_uses_bias(layernorm_type, use_bias, where(module))
+    h = x.shape[-1]
+    gamma, zcg = None, bool(zero_centered_gamma)
+    if use_scale:
+        init = scale_init if scale_init is not None else (nn.initializers.zeros if zcg else nn.initializers.ones)
+        gamma = param(module, "scale", init, (h,), module.param_dtype, scale_axes)
+    else:
+        gamma, zcg = jnp.ones((h,), jnp.float32), False
+    beta = param(module, bias_name, bias_init, (h,), module.param_dtype, bias_axes) if use_bias else None
+    return gamma, beta, zcg
+
+
+def gemm_norm_params(module: nn.Module, x: jax.Array):
+    """``(gamma, beta, zero_centered_gamma, norm_type)`` of the norm in front of a layer's first GEMM.
+
+    Reads the layer's ``enable_layernorm``, ``layernorm_type``,
+    ``zero_centered_gamma``, ``use_scale``, ``scale_init``, ``use_ln_bias``,
+    ``ln_bias_init``, ``scale_axes`` and ``ln_bias_axes`` (parameters "scale"
+    and "ln_bias"); ``(None, None, False, None)`` without a norm.
+    """
+    if not module.enable_layernorm:
+        return None, None, False, None
+    gamma, beta, zcg = norm_params(module, x, layernorm_type=module.layernorm_type,
+                                   zero_centered_gamma=module.zero_centered_gamma, use_scale=module.use_scale,
+                                   use_bias=module.use_ln_bias, scale_init=module.scale_init,
+                                   bias_init=module.ln_bias_init, scale_axes=module.scale_axes,
+                                   bias_axes=module.ln_bias_axes, bias_name="ln_bias")
+    return gamma, beta, zcg, module.layernorm_type

@@ -15,8 +15,8 @@ from jax import lax
 from te_jax.core import DenseQuantizers
 from te_jax.core.dense import dense
 from te_jax.flax import _common as C
-from te_jax.flax._call import call_op
-from te_jax.train.update import module_path
+from te_jax.flax._common import call_op
+from te_jax.flax._common import module_path
 
 Dtype = Any
 

@@ -12,47 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax.core import DenseQuantizers
-from te_jax.core.norm import NormSpec, normalize_hp
-from te_jax.core.layer_support import flax_normalize, norm_uses_bias
-from te_jax.flax import _common as C
-from te_jax.flax._call import call_op
+from te_jax.core.gemm_quant import NormSpec, normalize_hp
+from te_jax.core.layer_support import flax_normalize
 from te_jax.core.layernorm_dense import layernorm_dense
-from te_jax.train.update import module_path
+from te_jax.flax import _common as C
+from te_jax.flax._common import call_op, gemm_norm_params, norm_params
+from te_jax.flax._common import module_path
 
 Dtype = Any
-
-
-def norm_params(module: nn.Module, x: jax.Array, *, layernorm_type: str, zero_centered_gamma: bool, use_scale: bool,
-                use_bias: bool | None, scale_init, bias_init, scale_axes, bias_axes, bias_name: str):
-    """The norm's ``(gamma, beta, zero_centered_gamma)`` as the kernels take them (``[H]`` arrays)."""
-    use_bias = norm_uses_bias(layernorm_type, use_bias, C.where(module))
-    h = x.shape[-1]
-    gamma, zcg = None, bool(zero_centered_gamma)
-    if use_scale:
-        init = scale_init if scale_init is not None else (nn.initializers.zeros if zcg else nn.initializers.ones)
-        gamma = C.param(module, "scale", init, (h,), module.param_dtype, scale_axes)
-    else:
-        gamma, zcg = jnp.ones((h,), jnp.float32), False
-    beta = C.param(module, bias_name, bias_init, (h,), module.param_dtype, bias_axes) if use_bias else None
-    return gamma, beta, zcg
-
-
-def gemm_norm_params(module: nn.Module, x: jax.Array):
-    """``(gamma, beta, zero_centered_gamma, norm_type)`` of the norm in front of a layer's first GEMM.
-
-    Reads the layer's ``enable_layernorm``, ``layernorm_type``,
-    ``zero_centered_gamma``, ``use_scale``, ``scale_init``, ``use_ln_bias``,
-    ``ln_bias_init``, ``scale_axes`` and ``ln_bias_axes`` (parameters "scale"
-    and "ln_bias"); ``(None, None, False, None)`` without a norm.
-    """
-    if not module.enable_layernorm:
-        return None, None, False, None
-    gamma, beta, zcg = norm_params(module, x, layernorm_type=module.layernorm_type,
-                                   zero_centered_gamma=module.zero_centered_gamma, use_scale=module.use_scale,
-                                   use_bias=module.use_ln_bias, scale_init=module.scale_init,
-                                   bias_init=module.ln_bias_init, scale_axes=module.scale_axes,
-                                   bias_axes=module.ln_bias_axes, bias_name="ln_bias")
-    return gamma, beta, zcg, module.layernorm_type
 
 
 class LayerNorm(nn.Module):

@@ -12,11 +12,10 @@ import jax.numpy as jnp
 
 from te_jax.core import GEMMS, MLPQuantizers
 from te_jax.core.layer_support import activation_name
-from te_jax.flax import _common as C
-from te_jax.flax._call import call_op
-from te_jax.flax.layernorm import gemm_norm_params
 from te_jax.core.layernorm_mlp import GATED, layernorm_mlp
-from te_jax.train.update import module_path
+from te_jax.flax import _common as C
+from te_jax.flax._common import call_op, gemm_norm_params
+from te_jax.flax._common import module_path
 
 Dtype = Any
 class LayerNormMLP(nn.Module):

@@ -18,11 +18,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from te_jax.moe.experts import GEMMS, MoEQuantizers, activate, check_config, expert_width, route_tokens, routed_experts
 from te_jax.flax import _common as C
-from te_jax.flax._call import call_op
+from te_jax.flax._common import call_op
 from te_jax.flax.dense import DenseGeneral
-from te_jax.train.update import module_path
+from te_jax.moe.experts import GEMMS, MoEQuantizers, activate, check_config, expert_width, route_tokens, routed_experts
+from te_jax.flax._common import module_path
 
 Dtype = Any
 

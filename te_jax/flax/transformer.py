@@ -22,8 +22,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from te_jax.core.layer_support import attention_heads, choose_attention_implementation, mlp_logical_axes, rotary_embedding, \
-    split_qkv
+from te_jax.core.layer_support import (attention_heads, choose_attention_implementation, mlp_logical_axes,
+                                       rotary_embedding, split_qkv)
 from te_jax.flax import _common as C
 from te_jax.flax.layernorm import LayerNormDenseGeneral
 from te_jax.flax.mlp import LayerNormMLP

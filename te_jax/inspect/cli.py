@@ -30,11 +30,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import te_jax
 from te_jax import recipe as R
+from te_jax.core.stats import STATS_COLLECTION, STAT_NAMES
 from te_jax.flax import LayerNorm, TransformerLayer
 from te_jax.inspect.records import Row, compare_table, format_table, mean_over, render, to_rows
-from te_jax.core.stats import STAT_NAMES, STATS_COLLECTION
+from te_jax.recipe.autocast import autocast
 from te_jax.train import TrainState, value_and_grad
 
 SHORT_NAMES = {"delayed": R.DelayedScaling, "current": R.Float8CurrentScaling, "mxfp8": R.MXFP8BlockScaling,
@@ -100,7 +100,7 @@ def run_recipe(recipe: R.Recipe, model: nn.Module, tokens: np.ndarray, args) -> 
     """Trains ``args.steps`` steps; returns the statistics rows per step, the losses and the seconds taken."""
     init_key, quant_key = jax.random.split(jax.random.key(args.seed))
     first = jnp.asarray(batch(tokens, 0, args.batch, args.seq_len, args.seed))
-    with te_jax.autocast(recipe=recipe, inspect=True):
+    with autocast(recipe=recipe, inspect=True):
         variables = jax.jit(model.init)({"params": init_key, "quantize": quant_key}, first[:, :-1])
     state = TrainState.create(apply_fn=model.apply, params=dict(variables), tx=optax.adamw(args.lr))
 
@@ -113,7 +113,7 @@ def run_recipe(recipe: R.Recipe, model: nn.Module, tokens: np.ndarray, args) -> 
             logp = jax.nn.log_softmax(logits, axis=-1)
             return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
-        with te_jax.autocast(recipe=recipe, inspect=True):
+        with autocast(recipe=recipe, inspect=True):
             loss, grads = value_and_grad(loss_fn)(state.params)
         return state.apply_gradients(grads=grads), loss, grads[STATS_COLLECTION]
 

@@ -20,8 +20,9 @@ from jax.sharding import PartitionSpec as P
 
 from te_jax.core import DenseQuantizers, MLPQuantizers
 from te_jax.core.bundles import ROLE_OF
+from te_jax.quantize.protocols import StatefulQuantizer
 from te_jax.recipe.autocast import current as current_autocast
-from te_jax.core.grouped_dense import grouped_dense, init_state, span_alignment
+from te_jax.core.grouped_dense import grouped_dense, span_alignment
 from te_jax.core.grouped_mlp import grouped_mlp
 from te_jax.moe import Routing, aligned_layout, combine, dispatch, packed_layout, permute, route, unpermute
 from te_jax.ops.sharding import axes_of
@@ -40,7 +41,8 @@ _WEIGHT_ROLE = ROLE_OF["weight"]
 
 @dataclasses.dataclass(frozen=True)
 class ExpertQuantizers:
-    """One expert GEMM's quantizers, whose state has the experts' leading axis (``grouped_dense.init_state``)."""
+    """One expert GEMM's quantizers, whose state has the experts' leading axis (a ``GemmBundle``,
+    ``te_jax.core.bundles``: its ``init_state`` is ``DenseQuantizers.init_state(num_groups=num_experts)``)."""
 
     q: DenseQuantizers
     num_experts: int
@@ -49,19 +51,19 @@ class ExpertQuantizers:
     def any(self) -> bool:
         return self.q.any
 
-    def stateful(self) -> dict[str, Any]:
+    def stateful(self) -> dict[str, StatefulQuantizer]:
         return self.q.stateful()
 
     def quantized_roles(self) -> tuple[str, ...]:
         return self.q.quantized_roles()
 
     def init_state(self) -> dict[str, Any]:
-        return init_state(self.q, self.num_experts)
+        return self.q.init_state(num_groups=self.num_experts)
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEQuantizers:
-    """The quantizers of the two expert GEMMs, "wi" and "wo"."""
+    """The quantizers of the two expert GEMMs, "wi" and "wo" (a ``MultiGemmBundle``, ``te_jax.core.bundles``)."""
 
     wi: ExpertQuantizers
     wo: ExpertQuantizers
@@ -69,6 +71,15 @@ class MoEQuantizers:
     @property
     def any(self) -> bool:
         return self.wi.any or self.wo.any
+
+    def by_gemm(self) -> dict[str, ExpertQuantizers]:
+        return {"wi": self.wi, "wo": self.wo}
+
+    def quantized_roles(self) -> dict[str, tuple[str, ...]]:
+        return {g: q.quantized_roles() for g, q in self.by_gemm().items()}
+
+    def init_state(self) -> dict[str, dict]:
+        return {g: q.init_state() for g, q in self.by_gemm().items()}
 
     @classmethod
     def from_recipe(cls, recipe, path: tuple[str, ...], num_experts: int) -> MoEQuantizers:
@@ -185,12 +196,12 @@ def _row_align(quantizers: MoEQuantizers) -> int:
     With it the permutation writes each expert's rows where its wgrad span starts, so neither GEMM copies its
     operands into spans, and each activation and gradient is quantized once, both copies in one pass.
     """
-    return math.lcm(*(span_alignment(getattr(quantizers, g).q) for g in GEMMS))
+    return math.lcm(*(span_alignment(e.q) for e in quantizers.by_gemm().values()))
 
 
 def _no_weight_amax_reduction(q: DenseQuantizers) -> DenseQuantizers:
     """``q`` whose weight amax is kept per device: each device holds other experts, whose amaxes must not mix."""
-    if not getattr(q.weight, "reduce_amax", False):
+    if not (isinstance(q.weight, StatefulQuantizer) and q.weight.reduce_amax):
         return q
     return dataclasses.replace(q, weight=dataclasses.replace(q.weight, reduce_amax=False))
 
@@ -205,8 +216,8 @@ def _sharded_experts(ep: ExpertParallel, x, expert_ids, gates, wi, wo, wi_bias, 
     the autocast's axes (the input and gradient ones: global values, as on
     one device) except the weights', which stay per expert.
     """
-    local = MoEQuantizers(*(dataclasses.replace(getattr(quantizers, g), q=_no_weight_amax_reduction(
-        getattr(quantizers, g).q)) for g in GEMMS))
+    local = MoEQuantizers(*(dataclasses.replace(e, q=_no_weight_amax_reduction(e.q))
+                            for e in quantizers.by_gemm().values()))
     state = {g: dict(state.get(g) or {}) for g in GEMMS}
     state_specs = {g: {role: jax.tree.map(lambda _, r=role: ep.state_spec(r), entry)
                        for role, entry in state[g].items()} for g in GEMMS}

@@ -21,7 +21,7 @@ from te_jax.core import with_stats
 from te_jax.core.layer_support import describe, located
 from te_jax.recipe.autocast import current_recipe, inspect_sample, inspecting
 from te_jax.core import stats as inspect_stats
-from te_jax.train.update import QUANTIZE_RNG
+from te_jax.spec.names import QUANTIZE_RNG
 from te_jax.nnx.variables import FP8Meta, FP8Stats
 
 _CONSTRUCT = ("construct the model under te_jax.autocast(recipe=...) with the recipe it is called under, and train "
@@ -47,14 +47,15 @@ def _roles(quantizers, gemms: Sequence[str] | None) -> dict | tuple:
     """The quantized roles: a tuple, or ``{gemm: roles}`` for the GEMMs that quantize any."""
     if gemms is None:
         return quantizers.quantized_roles()
-    return {g: getattr(quantizers, g).quantized_roles() for g in gemms if getattr(quantizers, g).any}
+    bundles = quantizers.by_gemm()
+    return {g: bundles[g].quantized_roles() for g in gemms if bundles[g].any}
 
 
 def _stateful(quantizers, gemms: Sequence[str] | None) -> dict:
     """``{role: quantizer}``, or ``{gemm: {role: quantizer}}``, of the roles that keep state."""
     if gemms is None:
         return quantizers.stateful()
-    return {g: getattr(quantizers, g).stateful() for g in gemms}
+    return {g: quantizers.by_gemm()[g].stateful() for g in gemms}
 
 
 def init_fp8(layer: nnx.Module, quantizers, rngs: nnx.Rngs | None, gemms: Sequence[str] | None = None) -> None:
@@ -68,7 +69,7 @@ def init_fp8(layer: nnx.Module, quantizers, rngs: nnx.Rngs | None, gemms: Sequen
     if gemms is None:
         state = quantizers.init_state()
     else:
-        state = {g: getattr(quantizers, g).init_state() for g in gemms}
+        state = {g: quantizers.by_gemm()[g].init_state() for g in gemms}
     layer.fp8_meta = FP8Meta(state) if jax.tree.leaves(state) else nnx.data(None)
     roles = _roles(quantizers, gemms)
     if inspecting() and roles:

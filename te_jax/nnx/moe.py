@@ -59,15 +59,9 @@ class MoE(nnx.Module):
 
     Args:
       in_features: H.
-      num_experts: E.
-      num_experts_per_tok: k, at most E.
-      intermediate_dim: F, each expert's hidden width.
-      activation: "swiglu" (default), "geglu", "gelu", "silu" or "relu".
-      score_function: "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3, with the expert bias).
-      aux_loss_coeff: the weight of the sown load-balancing loss.
-      num_shared_experts: experts every token goes through (one MLP of their combined width).
-      use_bias: per-expert biases (and the shared experts' biases).
-      dtype: the computation dtype of the experts (default: inputs and params promoted).
+      num_experts, num_experts_per_tok, intermediate_dim, activation, score_function, aux_loss_coeff,
+        num_shared_experts, use_bias, dtype: as the attributes of ``te_jax.flax.MoE`` (``use_bias`` also
+        gives the shared experts biases).
       param_dtype: the parameters' dtype (the router's is float32).
       kernel_init: the experts' initializer, called with ``[E, in, out]``.
       router_init: the router's initializer.

@@ -14,7 +14,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes, initializers
 
 from te_jax.core import DenseQuantizers
-from te_jax.core.norm import NormSpec, normalize_hp
+from te_jax.core.gemm_quant import NormSpec, normalize_hp
 from te_jax.core.layer_support import canonical_axes, canonical_input, check_dtypes, compute_dtype, flax_normalize, \
     norm_uses_bias
 from te_jax.core.layernorm_dense import layernorm_dense

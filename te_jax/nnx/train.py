@@ -14,14 +14,14 @@
 ``value_and_grad`` differentiates ``loss_fn(model, ...)`` with respect to
 the model's ``nnx.Param`` variables and returns their gradients; the
 gradient of the ``FP8Meta`` variables, which is their state after forward
-and backward (``te_jax.train``, ``te_jax.train.update``), is applied to the model
+and backward (``te_jax.train``, ``te_jax.train.step``), is applied to the model
 in place, as are the step's statistics to ``FP8Stats`` and any other
 variable the call changed (e.g. RNG counts). A layer called several times
 in one step records one update per call; they merge by max.
 
 ``nnx.value_and_grad`` / ``nnx.grad`` over a model with delayed-scaling
 state raise ``te_jax.train.FP8StateError`` when traced: they would drop the
-update (``te_jax.core.state_guard``).
+update (``te_jax.core.gemm_quant``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from flax import nnx
 from te_jax import train as linen_train
 from te_jax.core.stats import STATS_COLLECTION
 from te_jax.nnx.variables import FP8Meta, FP8Stats
-from te_jax.train.update import FP8_COLLECTION, apply_fp8_update
+from te_jax.train.step import FP8_COLLECTION, apply_fp8_update
 
 _OTHER = nnx.Not(nnx.Any(nnx.Param, FP8Meta, FP8Stats))
 

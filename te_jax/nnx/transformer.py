@@ -87,17 +87,9 @@ class TransformerLayer(nnx.Module):
 
     Args:
       hidden_size: H.
-      num_attention_heads: query heads.
-      num_gqa_groups: key/value heads (None: as many as query heads); must divide num_attention_heads.
-      head_dim: per-head width (None: H / num_attention_heads).
-      intermediate_dim: the MLP width (None: 4 H).
-      mlp_activation: the MLP's activation (see ``LayerNormMLP``).
-      layernorm_type, zero_centered_gamma, layernorm_epsilon: both norms.
-      use_bias: biases on every projection.
-      causal: causal self-attention mask.
-      enable_rotary_pos_emb, rotary_base: rotary embeddings of queries and keys.
-      hidden_dropout: dropout on the attention and MLP outputs (before the residual add).
-      intermediate_dropout: dropout on the MLP's activation output.
+      num_attention_heads, num_gqa_groups, head_dim, intermediate_dim, mlp_activation, layernorm_type,
+        zero_centered_gamma, layernorm_epsilon, use_bias, causal, enable_rotary_pos_emb, rotary_base,
+        hidden_dropout, intermediate_dropout: as the attributes of ``te_jax.flax.TransformerLayer``.
       dropout_rng_name: the dropout ``nnx.Rngs`` stream.
       deterministic: no dropout (``model.eval()`` sets it).
       attention_implementation: ``jax.nn.dot_product_attention``'s: "xla", "cudnn", or None to choose.

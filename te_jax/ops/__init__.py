@@ -4,6 +4,6 @@ Every primitive takes explicit arguments only (arrays, static options, mesh
 axes); nothing here reads an autocast, a recipe or a quantizer.
 """
 
-from te_jax.ops import activation, backend, cast, gemm, norm, quantize, sharding
+from te_jax.ops import backend, cast, dequantize, gemm, norm_act, quantize, sharding
 
-__all__ = ["activation", "backend", "cast", "gemm", "norm", "quantize", "sharding"]
+__all__ = ["backend", "cast", "dequantize", "gemm", "norm_act", "quantize", "sharding"]

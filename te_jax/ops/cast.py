@@ -1,6 +1,6 @@
 """The cast half of the fused norm/activation ops: the cast spec, result shapes, sharding.
 
-A fused op (``te_jax.ops.norm``, ``te_jax.ops.activation``) computes a float32
+A fused op (``te_jax.ops.norm_act``) computes a float32
 output ``y [M, N]`` and writes it through a cast described by a ``CastSpec``
 (its FFI attributes are ``CastSpec.attrs``). Every fused FFI target has the
 same seven cast results (``CastOutputs``): ``q, s, q_t, s_t, amax, amax_t,
@@ -31,7 +31,7 @@ from te_jax.ops import primitive as partition
 from te_jax.ops import quantize as qops
 from te_jax.spec import modes
 from te_jax.spec.modes import CAST_MODES
-from te_jax.spec.scaled_tensor import CastOutputs, CastSpec
+from te_jax.spec.modes import CastOutputs, CastSpec
 
 SPLIT_CASTS = ("fp8_current", "nvfp4")  # scale from the whole tensor's amax
 

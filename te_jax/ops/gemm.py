@@ -29,14 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_jax.ops import backend as backend_lib
+from te_jax.ops.primitive import resolve as resolve_backend
 from te_jax.ops.gemm_call import CUBLAS_WORKSPACE_BYTES, Layout, call, workspace_bytes
-from te_jax.ops.quantize import dequantize, dequantize_colwise, pad_to_blocks
+from te_jax.ops.dequantize import dequantize
+from te_jax.ops.quantize import pad_to_blocks
 from te_jax.spec import modes
 from te_jax.spec import numerics as nm
 from te_jax.spec import reference as ref
 from te_jax.spec.modes import ScalingMode
-from te_jax.spec.scaled_tensor import ScaledTensor
+from te_jax.spec.modes import ScaledTensor
 from te_jax.ops.sharding import MeshResource
 
 __all__ = ["CUBLAS_WORKSPACE_BYTES", "gemm", "gemm_fp8", "gemm_fp8_block", "gemm_mxfp8", "gemm_nvfp4",
@@ -140,7 +141,7 @@ def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, autotune: bool, 
             bias = bias.astype(jnp.float32)
     m, n = a.shape[-2], b.shape[-2]
     args, bias = _aligned(lay, args, bias)
-    if backend_lib.resolve(backend) == "reference":
+    if resolve_backend(backend) == "reference":
         da, db = dequantize(*args)
         out = jnp.matmul(da, jnp.swapaxes(db, -1, -2), precision=lax.Precision.HIGHEST,
                          preferred_element_type=jnp.float32)

@@ -1,13 +1,13 @@
 """The GEMM custom call as a primitive: lowered per platform, partitioned, batched.
 
 ``call(layout, *args)`` runs one ``te_jax_gemm_*`` custom call (contract:
-``docs/gemm_ffi.md``). The primitive's lowering decides the workspace result
-per platform (empty on CPU, sized for the CUDA handlers on GPU) and checks
-cuBLASLt's alignment when lowering for CUDA. It is wrapped in
-``custom_partitioning`` (sharded operands are never gathered; a sharded
-contraction gives float32 partial products and one psum) and in
-``custom_vmap`` (a vmapped axis becomes a leading axis of the custom call;
-per-tensor scales that vary along it become one scale per matrix).
+``docs/gemm_ffi.md``), a ``te_jax.ops.primitive`` family: the lowering decides
+the workspace result per platform (empty on CPU, sized for the CUDA handlers
+on GPU) and checks cuBLASLt's alignment when lowering for CUDA; the partition
+rule never gathers a sharded operand (a sharded contraction gives float32
+partial products and one psum); the vmap rule makes a vmapped axis a leading
+axis of the custom call (per-tensor scales that vary along it become one
+scale per matrix).
 
 MXFP8 and NVFP4 GEMMs lowered for a GPU below compute capability 10.0 run the
 CUDA handler's documented emulation (each operand dequantized to bfloat16,
@@ -25,15 +25,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 import te_jax.ops.ffi  # noqa: F401  (registers the FFI targets)
-from te_jax.ops.primitive import AxisClaims, device_local, mesh_axes
+from te_jax.ops.primitive import CustomCallPrimitive, Partitioned
+from te_jax.ops.sharding import AxisClaims, MeshResource, axes_of, mesh_axes
 from te_jax.spec import modes
-from te_jax.ops.sharding import MeshResource, axes_of
 
 CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
 _SCALARS = {"a_t": "a_tm", "b_t": "b_tm"}  # per-tensor value -> one value per matrix of the leading axes
@@ -138,14 +135,8 @@ def _abstract_eval(*avals, lay: Layout):
     return jax.core.ShapedArray((*a.shape[:-1], b.shape[-2]), lay.out_dtype)
 
 
-# The custom call as a primitive, so that its workspace result and the CUDA checks
-# are decided when lowering for a platform.
-_gemm_p = Primitive("te_jax_gemm")
-_gemm_p.def_abstract_eval(_abstract_eval)
-_gemm_jit = jax.jit(lambda lay, *args: _gemm_p.bind(*args, lay=lay), static_argnums=0)
-_gemm_p.def_impl(lambda *args, lay: _gemm_jit(lay, *args))  # eager calls compile it
-for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(_gemm_p, functools.partial(_lower, _platform), platform=_platform)
+# A primitive, so that its workspace result and the CUDA checks are decided when lowering for a platform.
+_gemm_p = CustomCallPrimitive("te_jax_gemm", abstract_eval=_abstract_eval, lower=_lower)
 
 
 def _ffi_call(lay: Layout, *args):
@@ -155,8 +146,6 @@ def _ffi_call(lay: Layout, *args):
 
 
 # ---- sharding ----------------------------------------------------------------------
-
-_partitioned = custom_partitioning(_ffi_call, static_argnums=(0,))
 
 
 def _sharding_rule(lay: Layout, mesh, value_types, result_types):
@@ -229,7 +218,7 @@ def _plan(lay: Layout, mesh, arg_shapes, wanted=None):
 def _partition(lay: Layout, mesh, arg_shapes, result_shape):
     arg_shardings, out_sharding, k_axes, scatter_m, scatter_n = _plan(lay, mesh, arg_shapes, result_shape.sharding)
     if not k_axes:
-        return mesh, device_local(functools.partial(_ffi_call, lay)), out_sharding, arg_shardings
+        return mesh, functools.partial(_ffi_call, lay), out_sharding, arg_shardings
     partial_lay = dataclasses.replace(lay, out_dtype=jnp.dtype(jnp.float32), has_bias=False)
     summed = tuple(x for x in k_axes if x not in scatter_m + scatter_n)
 
@@ -248,14 +237,7 @@ def _partition(lay: Layout, mesh, arg_shapes, result_shape):
             out = out + args[-1].astype(jnp.float32)
         return out.astype(lay.out_dtype)
 
-    return mesh, device_local(partial_products), out_sharding, arg_shardings
-
-
-_partitioned.def_partition(
-    partition=_partition,
-    infer_sharding_from_operands=lambda lay, mesh, arg_shapes, result_shape: _plan(lay, mesh, arg_shapes)[1],
-    sharding_rule=_sharding_rule,
-)
+    return mesh, partial_products, out_sharding, arg_shardings
 
 
 # ---- batching ----------------------------------------------------------------------
@@ -287,6 +269,10 @@ def _vmap_rule(lay: Layout, axis_size: int, in_batched, *args):
     return (out + bias).astype(lay.out_dtype), True
 
 
+_gemm = Partitioned(_ffi_call, partition=_partition, sharding_rule=_sharding_rule,
+                    infer=lambda lay, mesh, arg_shapes, result_shape: _plan(lay, mesh, arg_shapes)[1],
+                    vmap_rule=lambda lay: functools.partial(_vmap_rule, lay))
+
 def parallel_axes(mesh_resource: MeshResource | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``(tensor + sequence parallel axes, sequence parallel axes)`` of ``mesh_resource`` (None: none)."""
     if mesh_resource is None:
@@ -300,6 +286,4 @@ def call(lay: Layout, *args, mesh_resource: MeshResource | None = None):
     if not lay.keep_n and not lay.scatter_rows:
         keep_n, scatter_rows = parallel_axes(mesh_resource)
         lay = dataclasses.replace(lay, keep_n=keep_n, scatter_rows=scatter_rows)
-    run = jax.custom_batching.custom_vmap(lambda *xs: _partitioned(lay, *xs))
-    run.def_vmap(functools.partial(_vmap_rule, lay))
-    return run(*args)
+    return _gemm(lay, *args)

@@ -1,12 +1,27 @@
-"""Sharding rules for the non-GEMM custom calls: one partitioned, batched primitive per op.
+"""The custom-call primitive base, the backend choice, and the matrix ops' sharding rules.
 
-Quantize, dequantize and the fused norm / activation kernels work on matrices
-``[..., M, N]``. An op describes itself as a ``MatrixOp``: the tokens of the
-trailing axes of every operand and result, and a ``body(op, shards, *args)``
-that runs the custom call on one device's blocks. ``call(op, *args)`` wraps it
-in ``custom_partitioning`` (with a Shardy ``sharding_rule``) and in
-``custom_vmap`` (a vmapped axis becomes a leading axis of every operand, as
-``vmap_method="broadcast_all"`` did). Bodies run the kernels with ``ffi``.
+Every te_jax custom call is built from two pieces (the idea of
+TransformerEngine-JAX's ``BasePrimitive``, with te_jax's explicit errors):
+``CustomCallPrimitive``, a JAX primitive with an abstract eval, a compiled
+eager implementation, an FFI lowering per platform and an optional batching
+rule; and ``Partitioned``, a per-device function under ``custom_partitioning``
+(Shardy ``sharding_rule``, ``infer`` and ``partition`` hooks, the partitioned
+body traced with no mesh: ``device_local``) and, optionally, ``custom_vmap``.
+Three families use them: the matrix ops below (quantize, dequantize, the fused
+norm / activation kernels), the GEMM (``te_jax.ops.gemm_call``) and the
+grouped GEMM (``te_jax.ops.grouped.call``).
+
+``use`` / ``resolve`` (public as ``te_jax.ops.backend``) pick, at trace time,
+the FFI kernels or the pure-JAX reference, per call (``backend=``) or for a
+block (``with te_jax.ops.backend.use("reference"): ...``); the choice is part
+of jit's cache key. The reference is the spec the kernels are tested against,
+slower, and never picked silently.
+
+Matrix ops work on matrices ``[..., M, N]``, described by a ``MatrixOp``: the
+tokens of the trailing axes of every operand and result, and a ``body(op,
+shards, *args)`` that runs the kernels (``ffi``) on one device's blocks.
+``call(op, *args)`` runs it partitioned and batched (a vmapped axis becomes a
+leading axis of every operand, as ``vmap_method="broadcast_all"`` did).
 
 Axis tokens:
 
@@ -41,11 +56,10 @@ import itertools
 import math
 import re
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -56,90 +70,118 @@ try:  # what custom_partitioning itself decodes shardings with (private: checked
 except ImportError:  # pragma: no cover
     _parse_hlo_sharding = None
 
-from te_jax.spec import numerics as nm
+from te_jax.ops.sharding import AxisClaims, ShardingGatherWarning, Shards, all_reduce, fold_shard_index
 
 Dim = tuple[str | None, int]  # (factor "m" / "n" / None for "~", entries per axis index)
 
 
-# ---- the custom call ---------------------------------------------------------------
-#
-# Bodies call the kernels through this primitive rather than jax.ffi.ffi_call so that a
-# printed jaxpr names each call site's target once, on its outermost equation
-# (``_VmapRule``'s ``target_name=...``), as a bare ffi_call did: the partitioned and
-# batched wrappers nest the call in sub-jaxprs, which a printout shows once when shared
-# (a remat recomputation shares them).
+# ---- the backend: FFI kernels or the pure-JAX reference ----------------------------
 
-_ffi_p = Primitive("te_jax_ffi")
-_ffi_p.multiple_results = True
-_ffi_p.def_abstract_eval(lambda *avals, target, results, attrs: results)
-_ffi_jit = jax.jit(lambda target, results, attrs, *args: _ffi_p.bind(*args, target=target, results=results,
-                                                                     attrs=attrs), static_argnums=(0, 1, 2))
-_ffi_p.def_impl(lambda *args, target, results, attrs: _ffi_jit(target, results, attrs, *args))
-mlir.register_lowering(
-    _ffi_p, lambda ctx, *args, target, results, attrs: jax.ffi.ffi_lowering(target)(ctx, *args, **dict(attrs)))
+BACKENDS = ("ffi", "reference")
+_current = jax.make_user_context(default_value="ffi")
 
 
-def _ffi_batch(args, dims, *, target, results, attrs):
-    """``vmap_method="broadcast_all"``: every operand and result gets the batch axis first."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    xs = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-          for a, d in zip(args, dims)]
-    batched = tuple(jax.core.ShapedArray((size, *r.shape), r.dtype) for r in results)
-    return _ffi_p.bind(*xs, target=target, results=batched, attrs=attrs), [0] * len(results)
+def _check_backend(name: str) -> str:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown te_jax backend {name!r}; choose one of {BACKENDS}")
+    return name
 
 
-batching.primitive_batchers[_ffi_p] = _ffi_batch
+def use(name: str):
+    """Context manager: ops traced inside it use backend ``name`` ("ffi" or "reference")."""
+    return _current(_check_backend(name))
 
 
-def ffi(target: str, results, *args, **attrs) -> list:
-    """The custom call ``target`` with ``results`` (ShapeDtypeStructs) and FFI attributes ``attrs``."""
-    results = (results,) if isinstance(results, jax.ShapeDtypeStruct) else tuple(results)
-    avals = tuple(jax.core.ShapedArray(r.shape, r.dtype) for r in results)
-    return _ffi_p.bind(*args, target=target, results=avals, attrs=tuple(sorted(attrs.items())))
+def current() -> str:
+    """The backend of the enclosing ``use`` block ("ffi" outside any)."""
+    return _current.value
 
 
-@dataclasses.dataclass(frozen=True)
-class Shards:
-    """Which mesh axes split this device's block of the matrices (empty: not split)."""
-
-    m: tuple[str, ...] = ()
-    n: tuple[str, ...] = ()
-    axis_sizes: tuple[tuple[str, int], ...] = ()
-
-    @property
-    def matrix(self) -> tuple[str, ...]:
-        """The mesh axes that split one matrix."""
-        return self.m + self.n
-
-    @property
-    def count(self) -> int:
-        """Blocks per matrix."""
-        sizes = dict(self.axis_sizes)
-        return math.prod(sizes[a] for a in self.matrix)
-
-    def index(self) -> jax.Array:
-        """This device's block of the matrix as a linear uint32 index (M axes major)."""
-        sizes = dict(self.axis_sizes)
-        idx = jnp.uint32(0)
-        for a in self.matrix:
-            idx = idx * jnp.uint32(sizes[a]) + lax.axis_index(a).astype(jnp.uint32)
-        return idx
-
-    def pmax(self, amax: jax.Array) -> jax.Array:
-        """The max of non-negative float32 values over the matrix's blocks (one all-reduce).
-
-        Compared as bit patterns, so NaN and Inf order exactly as ``nm.abs_max`` does.
-        """
-        return all_reduce(amax, "max", self.matrix)
+def resolve(backend: str | None) -> str:
+    """The backend for one call: the explicit argument, else the context's."""
+    return _current.value if backend is None else _check_backend(backend)
 
 
-def all_reduce(x: jax.Array, kind: str, axes: tuple[str, ...]) -> jax.Array:
-    """pmax of non-negative float32 ``x`` on its bits, or psum in float32, over ``axes``."""
-    if not axes:
-        return x
-    if kind == "max":
-        return nm.bits_f32(lax.pmax(nm.f32_bits(x), axes))
-    return lax.psum(x.astype(jnp.float32), axes)
+# ---- the base: a primitive lowered per platform, partitioned, batched ----------------
+
+
+class CustomCallPrimitive:
+    """A JAX primitive whose lowering is an FFI custom call.
+
+    Args:
+      name: the primitive's name, as jaxprs print it.
+      abstract_eval: ``(*avals, **params)`` -> the result aval(s).
+      lower: ``(platform, ctx, *args, **params)`` -> the lowered results; ``platform``
+        is one of ``platforms``, or None when ``platforms`` is None (one rule for all).
+      platforms: the platforms lowered (None: every platform, by one rule).
+      multiple_results: whether the primitive returns a list of results.
+      batcher: a batching rule for the bare primitive (None: none; a ``Partitioned``
+        with a vmap rule batches the call before it is bound).
+    """
+
+    def __init__(self, name: str, *, abstract_eval: Callable, lower: Callable,
+                 platforms: Sequence[str] | None = ("cpu", "cuda"), multiple_results: bool = False,
+                 batcher: Callable | None = None):
+        self.primitive = prim = Primitive(name)
+        prim.multiple_results = multiple_results
+        prim.def_abstract_eval(abstract_eval)
+        # Eager calls compile the primitive (the params are static: hashable descriptions).
+        jitted = jax.jit(lambda params, *args: prim.bind(*args, **dict(params)), static_argnums=0)
+        prim.def_impl(lambda *args, **params: jitted(tuple(params.items()), *args))
+        if platforms is None:
+            mlir.register_lowering(prim, functools.partial(lower, None))
+        for platform in platforms or ():
+            mlir.register_lowering(prim, functools.partial(lower, platform), platform=platform)
+        if batcher is not None:
+            batching.primitive_batchers[prim] = batcher
+
+    def bind(self, *args, **params):
+        """The primitive applied to ``args``."""
+        return self.primitive.bind(*args, **params)
+
+
+def _traced_without_mesh(partition: Callable) -> Callable:
+    """``partition`` with the per-device body it returns run by ``device_local``."""
+
+    @functools.wraps(partition)
+    def run(*args):
+        mesh, body, result_shardings, arg_shardings = partition(*args)
+        return mesh, device_local(body), result_shardings, arg_shardings
+
+    return run
+
+
+class Partitioned:
+    """``local(static, *args)`` run partitioned (``custom_partitioning``) and, with ``vmap_rule``, batched.
+
+    ``static`` is the family's hashable description of one call (a ``MatrixOp``, a
+    GEMM ``Layout``); every hook takes it first.
+
+    Args:
+      local: the unsharded function, ``local(static, *args)``.
+      partition: ``(static, mesh, arg_shapes, result_shape)`` -> ``(mesh, body,
+        result shardings, arg shardings)``; ``body(*blocks)`` runs on one device's
+        blocks, traced with no mesh in context (``device_local``).
+      infer: ``(static, mesh, arg_shapes, result_shape)`` -> the result shardings.
+      sharding_rule: ``(static, mesh, value_types, result_types)`` -> Shardy's rule.
+      vmap_rule: ``vmap_rule(static)`` -> ``custom_vmap``'s rule for that call
+        (None: vmap traces through the partitioned call).
+      decode_shardings: whether the hooks get decoded ``NamedSharding``s.
+    """
+
+    def __init__(self, local: Callable, *, partition: Callable, infer: Callable, sharding_rule: Callable,
+                 vmap_rule: Callable | None = None, decode_shardings: bool = True):
+        self._partitioned = custom_partitioning(local, static_argnums=(0,))
+        self._partitioned.def_partition(partition=_traced_without_mesh(partition), infer_sharding_from_operands=infer,
+                                        sharding_rule=sharding_rule, decode_shardings=decode_shardings)
+        self._vmap_rule = vmap_rule
+
+    def __call__(self, static, *args):
+        if self._vmap_rule is None:
+            return self._partitioned(static, *args)
+        run = jax.custom_batching.custom_vmap(lambda *xs: self._partitioned(static, *xs))
+        run.def_vmap(self._vmap_rule(static))
+        return run(*args)
 
 
 # Not public in old releases (jax 0.6): there the body is traced as it always was.
@@ -176,16 +218,37 @@ def device_local(body: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def fold_shard_index(words: jax.Array, shards: Shards) -> jax.Array:
-    """PRNG key words ``[..., 2]`` made distinct per block (unchanged with one block).
+# ---- the matrix ops' custom call ------------------------------------------------------
+#
+# Bodies call the kernels through this primitive rather than jax.ffi.ffi_call so that a
+# printed jaxpr names each call site's target once, on its outermost equation
+# (``_VmapRule``'s ``target_name=...``), as a bare ffi_call did: the partitioned and
+# batched wrappers nest the call in sub-jaxprs, which a printout shows once when shared
+# (a remat recomputation shares them).
 
-    ``k0 ^= mix32(i + 0x9E3779B9)``, ``k1 ^= mix32(i + 0x7F4A7C15)`` for block ``i``.
-    """
-    if shards.count == 1:
-        return words
-    i = shards.index()
-    salt = jnp.stack([nm.mix32(i + jnp.uint32(0x9E3779B9)), nm.mix32(i + jnp.uint32(0x7F4A7C15))])
-    return words ^ salt
+
+def _ffi_lower(platform, ctx, *args, target, results, attrs):
+    return jax.ffi.ffi_lowering(target)(ctx, *args, **dict(attrs))
+
+
+def _ffi_batch(args, dims, *, target, results, attrs):
+    """``vmap_method="broadcast_all"``: every operand and result gets the batch axis first."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    xs = [jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+          for a, d in zip(args, dims)]
+    batched = tuple(jax.core.ShapedArray((size, *r.shape), r.dtype) for r in results)
+    return _ffi_p.bind(*xs, target=target, results=batched, attrs=attrs), [0] * len(results)
+
+
+_ffi_p = CustomCallPrimitive("te_jax_ffi", abstract_eval=lambda *avals, target, results, attrs: results,
+                             lower=_ffi_lower, platforms=None, multiple_results=True, batcher=_ffi_batch)
+
+
+def ffi(target: str, results, *args, **attrs) -> list:
+    """The custom call ``target`` with ``results`` (ShapeDtypeStructs) and FFI attributes ``attrs``."""
+    results = (results,) if isinstance(results, jax.ShapeDtypeStruct) else tuple(results)
+    avals = tuple(jax.core.ShapedArray(r.shape, r.dtype) for r in results)
+    return _ffi_p.bind(*args, target=target, results=avals, attrs=tuple(sorted(attrs.items())))
 
 
 def per_matrix(fn: Callable, n_lead: int) -> Callable:
@@ -241,33 +304,7 @@ def _granularity(op: MatrixOp, factor: str) -> int:
     return math.lcm(op.align["mn".index(factor)], *units)
 
 
-# ---- sharding ----------------------------------------------------------------------
-
-
-def mesh_axes(entry) -> tuple[str, ...]:
-    """A PartitionSpec entry (None, a name, or a tuple of names) as a tuple of mesh axis names."""
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-class AxisClaims:
-    """Hands mesh axes to dimensions, each axis to one dimension at most (the GEMM's rule too)."""
-
-    def __init__(self, mesh):
-        self.mesh, self.used = mesh, set()
-
-    def take(self, entry, units: int) -> tuple[str, ...] | None:
-        """The axes of ``entry`` not yet taken, if they split ``units`` evenly (then they are taken), else None."""
-        axes = tuple(a for a in mesh_axes(entry) if a not in self.used)
-        if not axes or units % math.prod(self.mesh.shape[a] for a in axes):
-            return None
-        self.used.update(axes)
-        return axes
-
-
-class ShardingGatherWarning(UserWarning):
-    """A custom call gathers an operand whose sharding it cannot express (warned once per sharding)."""
+# ---- the matrix ops' rules ---------------------------------------------------------
 
 
 @functools.cache
@@ -348,7 +385,7 @@ def _unsharded(op: MatrixOp, *args) -> tuple:
 
 def _partition(op: MatrixOp, mesh, arg_shapes, result_shape):
     shards, arg_shardings, result_shardings = _plan(op, mesh, arg_shapes)
-    return mesh, device_local(functools.partial(_run, op, shards)), result_shardings, arg_shardings
+    return mesh, functools.partial(_run, op, shards), result_shardings, arg_shardings
 
 
 def _sharding_rule(op: MatrixOp, mesh, value_types, result_types):
@@ -406,15 +443,6 @@ def _sharding_rule(op: MatrixOp, mesh, value_types, result_types):
     return rule, dict(need_replication_factors=tuple(replicate), **sizes)
 
 
-_partitioned = custom_partitioning(_unsharded, static_argnums=(0,))
-_partitioned.def_partition(
-    partition=_partition,
-    infer_sharding_from_operands=lambda op, mesh, arg_shapes, result_shape: _plan(op, mesh, arg_shapes)[2],
-    sharding_rule=_sharding_rule,
-    decode_shardings=False,
-)
-
-
 # ---- batching ----------------------------------------------------------------------
 
 
@@ -433,12 +461,15 @@ class _VmapRule:
         return f"broadcast_all(target_name={self.op.target})"
 
 
+_matrix_op = Partitioned(_unsharded, partition=_partition, sharding_rule=_sharding_rule, vmap_rule=_VmapRule,
+                         infer=lambda op, mesh, arg_shapes, result_shape: _plan(op, mesh, arg_shapes)[2],
+                         decode_shardings=False)
+
+
 def call(op: MatrixOp, *args) -> tuple:
     """Runs ``op`` on ``args``: partitioned under ``jit`` with shardings, batched under ``vmap``."""
-    run = jax.custom_batching.custom_vmap(lambda *xs: tuple(_partitioned(op, *xs)))
-    run.def_vmap(_VmapRule(op))
-    return run(*args)
+    return _matrix_op(op, *args)
 
 
-__all__ = ["MatrixOp", "ShardingGatherWarning", "Shards", "all_reduce", "call", "device_local", "ffi",
-           "fold_shard_index", "per_matrix"]
+__all__ = ["BACKENDS", "CustomCallPrimitive", "MatrixOp", "Partitioned", "ShardingGatherWarning", "Shards",
+           "all_reduce", "call", "current", "device_local", "ffi", "fold_shard_index", "per_matrix", "resolve", "use"]

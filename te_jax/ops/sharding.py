@@ -1,4 +1,4 @@
-"""Mesh axes te_jax knows about, and the cross-device reduction of amaxes.
+"""Mesh axes te_jax knows about, the cross-device reduction of amaxes, and the custom calls' sharding helpers.
 
 ``MeshResource`` names which axes of the user's mesh play which role; it is
 given to ``te_jax.autocast(mesh_resource=...)``. Inside ``shard_map`` the
@@ -14,8 +14,11 @@ import dataclasses
 import math
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AxisType
+
+from te_jax.spec import numerics as nm
 
 Resource = str | tuple[str, ...] | None
 
@@ -189,3 +192,88 @@ def match_cotangent(ct, true_axes: frozenset[str], want_axes: frozenset[str], re
     if extra:
         ct = lax.psum(ct, extra) if reduction == "sum" else lax.pmax(ct, extra)
     return to_varying(ct, want_axes)
+
+
+# ---- what the custom calls' partition rules share (te_jax.ops.primitive) ------------
+
+
+def mesh_axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, a name, or a tuple of names) as a tuple of mesh axis names."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+class AxisClaims:
+    """Hands mesh axes to dimensions, each axis to one dimension at most (the GEMM's rule too)."""
+
+    def __init__(self, mesh):
+        self.mesh, self.used = mesh, set()
+
+    def take(self, entry, units: int) -> tuple[str, ...] | None:
+        """The axes of ``entry`` not yet taken, if they split ``units`` evenly (then they are taken), else None."""
+        axes = tuple(a for a in mesh_axes(entry) if a not in self.used)
+        if not axes or units % math.prod(self.mesh.shape[a] for a in axes):
+            return None
+        self.used.update(axes)
+        return axes
+
+
+def all_reduce(x: jax.Array, kind: str, axes: tuple[str, ...]) -> jax.Array:
+    """pmax of non-negative float32 ``x`` on its bits, or psum in float32, over ``axes``."""
+    if not axes:
+        return x
+    if kind == "max":
+        return nm.bits_f32(lax.pmax(nm.f32_bits(x), axes))
+    return lax.psum(x.astype(jnp.float32), axes)
+
+
+class ShardingGatherWarning(UserWarning):
+    """A custom call gathers an operand whose sharding it cannot express (warned once per sharding)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shards:
+    """Which mesh axes split this device's block of the matrices (empty: not split)."""
+
+    m: tuple[str, ...] = ()
+    n: tuple[str, ...] = ()
+    axis_sizes: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def matrix(self) -> tuple[str, ...]:
+        """The mesh axes that split one matrix."""
+        return self.m + self.n
+
+    @property
+    def count(self) -> int:
+        """Blocks per matrix."""
+        sizes = dict(self.axis_sizes)
+        return math.prod(sizes[a] for a in self.matrix)
+
+    def index(self) -> jax.Array:
+        """This device's block of the matrix as a linear uint32 index (M axes major)."""
+        sizes = dict(self.axis_sizes)
+        idx = jnp.uint32(0)
+        for a in self.matrix:
+            idx = idx * jnp.uint32(sizes[a]) + lax.axis_index(a).astype(jnp.uint32)
+        return idx
+
+    def pmax(self, amax: jax.Array) -> jax.Array:
+        """The max of non-negative float32 values over the matrix's blocks (one all-reduce).
+
+        Compared as bit patterns, so NaN and Inf order exactly as ``nm.abs_max`` does.
+        """
+        return all_reduce(amax, "max", self.matrix)
+
+
+def fold_shard_index(words: jax.Array, shards: Shards) -> jax.Array:
+    """PRNG key words ``[..., 2]`` made distinct per block (unchanged with one block).
+
+    ``k0 ^= mix32(i + 0x9E3779B9)``, ``k1 ^= mix32(i + 0x7F4A7C15)`` for block ``i``.
+    """
+    if shards.count == 1:
+        return words
+    i = shards.index()
+    salt = jnp.stack([nm.mix32(i + jnp.uint32(0x9E3779B9)), nm.mix32(i + jnp.uint32(0x7F4A7C15))])
+    return words ^ salt

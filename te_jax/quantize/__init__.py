@@ -5,14 +5,15 @@ A quantizer turns a high-precision array into a ``ScaledTensor``
 """
 
 from te_jax.ops.quantize import dequantize, dequantize_colwise
-from te_jax.quantize import delayed, fused
-from te_jax.quantize.delayed import DelayedScalingQuantizer
+from te_jax.quantize import delayed, fused, protocols
+from te_jax.quantize.delayed import DelayedScalingQuantizer, DelayedState, StateUpdate
 from te_jax.quantize.quantizers import (CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer,
-                                        NVFP4Quantizer, Quantizer, as_matrix)
+                                        NVFP4Quantizer, as_matrix)
+from te_jax.quantize.protocols import Quantizer, StatefulQuantizer
 from te_jax.spec import ModeSpec, ScaledTensor, ScalingMode, flattened_shape
 
 __all__ = [
-    "CurrentScalingQuantizer", "DelayedScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer", "ModeSpec",
-    "NVFP4Quantizer", "Quantizer", "ScaledTensor", "ScalingMode", "as_matrix", "delayed", "dequantize",
-    "dequantize_colwise", "flattened_shape", "fused",
+    "CurrentScalingQuantizer", "DelayedScalingQuantizer", "DelayedState", "Float8BlockQuantizer", "MXFP8Quantizer",
+    "ModeSpec", "NVFP4Quantizer", "Quantizer", "ScaledTensor", "ScalingMode", "StateUpdate", "StatefulQuantizer",
+    "as_matrix", "delayed", "dequantize", "dequantize_colwise", "flattened_shape", "fused", "protocols",
 ]

@@ -15,55 +15,128 @@ initially zeros and one. Each step:
 
 ``init_state`` and ``update_state`` are pure; nothing is mutated.
 
-Training carries the update as the *gradient* of the state (see
-``te_jax.train``); ``state_gradient`` gives that form and
-``apply_state_gradient`` turns it back into the new state. The form is made
-so that the elementwise max of two of them is the form of one update with the
-larger amax: that is how a tensor quantized twice in a step (a layer applied
-twice, micro-batches) merges. The history is the new history; the scale is
-stored negated (so max picks the smaller scale, that of the larger amax),
-with -inf for "amax was 0, keep the old scale" and +inf for "amax was not
-finite, keep the old scale"; an all -inf form (the zero of the max-merge)
-means "not used this step" and keeps the old state. The merge is exact when
-``amax_compute_algo`` is non-decreasing in each history entry and the scale
-non-increasing in the amax, as the built-in algorithms are.
+Types. ``DelayedState`` names the state (``amax_history``, ``scale``) and
+``StateUpdate`` its update form; both are NamedTuples (pytrees) the code
+works with. What is *stored* (Flax's "fp8_meta" collection, nnx ``FP8Meta``
+variables, checkpoints) is the documented dict layout
+``{"amax_history": f32[L], "scale": f32[1]}`` of either: ``DelayedState.of``
+/ ``StateUpdate.of`` read that dict, ``as_dict`` writes it. (The dict stays
+the storage so that checkpoints, ``state["scale"]`` indexing and the
+collections' layout are those of before; ``is_state`` recognises it.)
+
+The update form (``StateUpdate``). Training carries the update as the
+*gradient* of the state (see ``te_jax.train``); ``state_gradient`` gives that
+form (``encode_update``) and ``apply_state_gradient`` turns it back into the
+new state (``decode_update``). The form is made so that the elementwise max
+of two of them is the form of one update with the larger amax: that is how a
+tensor quantized twice in a step (a layer applied twice, micro-batches)
+merges. Encoding:
+
+* ``amax_history``: the new history as it is;
+* ``scale``: the new scale *negated* (so max picks the smaller scale, that of
+  the larger amax), or ``KEEP_ZERO_AMAX = -inf`` for "amax was 0, keep the
+  old scale", or ``KEEP_NONFINITE_AMAX = +inf`` for "amax was not finite, keep
+  the old scale";
+* all ``-inf`` (``UNUSED``, the zero of the max-merge): "not used this step",
+  keeps the old state (history and scale).
+
+The merge is exact when ``amax_compute_algo`` is non-decreasing in each
+history entry and the scale non-increasing in the amax, as the built-in
+algorithms are.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from te_jax.ops import quantize as qops
-from te_jax.spec.scaled_tensor import CastSpec
+from te_jax.ops.quantize import as_matrix
 from te_jax.spec import modes
 from te_jax.spec import numerics as nm
-from te_jax.quantize.quantizers import as_matrix
-from te_jax.spec.scaled_tensor import ScaledTensor
+from te_jax.spec.modes import CastSpec, ScaledTensor
 
-State = dict[str, jax.Array]
+State = dict[str, jax.Array]  # the stored layout: {"amax_history": f32[L], "scale": f32[1]}
+FIELDS = ("amax_history", "scale")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 AMAX_REDUCTIONS = ("max", "mean")
+KEEP_ZERO_AMAX = -float("inf")  # StateUpdate.scale: amax was 0, keep the old scale (also: unused)
+KEEP_NONFINITE_AMAX = float("inf")  # StateUpdate.scale: amax was inf or nan, keep the old scale
+
+
+def _f32(v: jax.Array) -> jax.Array:
+    return v if v.dtype == jnp.float32 else lax.convert_element_type(v, jnp.float32)
+
+
+class DelayedState(NamedTuple):
+    """One tensor's delayed-scaling state: ``amax_history f32[..., L]`` (newest amax at index 0 during a step)
+    and ``scale f32[..., 1]`` (the encode scale the next step quantizes with)."""
+
+    amax_history: jax.Array
+    scale: jax.Array
+
+    @classmethod
+    def of(cls, state: Any) -> DelayedState:
+        """The typed view of a stored state (the dict layout, or a DelayedState), leaves as float32 (training
+        helpers hand them in as a max-merging dtype)."""
+        if isinstance(state, Mapping):
+            return cls(_f32(state["amax_history"]), _f32(state["scale"]))
+        return cls(_f32(state.amax_history), _f32(state.scale))
+
+    def as_dict(self) -> State:
+        """The stored layout ``{"amax_history": ..., "scale": ...}``."""
+        return {"amax_history": self.amax_history, "scale": self.scale}
+
+
+class StateUpdate(NamedTuple):
+    """A ``DelayedState``'s update in the max-mergeable form carried as its gradient (module docstring):
+    ``amax_history`` the new history, ``scale`` the new scale negated or a ``KEEP_*`` sentinel; all -inf
+    means unused."""
+
+    amax_history: jax.Array
+    scale: jax.Array
+
+    @classmethod
+    def of(cls, update: Any) -> StateUpdate:
+        """The typed view of a stored (dict) update, leaves as float32."""
+        return cls(*DelayedState.of(update))
+
+    def as_dict(self) -> State:
+        return {"amax_history": self.amax_history, "scale": self.scale}
+
+
+def encode_update(new: DelayedState, a: jax.Array) -> StateUpdate:
+    """The update form of the new state ``new``, computed from the amax ``a`` the scale was derived from."""
+    flag = jnp.where(nm.is_finite(a), jnp.float32(KEEP_ZERO_AMAX), jnp.float32(KEEP_NONFINITE_AMAX))
+    ok = (a > 0) & nm.is_finite(a)
+    return StateUpdate(new.amax_history, jnp.where(ok, -new.scale, flag))
+
+
+def decode_update(old: DelayedState, update: StateUpdate) -> DelayedState:
+    """The new state from the old one and a (max-merged) update: every sentinel keeps the old value."""
+    history = jnp.where(update.amax_history == -jnp.inf, old.amax_history, update.amax_history)
+    scale = jnp.where(nm.is_finite(update.scale), -update.scale, old.scale)
+    return DelayedState(history, scale)
 
 
 def init_state(amax_history_len: int = 1024) -> State:
     """The initial state: a zero amax history of length ``amax_history_len`` and scale 1."""
-    return {"amax_history": jnp.zeros((amax_history_len,), jnp.float32), "scale": jnp.ones((1,), jnp.float32)}
+    return DelayedState(jnp.zeros((amax_history_len,), jnp.float32), jnp.ones((1,), jnp.float32)).as_dict()
 
 
 def as_float32(state: State) -> State:
-    """The state with float32 leaves (training helpers hand them in as a max-merging dtype)."""
-    return {k: v if v.dtype == jnp.float32 else lax.convert_element_type(v, jnp.float32) for k, v in state.items()}
+    """The state (any pytree) with float32 leaves (training helpers hand them in as a max-merging dtype)."""
+    return jax.tree.map(_f32, state)
 
 
-def _update(state: State, amax, fp8_max: float, margin: int, amax_compute_algo, scaling_factor_compute_algo):
-    state = as_float32(state)
-    history, scale = state["amax_history"], state["scale"]
+def _update(state: State, amax, fp8_max: float, margin: int, amax_compute_algo,
+            scaling_factor_compute_algo) -> tuple[DelayedState, jax.Array]:
+    history, scale = DelayedState.of(state)
     history = history.at[..., 0].set(jnp.asarray(amax, jnp.float32).reshape(history.shape[:-1]))
     if amax_compute_algo == "max":
         a = jnp.max(history, axis=-1, keepdims=True)
@@ -79,7 +152,7 @@ def _update(state: State, amax, fp8_max: float, margin: int, amax_compute_algo, 
     ok = (a > 0) & nm.is_finite(a)
     new_scale = jnp.where(ok, new, scale)
     new_history = jnp.roll(history, -1, axis=-1).at[..., 0].set(0.0)
-    return {"amax_history": new_history, "scale": new_scale}, a
+    return DelayedState(new_history, new_scale), a
 
 
 def update_state(
@@ -92,24 +165,18 @@ def update_state(
     scaling_factor_compute_algo: Callable | None = None,
 ) -> State:
     """The state after a step whose tensor had amax ``amax`` (steps 2-5 above)."""
-    return _update(state, amax, fp8_max, margin, amax_compute_algo, scaling_factor_compute_algo)[0]
+    return _update(state, amax, fp8_max, margin, amax_compute_algo, scaling_factor_compute_algo)[0].as_dict()
 
 
 def state_gradient(state: State, amax: jax.Array, **config) -> State:
-    """``update_state``'s result in the max-mergeable form the training helpers carry as a gradient."""
-    new, a = _update(state, amax, **config)
-    inf = jnp.float32(jnp.inf)
-    flag = jnp.where(nm.is_finite(a), -inf, inf)
-    ok = (a > 0) & nm.is_finite(a)
-    return {"amax_history": new["amax_history"], "scale": jnp.where(ok, -new["scale"], flag)}
+    """``update_state``'s result in the max-mergeable form the training helpers carry as a gradient
+    (``encode_update``; stored as a dict, like the state)."""
+    return encode_update(*_update(state, amax, **config)).as_dict()
 
 
 def apply_state_gradient(state: State, grad: State) -> State:
-    """The new state from the old one and a (max-merged) ``state_gradient``."""
-    state, grad = as_float32(state), as_float32(grad)
-    history = jnp.where(grad["amax_history"] == -jnp.inf, state["amax_history"], grad["amax_history"])
-    scale = jnp.where(nm.is_finite(grad["scale"]), -grad["scale"], state["scale"])
-    return {"amax_history": history, "scale": scale}
+    """The new state from the old one and a (max-merged) ``state_gradient`` (``decode_update``)."""
+    return decode_update(DelayedState.of(state), StateUpdate.of(grad)).as_dict()
 
 
 def check_config(owner: str, *, margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo,
@@ -131,8 +198,9 @@ def check_config(owner: str, *, margin, amax_history_len, amax_compute_algo, sca
 
 
 def is_state(tree: Any) -> bool:
-    """Whether ``tree`` has the layout of a delayed-scaling state."""
-    return isinstance(tree, dict) and set(tree) == {"amax_history", "scale"}
+    """Whether ``tree`` is a delayed-scaling state (or its update): a ``DelayedState`` / ``StateUpdate``, or
+    the stored dict layout of one."""
+    return isinstance(tree, (DelayedState, StateUpdate)) or (isinstance(tree, dict) and set(tree) == set(FIELDS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,10 +256,10 @@ class DelayedScalingQuantizer:
                              "(Flax layers keep it in the \"fp8_meta\" collection: init the model under autocast)")
         if not is_state(state):
             raise ValueError(f"te_jax: a delayed-scaling state is {{'amax_history', 'scale'}}, got {type(state)}")
-        shape = state["amax_history"].shape
-        if shape != (self.amax_history_len,) or state["scale"].shape != (1,):
+        shape, scale_shape = DelayedState.of(state).amax_history.shape, DelayedState.of(state).scale.shape
+        if shape != (self.amax_history_len,) or scale_shape != (1,):
             raise ValueError(
-                f"te_jax: delayed-scaling state has amax_history {shape} and scale {state['scale'].shape}; "
+                f"te_jax: delayed-scaling state has amax_history {shape} and scale {scale_shape}; "
                 f"the recipe wants ({self.amax_history_len},) and (1,). Re-initialize fp8_meta after changing "
                 "amax_history_len."
             )
@@ -199,13 +267,13 @@ class DelayedScalingQuantizer:
     def fused_cast(self, state=None, *, rowwise=True, colwise=False):
         """The fused cast with the stored scale (the kernel returns this step's amax)."""
         self.check_state(state)
-        return CastSpec("fp8_tensor", self.dtype, rowwise, colwise), as_float32(state)["scale"]
+        return CastSpec("fp8_tensor", self.dtype, rowwise, colwise), DelayedState.of(state).scale
 
     def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None, backend=None):
         """Quantizes with ``state["scale"]``; the result's ``amax`` is this step's amax."""
         self.check_state(state)
         x2 = as_matrix(x, flatten_axis)
-        scale = as_float32(state)["scale"]
+        scale = DelayedState.of(state).scale
         q, q_t, amax, scale_inv = qops.quantize_fp8_tensor(
             x2, scale, qdtype=self.dtype, rowwise=rowwise, colwise=colwise, backend=backend
         )

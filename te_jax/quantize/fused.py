@@ -1,6 +1,6 @@
 """Fused norm and activation ops written through a quantizer.
 
-The ops layer (``te_jax.ops.norm``, ``te_jax.ops.activation``) writes a fused
+The ops layer (``te_jax.ops.norm_act``) writes a fused
 kernel's output through a ``CastSpec``. This module puts quantizers on top:
 a quantizer's ``fused_cast(state, rowwise=, colwise=)`` method gives its spec
 and scale, the kernel runs with them, and ``ScaledTensor.from_kernel_outputs``
@@ -24,10 +24,11 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from te_jax.ops import activation as act_ops
-from te_jax.ops import norm as norm_ops
-from te_jax.spec.scaled_tensor import CastOutputs, CastSpec
-from te_jax.spec.scaled_tensor import ScaledTensor, flattened_shape
+from te_jax.ops import norm_act as act_ops
+from te_jax.ops import norm_act as norm_ops
+from te_jax.quantize.protocols import FusedCast
+from te_jax.spec.modes import CastOutputs, CastSpec
+from te_jax.spec.modes import ScaledTensor, flattened_shape
 
 
 class UnfusedCastWarning(UserWarning):
@@ -36,8 +37,9 @@ class UnfusedCastWarning(UserWarning):
 
 def spec_for_quantizer(quantizer, state=None, *, rowwise=True, colwise=False) -> tuple[CastSpec, object] | None:
     """``(spec, scale)`` that fuses ``quantizer`` into a kernel's cast, or None when it cannot be fused."""
-    fused_cast = getattr(quantizer, "fused_cast", None)
-    return None if fused_cast is None else fused_cast(state, rowwise=rowwise, colwise=colwise)
+    if not isinstance(quantizer, FusedCast):
+        return None
+    return quantizer.fused_cast(state, rowwise=rowwise, colwise=colwise)
 
 
 def scaled_tensor(outs: CastOutputs, spec: CastSpec, quantizer, shape, flatten_axis: int = -1) -> ScaledTensor:
@@ -50,7 +52,7 @@ def scaled_tensor(outs: CastOutputs, spec: CastSpec, quantizer, shape, flatten_a
 def _warn_unfused(quantizer, partial_blocks_of=None) -> None:
     if partial_blocks_of is not None:
         why = f"its blocks do not tile the output matrix {list(partial_blocks_of)}; the quantize op pads them"
-    elif hasattr(quantizer, "fused_cast"):
+    elif isinstance(quantizer, FusedCast):
         why = "its fused_cast returns None (its blocks are not fused)"
     else:
         why = "it has no fused_cast method"
@@ -113,7 +115,7 @@ def activation(x, act: str, quantizer=None, state=None, *, rowwise=True, colwise
                pair_axis=False, backend=None):
     """``act(x)`` written through ``quantizer`` (a ScaledTensor), or an array when ``quantizer`` is None.
 
-    ``pair_axis``: a gated ``x [..., 2, F]`` (see ``te_jax.ops.activation.act_fwd``); the output is
+    ``pair_axis``: a gated ``x [..., 2, F]`` (see ``te_jax.ops.norm_act.act_fwd``); the output is
     ``[..., F]`` either way.
     """
     act_ops.check_act_args(x, act, pair_axis)

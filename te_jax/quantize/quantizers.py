@@ -4,7 +4,8 @@ A quantizer turns a high-precision tensor into a ``ScaledTensor``::
 
     q = CurrentScalingQuantizer(jnp.float8_e4m3fn).quantize(x, colwise=True)
 
-The protocol every quantizer follows (custom recipes may return their own):
+The protocol every quantizer follows (custom recipes may return their own;
+declared in ``te_jax.quantize.protocols``):
 
 * ``quantize(x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1,
   key=None) -> ScaledTensor``; ``x`` is viewed as the matrix
@@ -28,30 +29,16 @@ Quantizers are frozen and hashable, so they can be static arguments of jit.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from te_jax.ops import quantize as qops
-from te_jax.spec.scaled_tensor import CastSpec
+from te_jax.ops.quantize import as_matrix
+from te_jax.quantize.protocols import Quantizer  # noqa: F401  (declared in protocols; re-exported)
 from te_jax.spec import modes
 from te_jax.spec import numerics as nm
-from te_jax.spec.scaled_tensor import ScaledTensor, flattened_shape
-
-
-@runtime_checkable
-class Quantizer(Protocol):
-    def quantize(self, x: jax.Array, state: Any = None, *, rowwise: bool = True, colwise: bool = False,
-                 flatten_axis: int = -1, key: jax.Array | None = None) -> ScaledTensor: ...
-
-
-def as_matrix(x: jax.Array, flatten_axis: int) -> jax.Array:
-    """``x`` reshaped to ``[M, N]`` around ``flatten_axis``."""
-    qops.check_high_precision(x)
-    if x.ndim == 0:
-        raise ValueError("te_jax: cannot quantize a scalar; give a tensor of rank >= 1")
-    return x.reshape(flattened_shape(x.shape, flatten_axis))
+from te_jax.spec.modes import CastSpec, ScaledTensor
 
 
 def _fp8_dtype(dtype) -> jnp.dtype:

@@ -36,6 +36,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from te_jax.quantize.delayed import DelayedScalingQuantizer
+from te_jax.quantize.protocols import Quantizer
 from te_jax.quantize.delayed import check_config as check_delayed_config
 from te_jax.quantize.quantizers import (
     CurrentScalingQuantizer,
@@ -451,12 +452,13 @@ class CustomRecipe(Recipe):
             raise ValueError(f"te_jax: CustomRecipe.qfactory must be a callable f(role) -> quantizer | None, "
                              f"got {self.qfactory!r}")
 
-    def quantizer(self, role: str) -> Any:
+    def quantizer(self, role: str) -> Quantizer | None:
         role = as_role(role)
         q = self.qfactory(role)
-        if q is not None and not callable(getattr(q, "quantize", None)):
+        if q is not None and not (isinstance(q, Quantizer) and callable(q.quantize)):
             raise TypeError(f"te_jax: CustomRecipe.qfactory returned {q!r} for {role!r}; return None or an "
-                            "object with quantize(x, state=None, *, rowwise, colwise, flatten_axis, key)")
+                            "object with quantize(x, state=None, *, rowwise, colwise, flatten_axis, key) "
+                            "(te_jax.quantize.Quantizer)")
         return q
 
 

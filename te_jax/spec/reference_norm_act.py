@@ -42,7 +42,7 @@ from te_jax.spec import numerics as nm
 from te_jax.spec import reference as ref
 
 if TYPE_CHECKING:  # the cast's attribute contract belongs to the ops layer
-    from te_jax.spec.scaled_tensor import CastSpec
+    from te_jax.spec.modes import CastSpec
 
 F32 = jnp.float32
 NORM_KINDS = ("layernorm", "rmsnorm")

@@ -1,7 +1,7 @@
 """Training with FP8 state: gradients that carry the state update, TrainState, accumulation.
 
 The state after forward and backward comes back as the gradient of
-``variables["fp8_meta"]`` (``te_jax.train.update`` explains the form). Turning a
+``variables["fp8_meta"]`` (the update form, below). Turning a
 bf16 train step into an FP8 one changes three lines::
 
     state = te_jax.train.TrainState.create(apply_fn=model.apply, params=variables, tx=tx)  # whole variables
@@ -32,7 +32,7 @@ Quantization statistics (``te_jax.autocast(..., inspect=True)``, see
 Only these helpers may step FP8 state. The backward of a stateful layer
 raises ``FP8StateError`` when traced outside ``value_and_grad``/``grad``
 over variables holding "fp8_meta" (or outside ``fp8_state_updates()``, the
-declaration for functional-API users; ``te_jax.core.state_guard``): ``jax.grad``
+declaration for functional-API users; ``te_jax.core.gemm_quant``): ``jax.grad``
 over all the variables would let an optimizer move the state like a
 parameter, ``jax.grad`` over the parameters alone would leave it stale. The
 gradients ``value_and_grad`` returns for such variables are a
@@ -40,6 +40,16 @@ gradients ``value_and_grad`` returns for such variables are a
 ``FP8StateError`` on them, and handing them whole to an optax
 ``tx.update``/``optax.apply_updates`` built on a plain variables dict fails
 with a pytree structure error (``FP8Gradients`` against ``dict``).
+
+The update form. ``fp8_meta/<module path>/<role>`` holds one quantized
+tensor's state, e.g. ``{"amax_history": f32[L], "scale": f32[1]}`` for
+delayed scaling (stateless recipes create no entries; under ``nn.scan`` every
+leaf gets the scanned axis). ``model.apply(variables, x,
+mutable=["fp8_meta"])`` returns the forward-updated state (for inference and
+calibration); in training the state after forward *and* backward is the
+gradient of ``fp8_meta``, in a form whose elementwise max merges two uses of
+one state (a layer applied twice, micro-batches: ``merge_fp8_updates``), and
+``apply_fp8_update`` turns it into the new state.
 """
 
 from __future__ import annotations
@@ -50,16 +60,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT, fp32_max_grad
 from flax.training import train_state
 from jax import lax
 
+from te_jax.core.gemm_quant import FP8StateError, fp8_state_updates
 from te_jax.core.stats import STATS_COLLECTION
-from te_jax.train.update import FP8_COLLECTION, apply_fp8_update, merge_fp8_updates, to_max_merging, unused_update
-from te_jax.core.state_guard import FP8StateError, fp8_state_updates
+from te_jax.quantize import delayed
+from te_jax.spec.names import FP8_COLLECTION
 
-__all__ = ["FP8Gradients", "FP8StateError", "TrainState", "accumulate_gradients", "apply_gradients",
-           "fp8_state_updates", "grad", "merge_gradients", "value_and_grad"]
+
+__all__ = ["FP8Gradients", "FP8StateError", "TrainState", "accumulate_gradients", "apply_fp8_update", "apply_gradients",
+           "fp8_state_updates", "grad", "merge_fp8_updates", "merge_gradients", "to_max_merging", "unused_update",
+           "value_and_grad"]
 
 # Collections whose gradient is not a gradient but a max-merged result: the fp8 state update, the statistics.
 MAX_MERGED = (FP8_COLLECTION, STATS_COLLECTION)
@@ -114,7 +127,7 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
     """``jax.value_and_grad`` whose differentiated argument may be a variables dict with "fp8_meta".
 
     The gradient of ``fp8_meta`` is its update for this step (apply it with
-    ``te_jax.train.update.apply_fp8_update`` or ``TrainState.apply_gradients``), that
+    ``te_jax.train.apply_fp8_update`` or ``TrainState.apply_gradients``), that
     of ``fp8_stats`` the step's quantization statistics; every other leaf gets
     its ordinary gradient. Uses of one state merge by max, not sum. Called
     outside jit, the computation is jitted internally, so ``fun``'s outputs
@@ -267,3 +280,44 @@ class TrainState(train_state.TrainState):
             return super().apply_gradients(grads=grads, **kwargs)
         params, opt_state = apply_gradients(self.params, grads, self.opt_state, self.tx)
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **kwargs)
+
+
+# ---- the update form: max-merge, apply ---------------------------------------------------
+
+
+def _map_states(fn, *trees):
+    """``fn`` on every delayed-scaling state (``delayed.is_state``: the stored dict layout of a ``DelayedState``)
+    and every other leaf."""
+    return jax.tree.map(fn, *trees, is_leaf=delayed.is_state)
+
+
+def apply_fp8_update(fp8_meta: Any, update: Any) -> Any:
+    """The new fp8_meta from the old one and its (merged) update, i.e. its gradient.
+
+    Delayed-scaling states decode the update form (``te_jax.quantize.delayed``);
+    any other leaf takes the update's value, except where it is -inf (unused
+    this step), which keeps the old value.
+    """
+
+    def one(old, new):
+        if delayed.is_state(old):
+            return delayed.apply_state_gradient(old, new)
+        new = jnp.asarray(new, jnp.float32) if new.dtype != jnp.float32 else new
+        return jnp.where(new == -jnp.inf, old, new).astype(old.dtype)
+
+    return _map_states(one, fp8_meta, update)
+
+
+def merge_fp8_updates(a: Any, b: Any) -> Any:
+    """Two updates of the same state merged (elementwise max): one update with the larger amaxes."""
+    return jax.tree.map(jnp.maximum, a, b)
+
+
+def to_max_merging(fp8_meta: Any) -> Any:
+    """The leaves as flax's ``fp32_max_grad`` dtype, whose cotangents add by max (use inside jit)."""
+    return jax.tree.map(lambda v: lax.convert_element_type(jnp.asarray(v, jnp.float32), fp32_max_grad), fp8_meta)
+
+
+def unused_update(fp8_meta: Any) -> Any:
+    """The update meaning "not used this step" (all -inf): applying it keeps ``fp8_meta``."""
+    return jax.tree.map(lambda v: jnp.full(jnp.shape(v), -jnp.inf, jnp.float32), fp8_meta)

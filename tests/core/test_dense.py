@@ -18,6 +18,7 @@ from te_jax import recipe as R
 from te_jax.core.dense import DenseQuantizers, dense
 from te_jax.ops.gemm import gemm
 from te_jax.quantize import CurrentScalingQuantizer, DelayedScalingQuantizer, MXFP8Quantizer, NVFP4Quantizer
+from te_jax.quantize import dequantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp8_models import Dense  # noqa: E402

@@ -20,7 +20,7 @@ from flax.training import train_state as flax_train_state
 import te_jax
 from te_jax import flax as te_flax
 from te_jax import recipe as R
-from te_jax.train.update import apply_fp8_update
+from te_jax.train.step import apply_fp8_update
 from te_jax.train import FP8Gradients, FP8StateError, TrainState, fp8_state_updates, value_and_grad
 
 DELAYED = R.DelayedScaling(amax_history_len=4)

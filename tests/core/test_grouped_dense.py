@@ -18,6 +18,7 @@ from te_jax.core.dense import DenseQuantizers
 from te_jax.core.grouped_dense import grouped_dense, init_state
 from te_jax.ops.grouped import gemm as GG
 from te_jax.quantize import CurrentScalingQuantizer, DelayedScalingQuantizer
+from te_jax.quantize import dequantize
 
 GD = importlib.import_module("te_jax.core.grouped_dense")  # the module (te_jax.grouped_dense is also the function)
 
@@ -129,7 +130,7 @@ def test_recipe_matches_the_loop(name, sizes):
         with te_jax.train.fp8_state_updates():
             grads = jax.jit(jax.grad(
                 lambda s: jnp.sum(grouped_dense(x, w, gs, b, quantizers=q, state=s)[0] * c)))(state)
-        state = te_jax.train.update.apply_fp8_update(state, grads)
+        state = te_jax.train.apply_fp8_update(state, grads)
     with te_jax.train.fp8_state_updates():
         got = _fwd_bwd(run, x, w, b, c)
     want = _fwd_bwd(lambda x, w, b: _loop(x, w, b, SIZES[sizes]), x, w, b, c)
@@ -330,7 +331,7 @@ def test_delayed_state_step_by_step():
     assert float(new["linear_grad_output"]["scale"][0]) == 1.0
     with te_jax.train.fp8_state_updates():
         grads = jax.jit(jax.grad(lambda s: jnp.sum(grouped_dense(x, w, gs, b, quantizers=q, state=s)[0] * c)))(state)
-    stepped = te_jax.train.update.apply_fp8_update(state, grads)
+    stepped = te_jax.train.apply_fp8_update(state, grads)
     assert float(stepped["linear_grad_output"]["amax_history"][-1]) == float(jnp.max(jnp.abs(c)))
     np.testing.assert_array_equal(np.asarray(stepped["linear_weight"]["scale"])[:, 0], want_w)
     # The next step quantizes with those scales.
@@ -355,7 +356,11 @@ def test_errors():
     with pytest.raises(ValueError, match="multiple of 128"):
         grouped_dense(x[:, :64], w[:, :64], gs, quantizers=block)
     delayed = DenseQuantizers(weight=DelayedScalingQuantizer(amax_history_len=2))
-    with pytest.raises(ValueError, match="no state for the stateful quantizers"):
+    with pytest.raises(ValueError, match=r"no state for the stateful quantizers.*state=quantizers\.init_state\("
+                                         r"num_groups=4\)"):
         grouped_dense(x, w, gs, quantizers=delayed)
-    with pytest.raises(ValueError, match="leading axis of the 4 experts"):
+    with pytest.raises(ValueError, match=r"leading axis of the 4 experts.*create it with "
+                                         r"quantizers\.init_state\(num_groups=4\)"):
         grouped_dense(x, w, gs, quantizers=delayed, state=delayed.init_state())
+    # the call the messages name makes the state they ask for
+    grouped_dense(x, w, gs, quantizers=delayed, state=delayed.init_state(num_groups=4))

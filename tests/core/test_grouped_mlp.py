@@ -58,7 +58,7 @@ def _aligned(sizes, align, seed=0, gated=True, bias=False):
 
 
 def _act(h, activation):
-    return te_jax.ops.activation.apply_activation(h, activation)
+    return te_jax.ops.norm_act.apply_activation(h, activation)
 
 
 def _loop(x, wi, wo, bi, bo, rows, sizes, activation):

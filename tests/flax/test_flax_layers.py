@@ -20,8 +20,8 @@ from te_jax import recipe as R
 from te_jax.core.dense import DenseQuantizers, dense
 from te_jax.core.layernorm_dense import layernorm_dense
 from te_jax.core.layernorm_mlp import MLPQuantizers, layernorm_mlp
-from te_jax.ops.activation import apply_activation
-from te_jax.ops.norm import normalize
+from te_jax.ops.norm_act import apply_activation
+from te_jax.ops.norm_act import normalize
 
 RECIPES = {
     **BUILTIN_RECIPES,
@@ -67,7 +67,7 @@ def test_te_jax_flax_is_lazy_and_flax_is_real():
     code = ("import sys, te_jax; assert 'te_jax.flax' not in sys.modules; import flax; "
             "assert flax.__name__ == 'flax' and 'site-packages' in flax.__file__; "
             "assert te_jax.flax.DenseGeneral.__module__ == 'te_jax.flax.dense'; "
-            "import te_jax.train.update; assert te_jax.train.update.fp32_max_grad.__module__.startswith('flax.')")
+            "import te_jax.train.step; assert te_jax.train.step.fp32_max_grad.__module__.startswith('flax.')")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -303,7 +303,7 @@ def test_every_recipe_on_every_layer(layer, recipe):
     assert ("fp8_meta" in variables) == has_meta
     if has_meta:  # one step to calibrate the delayed scales (they start at 1)
         _, grads = _train_grads(model, variables, x, RECIPES[recipe])
-        variables = {**variables, "fp8_meta": te_jax.train.update.apply_fp8_update(variables["fp8_meta"], grads["fp8_meta"])}
+        variables = {**variables, "fp8_meta": te_jax.train.apply_fp8_update(variables["fp8_meta"], grads["fp8_meta"])}
         scales = [float(s[0]) for s in jax.tree.leaves(jax.tree.map(lambda s: s["scale"], variables["fp8_meta"],
                                                                    is_leaf=te_jax.quantize.delayed.is_state))]
         assert scales and all(s != 1.0 for s in scales)

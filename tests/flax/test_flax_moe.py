@@ -88,7 +88,7 @@ def test_recipes_near_the_reference(name, recipe):
     with te_jax.autocast(recipe=recipe):
         if name == "delayed":  # one step records the amaxes, so the scales fit the data
             _, g = jax.jit(te_jax.train.value_and_grad(loss))(v)
-            v = {**v, "fp8_meta": jax.jit(te_jax.train.update.apply_fp8_update)(v["fp8_meta"], g["fp8_meta"])}
+            v = {**v, "fp8_meta": jax.jit(te_jax.train.apply_fp8_update)(v["fp8_meta"], g["fp8_meta"])}
         got_l, got_g = jax.jit(te_jax.train.value_and_grad(loss))(v)
     assert abs(float(got_l) - float(want_l)) / float(want_l) < 0.05
     for path in (("wi",), ("wo",), ("router",)) + ((("shared_wi", "kernel"),) if name != "block" else ()):

@@ -32,6 +32,7 @@ from te_jax.core import stats as S
 from te_jax.quantize import (CurrentScalingQuantizer, DelayedScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer,
                              NVFP4Quantizer)
 from te_jax.train import TrainState, value_and_grad
+from te_jax.quantize import dequantize
 
 F32 = np.float32
 FWD, BWD = ("linear_input", "linear_weight"), ("linear_grad_output",)

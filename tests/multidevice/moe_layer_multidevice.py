@@ -9,8 +9,6 @@ one device, whether every device holds the same FP8 state update, and the collec
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from te_jax.flax import MoE
 from te_jax.train import value_and_grad
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moe_multidevice import MESHES, collective_counts  # noqa: E402
+from moe_multidevice import MESHES, collective_counts, main_over_cases  # noqa: E402
 
 T, E, K_TOP, H, F = 64, 8, 2, 32, 32
 RECIPES = {"none": None, "delayed": R.DelayedScaling(amax_history_len=4)}
@@ -121,18 +119,9 @@ def trace_errors() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default="ep8:none,dp2xep4:none,ep8:delayed,dp2xep4:delayed")
-    args = parser.parse_args()
-    assert jax.device_count() == 8, jax.devices()
-    print(json.dumps({"errors": trace_errors()}), flush=True)
-    for spec in args.cases.split(","):
-        mesh_name, recipe_name = spec.split(":")
-        try:
-            line = run_case(mesh_name, recipe_name)
-        except Exception as e:  # noqa: BLE001 -- reported per case, the test fails on it
-            line = {"mesh": mesh_name, "recipe": recipe_name, "error": f"{type(e).__name__}: {e}"}
-        print(json.dumps(line), flush=True)
+    main_over_cases("ep8:none,dp2xep4:none,ep8:delayed,dp2xep4:delayed", run_case,
+                    lambda mesh_name, recipe_name: {"mesh": mesh_name, "recipe": recipe_name},
+                    first=lambda: {"errors": trace_errors()})
 
 
 if __name__ == "__main__":

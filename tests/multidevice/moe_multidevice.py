@@ -12,6 +12,7 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -123,18 +124,34 @@ def run_case(mesh_name: str, case: str, k: int, capacity: int | None) -> dict:
     return out
 
 
-def main() -> None:
+def main_over_cases(default_cases: str, run: Callable[..., dict], labels: Callable[..., dict],
+                    first: Callable[[], dict] | None = None) -> None:
+    """A fake-device script's main: one JSON line per ``--cases`` spec (comma-separated, its fields split at ":").
+
+    Each line is ``run(*fields)``, or where that raised ``labels(*fields)`` with the "error"; ``first()``'s
+    line, if given, comes before them.
+    """
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", default="ep8:random:2,dp2xep4:random:2")
+    parser.add_argument("--cases", default=default_cases)
     args = parser.parse_args()
     assert jax.device_count() == 8, jax.devices()
+    if first is not None:
+        print(json.dumps(first()), flush=True)
     for spec in args.cases.split(","):
-        mesh_name, case, k, *capacity = spec.split(":")
+        fields = spec.split(":")
+        label = labels(*fields)
         try:
-            line = run_case(mesh_name, case, int(k), int(capacity[0]) if capacity else None)
+            line = run(*fields)
         except Exception as e:  # noqa: BLE001 -- reported per case, the test fails on it
-            line = {"mesh": mesh_name, "case": case, "k": int(k), "error": f"{type(e).__name__}: {e}"}
+            line = {**label, "error": f"{type(e).__name__}: {e}"}
         print(json.dumps(line), flush=True)
+
+
+def main() -> None:
+    main_over_cases("ep8:random:2,dp2xep4:random:2",
+                    lambda mesh_name, case, k, *capacity: run_case(mesh_name, case, int(k),
+                                                                   int(capacity[0]) if capacity else None),
+                    lambda mesh_name, case, k, *capacity: {"mesh": mesh_name, "case": case, "k": int(k)})
 
 
 if __name__ == "__main__":

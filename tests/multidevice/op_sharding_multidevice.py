@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from te_jax.ops import activation as A
-from te_jax.ops import norm as N
+from te_jax.ops import norm_act as A
+from te_jax.ops import norm_act as N
 from te_jax.ops import quantize as Q
 from te_jax.ops.cast import CastSpec
 from te_jax.spec import reference as ref

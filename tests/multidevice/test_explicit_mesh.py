@@ -47,9 +47,9 @@ def _child() -> None:
     import numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-    from te_jax.ops import activation as A
+    from te_jax.ops import norm_act as A
     from te_jax.ops import gemm as G
-    from te_jax.ops import norm as N
+    from te_jax.ops import norm_act as N
     from te_jax.ops import quantize as Q
     from te_jax.ops.cast import CastSpec
     from te_jax.spec import reference as ref

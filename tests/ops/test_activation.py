@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from te_jax.ops import activation as aops
+from te_jax.ops import norm_act as aops
 from te_jax.ops.cast import CastSpec
 from te_jax.quantize import CurrentScalingQuantizer, DelayedScalingQuantizer, MXFP8Quantizer, NVFP4Quantizer
 from te_jax.quantize import fused as qfused

@@ -23,6 +23,7 @@ from te_jax.ops import quantize as qops
 from te_jax.quantize import CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
 from te_jax.spec import numerics as nm
 from te_jax.spec import reference as ref
+from te_jax.ops.dequantize import dequantize, dequantize_colwise
 
 E4, E5 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 F32, BF16, F16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)

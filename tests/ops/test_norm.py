@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from te_jax.ops import norm as nops
+from te_jax.ops import norm_act as nops
 from te_jax.ops.cast import CastSpec
 from te_jax.quantize import (
     CurrentScalingQuantizer,

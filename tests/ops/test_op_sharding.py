@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from te_jax.ops import activation as A
+from te_jax.ops import norm_act as A
 from te_jax.ops.cast import CastSpec
 from te_jax.quantize import MXFP8Quantizer
 from te_jax.quantize import fused as qfused
+from te_jax.ops.dequantize import dequantize
 from qtest_util import run_on_fake_devices
 
 HELPER = pathlib.Path(__file__).resolve().parents[1] / "multidevice" / "op_sharding_multidevice.py"

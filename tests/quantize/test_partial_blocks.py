@@ -34,6 +34,7 @@ from te_jax.quantize import (
 )
 from te_jax.quantize import fused
 from te_jax.spec import reference as ref
+from te_jax.quantize import dequantize, dequantize_colwise
 
 E4 = jnp.float8_e4m3fn
 # Norms and activations whose output blocks do not tile run unfused and say so (tested once, below).
@@ -315,7 +316,7 @@ def test_linen_layers(layer, recipe):
         variables = {**jax.jit(LAYERS[layer]().init)(jax.random.key(1), _LINEN_X), "params": params}
     if "fp8_meta" in variables:  # one step to calibrate the delayed scales
         _, g = _linen_grads(layer, variables, BUILTIN_RECIPES[recipe])
-        fp8_meta = jax.jit(te_jax.train.update.apply_fp8_update)(variables["fp8_meta"], g["fp8_meta"])
+        fp8_meta = jax.jit(te_jax.train.apply_fp8_update)(variables["fp8_meta"], g["fp8_meta"])
         variables = {**variables, "fp8_meta": fp8_meta}
     (_, y), g = _linen_grads(layer, variables, BUILTIN_RECIPES[recipe])
     tol = TOL.get(recipe, 0.08)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 import shlex
 
 import pytest
@@ -45,7 +46,8 @@ def test_device_command_runs_tests_then_benchmarks_from_outside_the_source_tree(
 
 def test_pytest_arguments_are_split_and_relative_to_tests(tmp_path):
     jobs, _ = _jobs(["--tests", "tests/ops/test_norm.py -k 'mxfp8 and not slow'"], tmp_path)
-    assert jobs[0].argv[-3:] == ["test_norm.py", "-k", "mxfp8 and not slow"]
+    assert jobs[0].argv[-3:] == ["ops/test_norm.py", "-k", "mxfp8 and not slow"]
+    assert (pathlib.Path(jobs[0].cwd) / jobs[0].argv[-3]).is_file()  # the job runs in tests/
 
 
 def test_bench_args_go_to_their_benchmark_only(tmp_path):
@@ -91,6 +93,7 @@ def test_train_runs_with_a_seed_get_their_own_name(tmp_path):
 def test_train_runs_share_a_gpu_with_their_memory_split(tmp_path):
     jobs, _ = _jobs(["--train", "bf16@moe-1b,delayed@moe-1b", "--train-args", "--batch 4 --lr 1e-3",
                      "--train-per-gpu", "3"], tmp_path)
+    assert [j.name for j in jobs] == ["train_bf16_moe-1b", "train_delayed_moe-1b"]
     for job in jobs:
         assert job.share == 3 and job.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.300"
         assert job.argv[-4:] == ["--batch", "4", "--lr", "1e-3"]
@@ -160,6 +163,8 @@ def test_estimates_match_by_name_prefix_the_longest_winning(tmp_path):
 def test_multi_gpu_holds_two_gpus(tmp_path):
     jobs, _ = _jobs(["--multi-gpu"], tmp_path)
     assert [(j.name, j.gpus_needed) for j in jobs] == [("mesh", 2)]
+    script = pathlib.Path(jobs[0].cwd) / jobs[0].argv[1]
+    assert script.is_file() and script.name == "mesh_multidevice.py", script
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -171,7 +176,7 @@ def test_multi_gpu_holds_two_gpus(tmp_path):
     (["--train", "@125m"], "RECIPE[@PRESET[:STEPS]]"),
     (["--train", "bf16@125m/one"], "RECIPE[@PRESET[:STEPS]][/SEED]"),
     (["--tests", "--python-from-checkout"], "applies to an installed --wheel"),
-    (["--bench", "gemm", "--rounds", "2"], "only with --baseline-wheel"),
+    (["--bench", "gemm", "--rounds", "2"], "more than 1 only with"),
     (["--bench", "gemm", "--estimate", "bench=soon"], "NAME=SECONDS"),
     (["--bench", "gemm", "--baseline-wheel", "old.whl", "--rounds", "0"], "--rounds takes a number >= 1"),
     (["--train", "delayed", "--graphs", "sometimes"], "--graphs takes xla, no-custom-calls, off"),
@@ -210,12 +215,30 @@ def test_ratios_pair_the_same_timing_of_base_and_new_runs(tmp_path):
 
 
 def test_usage_examples_in_the_docstring_parse(tmp_path):
-    for line in gpu_check.__doc__.replace("\\\n", " ").splitlines():
-        line = line.strip()
-        if line.startswith("python3 tools/gpu_check.py"):
-            argv = shlex.split(line.split("#")[0].replace("$OUT", str(tmp_path)))[2:]
-            argv = [a for a in argv if a != "\\"]
-            gpu_check.build_parser().parse_args(argv)
+    """Every example of the docstring parses, and the test files its --tests examples name exist."""
+    doc = gpu_check.__doc__.replace("\\\n", " ")
+    examples = [line.strip() for line in doc.splitlines() if line.strip().startswith("python3 tools/gpu_check.py")]
+    assert examples and len(examples) == doc.count("python3 tools/gpu_check.py"), examples
+    test_args = 0
+    for line in examples:
+        argv = shlex.split(line.split("#")[0].replace("$OUT", str(tmp_path)))[2:]
+        argv = [a for a in argv if a != "\\"]
+        args = gpu_check.build_parser().parse_args(argv)
+        for arg in shlex.split(args.tests or ""):
+            if arg.endswith(".py") or "::" in arg:
+                test_args += 1
+                path = gpu_check.ROOT / "tests" / arg.split("::")[0].removeprefix("tests/")
+                assert path.is_file(), f"{line!r} names {arg}, but {path} does not exist"
+    assert test_args, "no example runs a single test file"
+
+
+def test_test_files_the_tool_names_exist():
+    """Test files named anywhere in tools/gpu_check.py (docstring, help texts, jobs) are where the tests run."""
+    source = (TOOLS / "gpu_check.py").read_text()
+    named = set(re.findall(r"[\w/]*\btest_\w+\.py|tests/[\w/]+\.py", source))
+    assert named, "tools/gpu_check.py names no test file"
+    missing = sorted(n for n in named if not (gpu_check.ROOT / "tests" / n.removeprefix("tests/")).is_file())
+    assert not missing, f"tools/gpu_check.py names {missing}, which are not under tests/ (tests/<floor>/test_*.py)"
 
 
 def test_python_from_checkout_replaces_the_installed_python_only(tmp_path):

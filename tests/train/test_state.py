@@ -9,8 +9,6 @@ the cross-device reduction.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import sys
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from te_jax import recipe as R
 from te_jax.ops import quantize as qops
 from te_jax.quantize import DelayedScalingQuantizer
 from te_jax.quantize import delayed as D
-from te_jax.train.update import apply_fp8_update, merge_fp8_updates
+from te_jax.train.step import apply_fp8_update, merge_fp8_updates
 from te_jax.train import TrainState, accumulate_gradients, value_and_grad
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -386,11 +384,11 @@ def fp8_train_step(state, x, y):
     return state.apply_gradients(grads=grads), loss
 
 
-def test_fp8_train_step_changes_three_lines():
-    bf16 = inspect.getsource(bf16_train_step).splitlines()[1:]
-    fp8 = inspect.getsource(fp8_train_step).splitlines()[1:]
-    changed = [d for d in difflib.ndiff(bf16, fp8) if d.startswith("+ ")]
-    assert len(changed) <= 3, changed
+# fp8_train_step is bf16_train_step with the three-line change of te_jax/train/step.py's docstring. That the change
+# is all it takes is checked by behaviour, not by diffing the source: test_train_state_trains_and_keeps_bf16_behaviour
+# (the FP8 step trains and moves the FP8 state), and tests/core/test_dropin.py (the te_jax loop is step-by-step
+# identical to flax's and optax's loops where there is no state, and a loop without te_jax.train.value_and_grad
+# raises, naming it, where there is).
 
 
 def _setup(seed=0):

@@ -31,8 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -42,7 +40,8 @@ from te_jax.ops.grouped.cuda import (bf16_kernel_emulates, check_cuda, cuda_kern
                                      grouped_workspace_bytes)
 from te_jax.ops.grouped.layout import GroupedLayout, cut_sizes, span_lengths
 from te_jax.ops.grouped.reference import emulate, emulation_operands
-from te_jax.ops.primitive import AxisClaims, device_local
+from te_jax.ops.primitive import CustomCallPrimitive, Partitioned
+from te_jax.ops.sharding import AxisClaims
 from te_jax.spec.modes import ScalingMode
 
 __all__ = ["call"]
@@ -109,12 +108,7 @@ def _abstract_eval(*avals, lay: GroupedLayout):
     return jax.core.ShapedArray(lay.out_shape(a.shape, b.shape, sizes.shape[0]), lay.out_dtype)
 
 
-_grouped_p = Primitive("te_jax_grouped_gemm")
-_grouped_p.def_abstract_eval(_abstract_eval)
-_grouped_jit = jax.jit(lambda lay, *args: _grouped_p.bind(*args, lay=lay), static_argnums=0)
-_grouped_p.def_impl(lambda *args, lay: _grouped_jit(lay, *args))
-for _platform in ("cpu", "cuda"):
-    mlir.register_lowering(_grouped_p, functools.partial(_lower, _platform), platform=_platform)
+_grouped_p = CustomCallPrimitive("te_jax_grouped_gemm", abstract_eval=_abstract_eval, lower=_lower)
 
 
 def _ffi_call(lay: GroupedLayout, *args):
@@ -157,7 +151,7 @@ def _partition(lay: GroupedLayout, mesh, arg_shapes, result_shape):
     arg_shardings = tuple(NamedSharding(mesh, s) for s in _arg_specs(lay, arg_shapes, g))
     out_sharding = NamedSharding(mesh, _out_spec(lay, g))
     if not g:
-        return mesh, device_local(functools.partial(_ffi_call, lay)), out_sharding, arg_shardings
+        return mesh, functools.partial(_ffi_call, lay), out_sharding, arg_shardings
     shards = math.prod(mesh.shape[x] for x in g)
     num_groups = arg_shapes[len(lay.roles)].shape[0]
     local = num_groups // shards
@@ -197,7 +191,7 @@ def _partition(lay: GroupedLayout, mesh, arg_shapes, result_shape):
             out = lax.psum(jnp.roll(out, start, axis=0), g)
         return out
 
-    return mesh, device_local(local_groups), out_sharding, arg_shardings
+    return mesh, local_groups, out_sharding, arg_shardings
 
 
 def _sharding_rule(lay: GroupedLayout, mesh, value_types, result_types):
@@ -219,8 +213,7 @@ def _sharding_rule(lay: GroupedLayout, mesh, value_types, result_types):
     return rule, dict(reduction_factors=("g",) if lay.group_axis == 0 else (), need_replication_factors=replicated)
 
 
-_partitioned = custom_partitioning(_ffi_call, static_argnums=(0,))
-_partitioned.def_partition(partition=_partition, infer_sharding_from_operands=_infer, sharding_rule=_sharding_rule)
+_partitioned = Partitioned(_ffi_call, partition=_partition, infer=_infer, sharding_rule=_sharding_rule)
 
 
 def call(lay: GroupedLayout, *args):

@@ -52,7 +52,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from te_jax.ops import backend as backend_lib
+from te_jax.ops.primitive import resolve as resolve_backend
 from te_jax.ops.gemm import check_block_scales, check_flag, check_operand_dtypes, check_out_dtype
 from te_jax.ops.grouped.call import call
 from te_jax.ops.grouped.cuda import grouped_workspace_bytes
@@ -61,7 +61,7 @@ from te_jax.ops.grouped.layout import (GROUP_ALIGN, GroupedLayout, check_bias, c
 from te_jax.ops.grouped.reference import dequantize, reference
 from te_jax.spec import modes
 from te_jax.spec.modes import ScalingMode
-from te_jax.spec.scaled_tensor import ScaledTensor
+from te_jax.spec.modes import ScaledTensor
 
 __all__ = ["GROUP_ALIGN", "grouped_gemm", "grouped_gemm_bf16", "grouped_gemm_fp8", "grouped_gemm_fp8_block",
            "grouped_gemm_mxfp8", "grouped_gemm_nvfp4", "grouped_positions", "grouped_workspace_bytes", "in_spans"]
@@ -76,7 +76,7 @@ def _run(lay: GroupedLayout, args: tuple, group_sizes, bias, out_dtype, backend)
     num_groups = group_sizes.shape[0]
     a, b = args[lay.roles.index("a")], args[lay.roles.index("b")]
     bias = check_bias(bias, lay.group_axis, num_groups, lay.out_shape(a.shape, b.shape, num_groups)[-1], out_dtype)
-    if backend_lib.resolve(backend) == "reference":
+    if resolve_backend(backend) == "reference":
         da, db = dequantize(lay, args, group_sizes)
         return reference(da, db, group_sizes, lay.group_axis, lay.align, bias, out_dtype)
     lay = dataclasses.replace(lay, out_dtype=out_dtype, has_bias=bias is not None)
