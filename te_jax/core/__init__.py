@@ -36,7 +36,8 @@ from te_jax.core.gemm_quant import NORM_STATS, PRE_ACTIVATION, QUANTIZED, fp8_ch
 
 __all__ = [
     "GEMMS", "NORM_STATS", "PRE_ACTIVATION", "QUANTIZED", "STATS", "DenseQuantizers", "GemmQuant", "MLPQuantizers",
-    "Plan", "QuantizerBundle", "as_mlp_quantizers", "as_quantizers", "check_gemm", "check_high_precision", "check_no_dot_general",
+    "Plan", "QuantizerBundle", "as_mlp_quantizers", "as_quantizers", "check_gemm", "check_high_precision",
+    "check_no_dot_general",
     "cotangent", "fp8_checkpoint_policy", "given_stats", "high_precision_state", "keep", "mesh_resource_or_autocast",
     "name_quantized", "raw_key", "save_fp8_policy", "split_stats", "state_cotangent", "state_leaves", "updated_state",
     "vary_of", "with_stats",

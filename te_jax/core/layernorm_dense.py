@@ -22,8 +22,9 @@ precision. Without any quantizer this is ``normalize(x) @ W + b`` on plain
 autodiff, which is what flax.linen's LayerNorm followed by DenseGeneral computes.
 
 State, keys, statistics and the state update carried as the gradient of
-``state`` work exactly as in ``te_jax.dense`` (all of it is ``te_jax.core``). When nothing is differentiated (inference),
-only the copies the forward GEMM reads are written.
+``state`` work exactly as in ``te_jax.dense`` (all of it is ``te_jax.core``).
+When nothing is differentiated (inference), only the copies the forward GEMM
+reads are written.
 
 Rematerialization. Every forward quantized copy is named
 ``checkpoint_name(..., QUANTIZED)`` and the norm statistics ``NORM_STATS``,

@@ -14,7 +14,8 @@ from flax.linen import meta
 from te_jax.core import layer_support as L
 from te_jax.core import split_stats, with_stats
 from te_jax.core import stats as inspect_stats
-from te_jax.core.layer_support import HIGH_PRECISION, Initializer, canonical_input, compute_dtype  # noqa: F401  (shared)
+from te_jax.core.layer_support import (  # noqa: F401  (shared with the modules)
+    HIGH_PRECISION, Initializer, canonical_input, compute_dtype)
 from te_jax.core.layer_support import located, norm_uses_bias
 from te_jax.core.gemm_quant import missing_state_error
 from te_jax.core.stats import STATS_COLLECTION

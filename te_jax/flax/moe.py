@@ -126,7 +126,9 @@ class MoE(nn.Module):
             where=C.where(self)), gemms=GEMMS)
         if self.num_shared_experts:
             shared = DenseGeneral(self.num_shared_experts * width, use_bias=self.use_bias, dtype=dtype,
-                                  param_dtype=self.param_dtype, kernel_axes=tuple(self.wi_axes[1:]), name="shared_wi")(x)
+                                  param_dtype=self.param_dtype, kernel_axes=tuple(self.wi_axes[1:]),
+                                  name="shared_wi")(x)
             y = y + DenseGeneral(h, use_bias=self.use_bias, dtype=dtype, param_dtype=self.param_dtype,
-                                 kernel_axes=tuple(self.wo_axes[1:]), name="shared_wo")(activate(shared, self.activation))
+                                 kernel_axes=tuple(self.wo_axes[1:]),
+                                 name="shared_wo")(activate(shared, self.activation))
         return y.reshape(inputs.shape[:-1] + (h,)).astype(dtype)

@@ -30,6 +30,6 @@ from te_jax.core.stats import SATURATION_MARGIN, STAT_NAMES, STATS_COLLECTION, S
 from te_jax.inspect.writers import JsonlWriter, TensorBoardWriter, read_jsonl
 
 __all__ = [
-    "JsonlWriter", "SATURATION_MARGIN", "STATS_COLLECTION", "STAT_NAMES", "Sample", "TensorBoardWriter", "compare_table",
-    "format_table", "mean_over", "merge_max", "read_jsonl", "tensor_stats", "to_rows", "zeros",
+    "JsonlWriter", "SATURATION_MARGIN", "STATS_COLLECTION", "STAT_NAMES", "Sample", "TensorBoardWriter",
+    "compare_table", "format_table", "mean_over", "merge_max", "read_jsonl", "tensor_stats", "to_rows", "zeros",
 ]

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 # After the te_jax under test (on a GPU machine, an installed wheel on PYTHONPATH): only examples/ comes from here.
-sys.path.append(str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository root
 from examples.gpt import data as data_lib  # noqa: E402
 from examples.gpt import train as train_lib  # noqa: E402
 from examples.gpt.presets import PRESETS  # noqa: E402
