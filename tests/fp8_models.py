@@ -22,7 +22,7 @@ class Dense(nn.Module):
     def __call__(self, x):
         kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
         bias = self.param("bias", nn.initializers.zeros, (self.features,)) if self.use_bias else None
-        quantizers = te_jax.DenseQuantizers.from_recipe(C.recipe_or_none(), module_path(self))
+        quantizers = te_jax.core.DenseQuantizers.from_recipe(C.recipe_or_none(), module_path(self))
         state = C.gemm_state(self, quantizers)
         key = C.quantize_key(self, quantizers.any)
         y, new_state = te_jax.dense(x, kernel, bias, quantizers=quantizers, state=state, key=key)

@@ -21,7 +21,7 @@ A bad flag (an unknown recipe, a mesh the batch or the model cannot be split
 over, a missing checkpoint, a number out of range) ends with a usage message
 and exit status 2 before anything is compiled.
 
-The FP8 parts of the train step are three lines (see ``make_train_step``):
+The FP8 parts of the train step are three lines (see ``steps.make_train_step``):
 the model is initialized and applied inside ``te_jax.autocast``, gradients
 come from ``te_jax.train.value_and_grad`` over the whole variables dict, and
 ``te_jax.train.TrainState`` gives the optimizer (AdamW, warmup + cosine
@@ -48,7 +48,6 @@ the recipes when there are several) and the measured cost of inspection per step
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -65,7 +64,6 @@ if __package__ in (None, ""):  # run as a script: make `examples.gpt` importable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax._src import xla_bridge
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -73,9 +71,13 @@ from jax.sharding import PartitionSpec as P
 import te_jax
 from examples.gpt import data as data_lib
 from examples.gpt import parallel, report
+from examples.gpt.checkpoint import (_ckpt_manager, _ckpt_meta, check_resume, find_checkpoint, restore_checkpoint,
+                                     save_checkpoint)
 from examples.gpt.config import NO_RECIPE, RunConfig, make_recipe, recipe_label
-from examples.gpt.model import GPT, aux_loss, count_params
+from examples.gpt.inspection import StatsLog, inspect_overhead, write_report
+from examples.gpt.model import GPT, count_params
 from examples.gpt.presets import PRESETS
+from examples.gpt.steps import autocast_for, make_eval_step, make_optimizer, make_train_step
 from te_jax import inspect as te_inspect
 from te_jax import recipe as R
 from te_jax.train import TrainState
@@ -90,40 +92,7 @@ TRAIN_LOSS_TAIL = 0.1  # the reported train loss: the mean over this last fracti
 TRAIN_LOSS_LABEL = f"train loss (mean of last {TRAIN_LOSS_TAIL:.0%})"
 
 
-# ---- the model's train state, shardings and steps ----------------------------------------------
-
-
-def make_optimizer(cfg: RunConfig) -> optax.GradientTransformation:
-    """AdamW with linear warmup and cosine decay, after clipping the global gradient norm.
-
-    te_jax.train.TrainState hands this optimizer the parameters only, so the
-    clipping and the weight decay never touch the fp8_meta state.
-    """
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, min(cfg.warmup, max(cfg.steps - 1, 1)), max(cfg.steps, 2), end_value=cfg.lr * cfg.min_lr_ratio)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # noqa: E731  (kernels, embeddings)
-    return optax.chain(
-        optax.clip_by_global_norm(cfg.clip),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask),
-    )
-
-
-@contextlib.contextmanager
-def autocast_for(recipe: R.Recipe | None, mesh_resource, inspect: bool | te_inspect.Sample = False,
-                 mesh: jax.sharding.Mesh | None = None):
-    """The autocast block every trace of the model runs in (disabled for bf16), on ``mesh`` when given.
-
-    ``mesh`` becomes the current abstract mesh (``parallel.traced_on``): the
-    expert-parallel MoE (``mesh_resource.ep_resource``) needs it.
-    """
-    with contextlib.ExitStack() as stack:
-        if mesh is not None:
-            stack.enter_context(parallel.traced_on(mesh))
-        if recipe is None:
-            stack.enter_context(te_jax.autocast(enabled=False, mesh_resource=mesh_resource))
-        else:
-            stack.enter_context(te_jax.autocast(recipe=recipe, mesh_resource=mesh_resource, inspect=inspect))
-        yield
+# ---- the layers a recipe quantizes --------------------------------------------------------------
 
 
 def quantized_layers(model: GPT, recipe: R.CustomRecipe, tokens: jax.Array) -> list[tuple[str, ...]]:
@@ -152,116 +121,6 @@ def warn_if_unquantized(cfg: RunConfig, model: GPT, recipe: R.Recipe | None, tok
         print(f"warning: --recipe {cfg.recipe} quantizes no layer of the {model.config.layers}-block {cfg.preset} "
               f"model: its qfactory returned None for every tensor, so every GEMM runs in {cfg.dtype}, as with "
               "--recipe bf16", file=sys.stderr)
-
-
-def cross_entropy(logits, targets):
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
-
-
-def make_train_step(model, recipe, mesh_resource, base_key, inspect: bool | te_inspect.Sample = False,
-                    mesh: jax.sharding.Mesh | None = None):
-    """The train step, traced on ``mesh`` when given; with ``inspect`` its metrics also hold the quantization
-    statistics ("fp8_stats")."""
-
-    def train_step(state: TrainState, tokens):
-        key = jax.random.fold_in(base_key, state.step)  # new "quantize" key each step (NVFP4 rounding)
-
-        def loss_fn(variables):
-            logits, sown = state.apply_fn(variables, tokens[:, :-1], rngs={"quantize": key},
-                                          mutable=["intermediates"])
-            loss = cross_entropy(logits, tokens[:, 1:])
-            return loss + aux_loss(sown), loss
-
-        with autocast_for(recipe, mesh_resource, inspect, mesh):
-            (_, loss), grads = te_jax.train.value_and_grad(loss_fn, has_aux=True)(state.params)
-        squares = [jnp.sum(jnp.square(g.astype(jnp.float32))) for g in jax.tree.leaves(grads["params"])]
-        grad_norm = jnp.sqrt(sum(squares))
-        metrics = {"loss": loss, "grad_norm": grad_norm}
-        if inspect:
-            metrics[te_inspect.STATS_COLLECTION] = grads[te_inspect.STATS_COLLECTION]
-        return state.apply_gradients(grads=grads), metrics
-
-    return train_step
-
-
-def make_eval_step(model, recipe, mesh_resource, mesh: jax.sharding.Mesh | None = None):
-    def eval_step(variables, tokens):
-        with autocast_for(recipe, mesh_resource, mesh=mesh):
-            logits = model.apply(variables, tokens[:, :-1])
-        return cross_entropy(logits, tokens[:, 1:])
-
-    return eval_step
-
-
-# ---- checkpoints ---------------------------------------------------------------------------------
-
-
-def _ckpt_manager(cfg: RunConfig):
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(max_to_keep=3, create=True)
-    return ocp.CheckpointManager(Path(cfg.ckpt_dir).absolute(), options=options)
-
-
-def _ckpt_tree(state: TrainState) -> dict:
-    return {"step": state.step, "params": state.params, "opt_state": state.opt_state}
-
-
-def save_checkpoint(manager, state: TrainState, meta: dict) -> None:
-    import orbax.checkpoint as ocp
-
-    step = int(state.step)
-    if step in manager.all_steps():
-        return
-    manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(_ckpt_tree(state)),
-                                               meta=ocp.args.JsonSave(meta)))
-
-
-def find_checkpoint(manager, which: str, meta: dict) -> int:
-    """The step of the checkpoint ``--resume which`` names, after checking it was written by this preset and recipe.
-
-    Raises:
-      FileNotFoundError: no such checkpoint in the manager's directory.
-      ValueError: the checkpoint was written with another --preset or --recipe.
-    """
-    import orbax.checkpoint as ocp
-
-    steps = list(manager.all_steps())
-    step = manager.latest_step() if which == "latest" else int(which)
-    if step is None or step not in steps:
-        raise FileNotFoundError(f"--resume {which}: no such checkpoint in {manager.directory} (steps there: {steps})")
-    saved_meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    for key in ("preset", "recipe"):
-        if saved_meta.get(key) != meta[key]:
-            raise ValueError(f"--resume: the checkpoint was written with --{key} {saved_meta.get(key)!r}, "
-                             f"this run has {meta[key]!r}")
-    return step
-
-
-def restore_checkpoint(manager, state: TrainState, step: int) -> TrainState:
-    """``state`` with step, params (fp8_meta included) and optimizer state from the checkpoint of ``step``."""
-    import orbax.checkpoint as ocp
-
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                          if isinstance(x, jax.Array) else x, _ckpt_tree(state))
-    tree = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
-    return state.replace(step=tree["step"], params=tree["params"], opt_state=tree["opt_state"])
-
-
-def check_resume(cfg: RunConfig) -> None:
-    """Raises (FileNotFoundError, ValueError) unless ``cfg.resume`` names a checkpoint this run can continue."""
-    if not Path(cfg.ckpt_dir).is_dir():
-        raise FileNotFoundError(f"--resume: --ckpt-dir {cfg.ckpt_dir} is not a directory")
-    manager = _ckpt_manager(cfg)
-    try:
-        find_checkpoint(manager, cfg.resume, _ckpt_meta(cfg))
-    finally:
-        manager.close()
-
-
-def _ckpt_meta(cfg: RunConfig) -> dict:
-    return {"preset": cfg.preset, "recipe": cfg.recipe, "seed": cfg.seed}
 
 
 # ---- one run -------------------------------------------------------------------------------------
@@ -437,72 +296,6 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
     if return_state:
         result["state"] = state
     return result
-
-
-# ---- quantization statistics (--inspect) --------------------------------------------------------
-
-
-class StatsLog:
-    """Writes each inspected step's statistics to ``DIR/<label>.jsonl`` (and TensorBoard); keeps the last."""
-
-    def __init__(self, directory: str, label: str, tensorboard: str | None):
-        self.dir, self.label, self.last = Path(directory), label, []
-        self.jsonl = te_inspect.JsonlWriter(self.dir / f"{label}.jsonl")
-        self.tb = None
-        if tensorboard:
-            try:
-                self.tb = te_inspect.TensorBoardWriter(Path(tensorboard) / label / "fp8_stats")
-            except ImportError as err:
-                print(f"(no TensorBoard statistics: {err})", file=sys.stderr)
-
-    def write(self, stats, step: int) -> None:
-        self.last = self.jsonl.write(stats, step=step, recipe=self.label)
-        if self.tb:
-            self.tb.write(self.last, step)
-
-    def close(self) -> None:
-        self.jsonl.close()
-        if self.tb:
-            self.tb.close()
-
-    def report(self) -> str | None:
-        """The ranking report of the last statistics, or None (with a message) without matplotlib."""
-        return write_report({self.label: self.last}, self.dir / f"{self.label}_report.png")
-
-
-def write_report(by_recipe: dict, path: Path) -> str | None:
-    try:
-        from te_jax.inspect.report import plot_report
-
-        return str(plot_report(by_recipe, path))
-    except ImportError as err:
-        print(f"(no report: {err})", file=sys.stderr)
-        return None
-
-
-def inspect_overhead(train_step, inspect_step, state, shardings, tokens, iters: int = 10, trials: int = 3) -> dict:
-    """Median ms per step without and with inspection, on a copy of ``state`` (the steps donate it).
-
-    Steps run back to back, as in training, with one wait after ``iters`` of them (docs/inspect.md:
-    waiting after each step measures far longer steps on a GPU).
-    """
-    import statistics
-
-    def median_ms(step):
-        s = jax.device_put(jax.device_get(state), shardings)
-        s, m = step(s, tokens)  # warm-up (compiled already)
-        jax.block_until_ready(m)
-        times = []
-        for _ in range(trials):
-            t = time.perf_counter()
-            for _ in range(iters):
-                s, m = step(s, tokens)
-            jax.block_until_ready(m)
-            times.append(1e3 * (time.perf_counter() - t) / iters)
-        return statistics.median(times)
-
-    plain, inspected = median_ms(train_step), median_ms(inspect_step)
-    return {"step_ms": plain, "inspect_step_ms": inspected, "overhead": inspected / plain - 1}
 
 
 # ---- command line -------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ def _ops(recipe, state_of=lambda q: q.init_state()):
     keys = jax.random.split(jax.random.key(3), 3)
     w = jax.random.normal(keys[0], (H, H)) * 0.1
     gamma, beta = jnp.ones(H), jnp.zeros(H)
-    dq = recipe if isinstance(recipe, te_jax.DenseQuantizers) else te_jax.DenseQuantizers.from_recipe(recipe)
-    mq = te_jax.MLPQuantizers(dq, dq)
+    dq = recipe if isinstance(recipe, te_jax.core.DenseQuantizers) else te_jax.core.DenseQuantizers.from_recipe(recipe)
+    mq = te_jax.core.MLPQuantizers(dq, dq)
     return {
         "dense": lambda x, key=None, **kw: te_jax.dense(x, w, quantizers=dq, state=state_of(dq), key=key, **kw),
         "layernorm_dense": lambda x, key=None, **kw: te_jax.layernorm_dense(
@@ -64,7 +64,7 @@ def test_same_missing_state_same_error():
 
 def test_same_missing_key_same_error():
     x = jax.random.normal(jax.random.key(0), (32, H))
-    ops = _ops(te_jax.DenseQuantizers(grad_output=NVFP4Quantizer(stochastic_rounding=True)))
+    ops = _ops(te_jax.core.DenseQuantizers(grad_output=NVFP4Quantizer(stochastic_rounding=True)))
     for op in ops.values():
         op(x)  # the forward rounds nothing stochastically: no key needed
     _same(_messages(ops, lambda op: jax.grad(lambda x: jnp.sum(op(x)[0]))(x)),
@@ -102,7 +102,7 @@ def test_one_return_shape(recipe, inspect):
 def test_statistics_travel_in_the_state():
     """The forward statistics come back in the new state; all of them are the gradient of state[STATS]."""
     x = jax.random.normal(jax.random.key(0), (32, H))
-    q = te_jax.DenseQuantizers.from_recipe(R.Float8CurrentScaling())
+    q = te_jax.core.DenseQuantizers.from_recipe(R.Float8CurrentScaling())
     w = jax.random.normal(jax.random.key(1), (H, H)) * 0.1
     stats = te_jax.inspect.zeros(q.quantized_roles())
 

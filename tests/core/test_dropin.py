@@ -200,7 +200,7 @@ def _functional(x, kernel, state, quantizers):
 def test_functional_dense_needs_the_declaration():
     x = jax.random.normal(jax.random.key(2), (16, 32))  # multiples of 16: cuBLASLt's alignment on a GPU
     kernel = jax.random.normal(jax.random.key(3), (32, 16))
-    q = te_jax.DenseQuantizers.from_recipe(DELAYED)
+    q = te_jax.core.DenseQuantizers.from_recipe(DELAYED)
     state = q.init_state()
     grad = jax.jit(jax.grad(_functional, argnums=(1, 2)), static_argnums=3)
     with pytest.raises(FP8StateError, match="fp8_state_updates"):
@@ -221,7 +221,7 @@ def test_functional_dense_needs_the_declaration():
 def test_stateless_functional_dense_needs_no_declaration():
     x = jax.random.normal(jax.random.key(2), (16, 32))  # multiples of 16: cuBLASLt's alignment on a GPU
     kernel = jax.random.normal(jax.random.key(3), (32, 16))
-    q = te_jax.DenseQuantizers.from_recipe(CURRENT)
+    q = te_jax.core.DenseQuantizers.from_recipe(CURRENT)
     assert np.isfinite(np.asarray(jax.grad(_functional, argnums=1)(x, kernel, {}, q))).all()
 
 

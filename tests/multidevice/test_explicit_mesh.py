@@ -119,7 +119,7 @@ def _child() -> None:
     from te_jax.inspect import Sample
     from te_jax.recipe import Float8CurrentScaling
 
-    q = te_jax.DenseQuantizers.from_recipe(Float8CurrentScaling())
+    q = te_jax.core.DenseQuantizers.from_recipe(Float8CurrentScaling())
     sampled = lambda x, k: te_jax.dense(x, k, quantizers=q, inspect=Sample(3))  # noqa: E731
     report("inspect_sample/rows", sampled, (normal(8, 16, 64), normal(64, 64)), (("x", None, None), (None, None)))
     for name, shape, every in (("layernorm", (8, 6, 64), 8), ("layernorm_odd", (2, 3, 64), 2)):

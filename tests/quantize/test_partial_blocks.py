@@ -219,7 +219,7 @@ def test_whole_blocks_run_no_pad_and_no_slice():
     """Aligned shapes lower to the ops they lowered to before partial blocks existed: no pad, no slice."""
     x, w = jnp.ones((128, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.bfloat16)
     for recipe in (R.MXFP8BlockScaling(), R.Float8BlockScaling(), R.Float8CurrentScaling()):
-        q = te_jax.DenseQuantizers.from_recipe(recipe)
+        q = te_jax.core.DenseQuantizers.from_recipe(recipe)
         text = _lowered(jax.grad(lambda x, w: jnp.sum(te_jax.dense(x, w, quantizers=q)[0]), (0, 1)), x, w)
         assert "stablehlo.pad" not in text and "stablehlo.slice" not in text, recipe
     for quantizer in (MXFP8Quantizer(), Float8BlockQuantizer(E4, True), NVFP4Quantizer(rht=True)):
@@ -249,7 +249,7 @@ def _functional(name: str, q, state, key):
         return lambda x, w: te_jax.dense(x, w, quantizers=q, state=state, key=key)[0]
     if name == "layernorm_dense":
         return lambda x, w: te_jax.layernorm_dense(x, gamma, beta, w, quantizers=q, state=state, key=key)[0]
-    mq = te_jax.MLPQuantizers(q, q)
+    mq = te_jax.core.MLPQuantizers(q, q)
     mstate = None if state is None else {"wi": state, "wo": state}
     return lambda x, w: te_jax.layernorm_mlp(x, gamma, beta, w1, None, w[:, :200].T / 1.5, quantizers=mq,
                                              state=mstate, key=key)[0]
@@ -271,8 +271,9 @@ def _functional_value_and_grads(op: str, q, be: str):
 @pytest.mark.parametrize("recipe", list(BUILTIN_RECIPES))
 def test_functional_layers(op, recipe):
     """30 tokens, 200 features, N = 250: forward and gradients match the reference backend and high precision."""
-    q = te_jax.DenseQuantizers.from_recipe(BUILTIN_RECIPES[recipe])
-    got, hp = _functional_value_and_grads(op, q, "ffi"), _functional_value_and_grads(op, te_jax.DenseQuantizers(), "ffi")
+    q = te_jax.core.DenseQuantizers.from_recipe(BUILTIN_RECIPES[recipe])
+    got = _functional_value_and_grads(op, q, "ffi")
+    hp = _functional_value_and_grads(op, te_jax.core.DenseQuantizers(), "ffi")
     for g, h in zip(jax.tree.leaves(got), jax.tree.leaves(hp)):
         assert g.shape == h.shape and _rel(g, h) < 2 * TOL.get(recipe, 0.08)
     if op == "dense" and recipe in ("mxfp8", "block", "nvfp4"):  # the kernels against their pure-JAX twins

@@ -395,7 +395,7 @@ def test_fast_accumulation_reaches_the_forward_gemm(rec):
     m = tf.DenseGeneral(128, dtype=jnp.bfloat16)
     for fast in (True, False):
         recipe = rec(fast_accumulation=fast)
-        assert te_jax.DenseQuantizers.from_recipe(recipe).fast_accum is fast
+        assert te_jax.core.DenseQuantizers.from_recipe(recipe).fast_accum is fast
         with te_jax.autocast(recipe=recipe), te_jax.train.fp8_state_updates():
             v = m.init(jax.random.key(0), x)
             text = jax.jit(jax.value_and_grad(lambda v, x: m.apply(v, x, rngs={"quantize": jax.random.key(1)}).astype(
@@ -412,7 +412,7 @@ def test_block_scaled_recipes_refuse_fast_accumulation(rec):
             rec(**{name: True})
         with pytest.raises(ValueError, match=f"{name} must be True or False"):
             rec(**{name: "no"})
-    q = te_jax.DenseQuantizers.from_recipe(rec(fast_accumulation=False, backward_fast_accumulation=False))
+    q = te_jax.core.DenseQuantizers.from_recipe(rec(fast_accumulation=False, backward_fast_accumulation=False))
     assert q.fast_accum is False and q.backward_fast_accum is False
 
 
