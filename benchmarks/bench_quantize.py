@@ -37,9 +37,11 @@ from timing import bandwidth_main, result_markdown, result_row, selected, time_a
 from te_jax.ops import quantize as qops
 
 try:
+    from te_jax.ops import dequantize as dqops
     from te_jax.spec import reference as ref
 except ImportError:  # a te_jax from before the floor plan (gpu_check --baseline-python with an older tree)
     from te_jax.quantize import reference as ref
+    dqops = qops
 
 E4M3 = jnp.float8_e4m3fn
 F32 = jnp.float32
@@ -241,8 +243,8 @@ def check_all() -> list[str]:
                             _on_cpu(qops.quantize_fp8_current, x, backend="reference", **g))
             q, _, _, s_inv = _on_cpu(qops.quantize_fp8_tensor, x, scale, qdtype=E4M3, backend="reference")
             for od in (F32, jnp.bfloat16):
-                cmp(f"dequant_fp8 {shape}", (_on_gpu(qops.dequantize_fp8_tensor, q, s_inv, out_dtype=od),),
-                    (_on_cpu(qops.dequantize_fp8_tensor, q, s_inv, out_dtype=od, backend="reference"),))
+                cmp(f"dequant_fp8 {shape}", (_on_gpu(dqops.dequantize_fp8_tensor, q, s_inv, out_dtype=od),),
+                    (_on_cpu(dqops.dequantize_fp8_tensor, q, s_inv, out_dtype=od, backend="reference"),))
         for si, shape in enumerate(block_shapes):
             x = special_input(shape, dtype, 100 + si)
             tag = f"{jnp.dtype(dtype).name} {shape}"
@@ -261,15 +263,15 @@ def check_all() -> list[str]:
                     cmp(f"nvfp4 {tag} {g}", _on_gpu(qops.quantize_nvfp4, x, key, **g),
                         _on_cpu(qops.quantize_nvfp4, x, key, backend="reference", **g))
             q, s, _, _ = _on_cpu(qops.quantize_mxfp8, x, qdtype=E4M3, backend="reference")
-            cmp(f"dequant_mxfp8 {tag}", (_on_gpu(qops.dequantize_mxfp8, q, s),),
-                (_on_cpu(qops.dequantize_mxfp8, q, s, backend="reference"),))
+            cmp(f"dequant_mxfp8 {tag}", (_on_gpu(dqops.dequantize_mxfp8, q, s),),
+                (_on_cpu(dqops.dequantize_mxfp8, q, s, backend="reference"),))
             for b2 in (False, True):
                 q, s, _, _ = _on_cpu(qops.quantize_fp8_block, x, qdtype=E4M3, block_2d=b2, backend="reference")
-                cmp(f"dequant_fp8_block {tag} 2d={b2}", (_on_gpu(qops.dequantize_fp8_block, q, s, block_2d=b2),),
-                    (_on_cpu(qops.dequantize_fp8_block, q, s, block_2d=b2, backend="reference"),))
+                cmp(f"dequant_fp8_block {tag} 2d={b2}", (_on_gpu(dqops.dequantize_fp8_block, q, s, block_2d=b2),),
+                    (_on_cpu(dqops.dequantize_fp8_block, q, s, block_2d=b2, backend="reference"),))
             q, s, _, _, a, _ = _on_cpu(qops.quantize_nvfp4, x, backend="reference")
-            cmp(f"dequant_nvfp4 {tag}", (_on_gpu(qops.dequantize_nvfp4, q, s, a, out_dtype=jnp.float16),),
-                (_on_cpu(qops.dequantize_nvfp4, q, s, a, out_dtype=jnp.float16, backend="reference"),))
+            cmp(f"dequant_nvfp4 {tag}", (_on_gpu(dqops.dequantize_nvfp4, q, s, a, out_dtype=jnp.float16),),
+                (_on_cpu(dqops.dequantize_nvfp4, q, s, a, out_dtype=jnp.float16, backend="reference"),))
     # Shapes the tiled kernels do not take (simple fallback kernels).
     for shape, rw, cw in (((32, 40), False, True), ((96, 8), False, True), ((40, 64), True, False),
                           ((160, 24), False, True), ((2, 40, 96), True, False)):

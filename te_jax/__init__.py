@@ -37,15 +37,6 @@ from te_jax.spec.names import FP8_COLLECTION  # noqa: E402
 __version__ = "0.1.0"
 
 _LAZY_MODULES = ("flax", "inspect", "moe", "nnx", "train")
-# Old root names: they keep working for one release and warn once.
-_MOVED_NAMES = {
-    "DenseQuantizers": ("te_jax.core.bundles", "DenseQuantizers"),
-    "MLPQuantizers": ("te_jax.core.bundles", "MLPQuantizers"),
-    "STATS_COLLECTION": ("te_jax.spec.names", "STATS_COLLECTION"),
-    "backend": ("te_jax.ops.backend", None),
-    "sharding": ("te_jax.ops.sharding", None),
-    "state": ("te_jax.train.step", None),
-}
 
 __all__ = [
     "FP8_COLLECTION", "MeshResource", "autocast", "dense", "flax", "grouped_dense", "grouped_mlp", "inspect",
@@ -53,14 +44,8 @@ __all__ = [
 ]
 
 def __getattr__(name: str):
-    if name in _LAZY_MODULES:
-        value = importlib.import_module(f"te_jax.{name}")
-    elif name in _MOVED_NAMES:
-        module, attr = _MOVED_NAMES[name]
-        _compat.warn_moved(f"te_jax.{name}", module if attr is None else f"{module}.{attr}")
-        value = importlib.import_module(module)
-        return value if attr is None else getattr(value, attr)
-    else:
-        raise AttributeError(f"module 'te_jax' has no attribute {name!r}")
+    if name not in _LAZY_MODULES:
+        return _compat.moved_attribute(__name__, name)  # an old name warns once; any other raises AttributeError
+    value = importlib.import_module(f"te_jax.{name}")
     globals()[name] = value
     return value

@@ -34,15 +34,39 @@ MOVED = {
 }
 """Old module path -> new module path."""
 
+MOVED_ATTRIBUTES = {
+    "te_jax.DenseQuantizers": ("te_jax.core.bundles", "DenseQuantizers"),
+    "te_jax.MLPQuantizers": ("te_jax.core.bundles", "MLPQuantizers"),
+    "te_jax.STATS_COLLECTION": ("te_jax.spec.names", "STATS_COLLECTION"),
+}
+"""Old package attribute -> (its module now, its name there)."""
+
 _warned: set[str] = set()
 
 
-def warn_moved(old: str, new: str) -> None:
+def warn_moved(old: str, new: str, stacklevel: int = 3) -> None:
     """One DeprecationWarning per old name and process."""
     if old not in _warned:
         _warned.add(old)
         warnings.warn(f"te_jax: {old} moved to {new}; the old path goes away in the next release",
-                      DeprecationWarning, stacklevel=3)
+                      DeprecationWarning, stacklevel=stacklevel)
+
+
+def moved_attribute(package: str, name: str):
+    """What the old attribute ``package.name`` stands for now: a moved module (``MOVED``) or a name
+    (``MOVED_ATTRIBUTES``), after one DeprecationWarning; AttributeError for any other name.
+
+    A package's ``__getattr__`` calls it for names it does not have.
+    """
+    old = f"{package}.{name}"
+    if old in MOVED:
+        warn_moved(old, MOVED[old], stacklevel=4)
+        return importlib.import_module(MOVED[old])
+    if old in MOVED_ATTRIBUTES:
+        module, attr = MOVED_ATTRIBUTES[old]
+        warn_moved(old, f"{module}.{attr}", stacklevel=4)
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
 
 class _MovedLoader(importlib.abc.Loader):

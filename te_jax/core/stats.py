@@ -45,11 +45,11 @@ from collections.abc import Callable, Iterable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from te_jax.ops.quantize import dequantize, dequantize_colwise, pad_to_blocks
+from te_jax.ops.dequantize import dequantize, dequantize_colwise
+from te_jax.ops.quantize import pad_to_blocks
 from te_jax.spec import numerics as nm
 from te_jax.spec.modes import ScaledTensor, ScalingMode
 from te_jax.recipe.autocast import Sample, as_sample  # noqa: F401  (re-exported)

@@ -6,7 +6,6 @@ validating at trace time, through the ``te_jax_dequantize_*`` custom call
 (``te_jax.ops.primitive``: partitioned like the data, block scales following
 it) or, with the "reference" backend, ``te_jax.spec.reference``.
 ``dequantize`` / ``dequantize_colwise`` give the values of a ScaledTensor.
-The names stay importable from ``te_jax.ops.quantize``.
 """
 
 from __future__ import annotations

@@ -394,19 +394,6 @@ def quantize_nvfp4(
     return _trim_rows(partition.call(op, x, words), m, n)
 
 
-# The dequantize ops live in te_jax.ops.dequantize (which imports this module); their names stay here.
-_DEQUANTIZE_NAMES = ("dequantize", "dequantize_colwise", "dequantize_fp8_block", "dequantize_fp8_tensor",
-                     "dequantize_matrix", "dequantize_mxfp8", "dequantize_nvfp4")
-
-
-def __getattr__(name: str):
-    if name in _DEQUANTIZE_NAMES:
-        from te_jax.ops import dequantize as dequantize_ops  # noqa: PLC0415  (it imports this module)
-
-        return getattr(dequantize_ops, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def as_matrix(x: jax.Array, flatten_axis: int) -> jax.Array:
     """``x`` reshaped to ``[M, N]`` around ``flatten_axis``."""
     check_high_precision(x)

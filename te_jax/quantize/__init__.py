@@ -4,7 +4,7 @@ A quantizer turns a high-precision array into a ``ScaledTensor``
 (``te_jax.spec``) through the primitives of ``te_jax.ops``.
 """
 
-from te_jax.ops.quantize import dequantize, dequantize_colwise
+from te_jax.ops.dequantize import dequantize, dequantize_colwise
 from te_jax.quantize import delayed, fused, protocols
 from te_jax.quantize.delayed import DelayedScalingQuantizer, DelayedState, StateUpdate
 from te_jax.quantize.quantizers import (CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer,

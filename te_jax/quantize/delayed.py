@@ -20,7 +20,7 @@ Types. ``DelayedState`` names the state (``amax_history``, ``scale``) and
 works with. What is *stored* (Flax's "fp8_meta" collection, nnx ``FP8Meta``
 variables, checkpoints) is the documented dict layout
 ``{"amax_history": f32[L], "scale": f32[1]}`` of either: ``DelayedState.of``
-/ ``StateUpdate.of`` read that dict, ``as_dict`` writes it. (The dict stays
+/ ``StateUpdate.of`` read that dict, ``_asdict`` writes it. (The dict stays
 the storage so that checkpoints, ``state["scale"]`` indexing and the
 collections' layout are those of before; ``is_state`` recognises it.)
 
@@ -88,10 +88,6 @@ class DelayedState(NamedTuple):
             return cls(_f32(state["amax_history"]), _f32(state["scale"]))
         return cls(_f32(state.amax_history), _f32(state.scale))
 
-    def as_dict(self) -> State:
-        """The stored layout ``{"amax_history": ..., "scale": ...}``."""
-        return {"amax_history": self.amax_history, "scale": self.scale}
-
 
 class StateUpdate(NamedTuple):
     """A ``DelayedState``'s update in the max-mergeable form carried as its gradient (module docstring):
@@ -105,9 +101,6 @@ class StateUpdate(NamedTuple):
     def of(cls, update: Any) -> StateUpdate:
         """The typed view of a stored (dict) update, leaves as float32."""
         return cls(*DelayedState.of(update))
-
-    def as_dict(self) -> State:
-        return {"amax_history": self.amax_history, "scale": self.scale}
 
 
 def encode_update(new: DelayedState, a: jax.Array) -> StateUpdate:
@@ -126,7 +119,7 @@ def decode_update(old: DelayedState, update: StateUpdate) -> DelayedState:
 
 def init_state(amax_history_len: int = 1024) -> State:
     """The initial state: a zero amax history of length ``amax_history_len`` and scale 1."""
-    return DelayedState(jnp.zeros((amax_history_len,), jnp.float32), jnp.ones((1,), jnp.float32)).as_dict()
+    return DelayedState(jnp.zeros((amax_history_len,), jnp.float32), jnp.ones((1,), jnp.float32))._asdict()
 
 
 def as_float32(state: State) -> State:
@@ -165,18 +158,18 @@ def update_state(
     scaling_factor_compute_algo: Callable | None = None,
 ) -> State:
     """The state after a step whose tensor had amax ``amax`` (steps 2-5 above)."""
-    return _update(state, amax, fp8_max, margin, amax_compute_algo, scaling_factor_compute_algo)[0].as_dict()
+    return _update(state, amax, fp8_max, margin, amax_compute_algo, scaling_factor_compute_algo)[0]._asdict()
 
 
 def state_gradient(state: State, amax: jax.Array, **config) -> State:
     """``update_state``'s result in the max-mergeable form the training helpers carry as a gradient
     (``encode_update``; stored as a dict, like the state)."""
-    return encode_update(*_update(state, amax, **config)).as_dict()
+    return encode_update(*_update(state, amax, **config))._asdict()
 
 
 def apply_state_gradient(state: State, grad: State) -> State:
     """The new state from the old one and a (max-merged) ``state_gradient`` (``decode_update``)."""
-    return decode_update(DelayedState.of(state), StateUpdate.of(grad)).as_dict()
+    return decode_update(DelayedState.of(state), StateUpdate.of(grad))._asdict()
 
 
 def check_config(owner: str, *, margin, amax_history_len, amax_compute_algo, scaling_factor_compute_algo,
@@ -256,7 +249,8 @@ class DelayedScalingQuantizer:
                              "(Flax layers keep it in the \"fp8_meta\" collection: init the model under autocast)")
         if not is_state(state):
             raise ValueError(f"te_jax: a delayed-scaling state is {{'amax_history', 'scale'}}, got {type(state)}")
-        shape, scale_shape = DelayedState.of(state).amax_history.shape, DelayedState.of(state).scale.shape
+        view = DelayedState.of(state)
+        shape, scale_shape = view.amax_history.shape, view.scale.shape
         if shape != (self.amax_history_len,) or scale_shape != (1,):
             raise ValueError(
                 f"te_jax: delayed-scaling state has amax_history {shape} and scale {scale_shape}; "

@@ -88,7 +88,7 @@ def test_the_state_and_its_update_form_are_named():
     st = delayed.init_state(3)
     assert isinstance(st, dict) and delayed.is_state(st)  # the stored layout is the documented dict
     view = DelayedState.of(st)
-    assert delayed.is_state(view) and view.as_dict().keys() == st.keys()
+    assert delayed.is_state(view) and view._asdict().keys() == st.keys()
     q = te_jax.quantize.DelayedScalingQuantizer(amax_history_len=3)
     for amax, scale in ((2.0, -224.0), (0.0, delayed.KEEP_ZERO_AMAX), (np.inf, delayed.KEEP_NONFINITE_AMAX)):
         update = StateUpdate.of(q.state_gradient(st, jnp.float32(amax)))

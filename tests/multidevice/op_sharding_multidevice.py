@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from te_jax.ops import norm_act as A
 from te_jax.ops import norm_act as N
+from te_jax.ops import dequantize as DQ
 from te_jax.ops import quantize as Q
 from te_jax.ops.cast import CastSpec
 from te_jax.spec import reference as ref
@@ -124,10 +125,10 @@ def main() -> None:
     cur = ref.quantize_fp8_current(x, qdtype=E4)
     mesh, spec, r, c = layouts["grid"]
     deq = {
-        "fp8": (lambda q, s: Q.dequantize_fp8_tensor(q, s), (cur[0], cur[4]), (spec, (None,))),
-        "mxfp8": (lambda q, s: Q.dequantize_mxfp8(q, s), mx[:2], (spec, spec)),
-        "block_128x128": (lambda q, s: Q.dequantize_fp8_block(q, s, block_2d=True), b2[:2], (spec, spec)),
-        "nvfp4": (lambda q, s, a: Q.dequantize_nvfp4(q, s, a), (nv[0], nv[1], nv[4]), (spec, spec, (None,))),
+        "fp8": (lambda q, s: DQ.dequantize_fp8_tensor(q, s), (cur[0], cur[4]), (spec, (None,))),
+        "mxfp8": (lambda q, s: DQ.dequantize_mxfp8(q, s), mx[:2], (spec, spec)),
+        "block_128x128": (lambda q, s: DQ.dequantize_fp8_block(q, s, block_2d=True), b2[:2], (spec, spec)),
+        "nvfp4": (lambda q, s, a: DQ.dequantize_nvfp4(q, s, a), (nv[0], nv[1], nv[4]), (spec, spec, (None,))),
     }
     for name, (fn, args, specs) in deq.items():
         case(f"dequantize/{name}/grid", fn, args, specs, mesh, outs={0: (r, c)})
@@ -229,11 +230,11 @@ def _sr_unbiased(mesh, key) -> None:
 
     def fn(x):
         q, s, *_, amax, _ = Q.quantize_nvfp4(x, key, rowwise=True, stochastic_rounding=True)
-        return Q.dequantize_nvfp4(q, s, amax), q
+        return DQ.dequantize_nvfp4(q, s, amax), q
 
     xs = jax.device_put(x, NamedSharding(mesh, P("d", None)))
     deq, q = jax.jit(fn)(xs)
-    deq_rne = Q.dequantize_nvfp4(*[Q.quantize_nvfp4(x)[i] for i in (0, 1, 4)])
+    deq_rne = DQ.dequantize_nvfp4(*[Q.quantize_nvfp4(x)[i] for i in (0, 1, 4)])
     err = np.asarray(deq) - np.asarray(x)
     n = err.size
     errors = []

@@ -23,7 +23,7 @@ from qtest_util import run_on_fake_devices
 from te_jax.ops import gemm as dense_gemm
 from te_jax.ops.grouped import gemm as GG
 from te_jax.quantize import CurrentScalingQuantizer, Float8BlockQuantizer, MXFP8Quantizer, NVFP4Quantizer
-from te_jax.ops.quantize import dequantize, dequantize_colwise
+from te_jax.ops.dequantize import dequantize, dequantize_colwise
 
 E4, E5 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 F32, BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)

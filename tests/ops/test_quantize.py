@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import te_jax
+from te_jax.ops import dequantize as dqops
 from te_jax.ops import quantize as qops
 from te_jax.spec import reference as ref
 from qtest_util import assert_outputs_same_bits, assert_same_bits, on_cpu, random_matrix, with_specials
@@ -181,10 +182,10 @@ def test_nvfp4_stochastic_rounding_depends_on_key_and_is_unbiased():
     assert not np.array_equal(np.asarray(q1[0]), np.asarray(q2[0]))
     body = np.ones((64, 256), bool)
     body[:, ::16] = False
-    vals = np.asarray(qops.dequantize_nvfp4(q1[0], q1[1], q1[4]))[body]
+    vals = np.asarray(dqops.dequantize_nvfp4(q1[0], q1[1], q1[4]))[body]
     np.testing.assert_allclose(np.unique(vals), [2.0, 3.0], rtol=1e-6)  # the two neighbours only
     assert abs(vals.mean() - 2.4) < 0.02, vals.mean()
-    rne = np.asarray(qops.dequantize_nvfp4(*[qops.quantize_nvfp4(x)[i] for i in (0, 1, 4)]))[body]
+    rne = np.asarray(dqops.dequantize_nvfp4(*[qops.quantize_nvfp4(x)[i] for i in (0, 1, 4)]))[body]
     np.testing.assert_allclose(rne, 2.0, rtol=1e-6)  # nearest rounding is biased down here
 
 
@@ -204,11 +205,11 @@ def test_dequantize_matches_reference_every_mode(out_dtype):
     x = with_specials(random_matrix(9, (128, 128), jnp.float32), 9)
     key = jax.random.key(0)
     cases = [
-        (qops.dequantize_fp8_tensor, lambda: tuple(qops.quantize_fp8_current(x, qdtype=E5M2)[i] for i in (0, 4)), {}),
-        (qops.dequantize_mxfp8, lambda: qops.quantize_mxfp8(x)[:2], {}),
-        (qops.dequantize_fp8_block, lambda: qops.quantize_fp8_block(x)[:2], {}),
-        (qops.dequantize_fp8_block, lambda: qops.quantize_fp8_block(x, block_2d=True)[:2], dict(block_2d=True)),
-        (qops.dequantize_nvfp4, lambda: tuple(qops.quantize_nvfp4(x, key)[i] for i in (0, 1, 4)), {}),
+        (dqops.dequantize_fp8_tensor, lambda: tuple(qops.quantize_fp8_current(x, qdtype=E5M2)[i] for i in (0, 4)), {}),
+        (dqops.dequantize_mxfp8, lambda: qops.quantize_mxfp8(x)[:2], {}),
+        (dqops.dequantize_fp8_block, lambda: qops.quantize_fp8_block(x)[:2], {}),
+        (dqops.dequantize_fp8_block, lambda: qops.quantize_fp8_block(x, block_2d=True)[:2], dict(block_2d=True)),
+        (dqops.dequantize_nvfp4, lambda: tuple(qops.quantize_nvfp4(x, key)[i] for i in (0, 1, 4)), {}),
     ]
     for op, make, kw in cases:
         args = make()
@@ -268,7 +269,7 @@ def test_bad_inputs_raise_at_trace_time():
     with pytest.raises(ValueError, match="at least one of rowwise"):
         qops.quantize_mxfp8(good, rowwise=False)
     with pytest.raises(ValueError, match="kernel takes whole 1x32 blocks along the last axis"):
-        qops.dequantize_mxfp8(jnp.zeros((32, 48), E4M3), jnp.zeros((32, 2), jnp.uint8))
+        dqops.dequantize_mxfp8(jnp.zeros((32, 48), E4M3), jnp.zeros((32, 2), jnp.uint8))
     with pytest.raises(ValueError, match="1D"):
         qops.quantize_nvfp4(good, rht=True, block_2d=True)
     with pytest.raises(ValueError, match="PRNG key"):
@@ -276,7 +277,7 @@ def test_bad_inputs_raise_at_trace_time():
     with pytest.raises(ValueError, match="amax_epsilon"):
         qops.quantize_fp8_current(good, epsilon=-1.0)
     with pytest.raises(TypeError, match="dequantize produces"):
-        qops.dequantize_mxfp8(*qops.quantize_mxfp8(good)[:2], out_dtype=jnp.int32)
+        dqops.dequantize_mxfp8(*qops.quantize_mxfp8(good)[:2], out_dtype=jnp.int32)
 
 
 def test_ffi_handler_rejects_inconsistent_buffers():
@@ -313,5 +314,5 @@ def test_scale_is_capped_so_decode_scales_stay_normal(power_2):
         assert_same_bits(got, want, name)
     nv = qops.quantize_nvfp4(x)
     assert float(nv[4][0]) == np.float32(1e-37)
-    got = qops.dequantize_nvfp4(nv[0], nv[1], nv[4])
+    got = dqops.dequantize_nvfp4(nv[0], nv[1], nv[4])
     np.testing.assert_allclose(np.asarray(got)[:, 0], 1e-37, rtol=0.1)

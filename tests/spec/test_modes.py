@@ -27,7 +27,7 @@ from te_jax.spec import modes
 from te_jax.quantize import fused as qfused
 from te_jax.spec import numerics as nm
 from te_jax.ops.sharding import MeshResource
-from te_jax.ops.quantize import dequantize
+from te_jax.ops.dequantize import dequantize
 
 CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc" / "common"
 QUANTIZERS = {
