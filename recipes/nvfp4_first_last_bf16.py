@@ -13,15 +13,21 @@ Layers outside numbered blocks (embedding projections, the output head) stay
 in bf16 too. Blocks inside ``nn.scan`` share one path, so unroll them to use
 this recipe.
 
-Set ``NUM_LAYERS`` to your model's depth, or build a factory for it with
-``make_qfactory(num_layers)``.
+Which block is the last depends on the model, so this recipe has no default
+depth: load it with the model's number of blocks, ::
+
+    recipe = te_jax.recipe.load_recipe("nvfp4_first_last_bf16", num_layers=model_depth)
+
+(``load_recipe`` without ``num_layers`` is an error that says so), or build
+the factory yourself with ``make_qfactory(num_layers)``. A layer whose path
+lies in a block past ``num_layers - 1`` raises an error when it asks for its
+quantizer: the recipe was built for a shallower model than the one it runs.
 """
 
 import re
 
 from te_jax.recipe import NVFP4BlockScaling
 
-NUM_LAYERS = 12
 BLOCK_PATTERN = re.compile(r"^(?:.*layers?|.*blocks?|.*TransformerLayer)_(\d+)$", re.IGNORECASE)
 
 
@@ -35,15 +41,22 @@ def block_index(path):
 
 
 def make_qfactory(num_layers, inner=NVFP4BlockScaling()):
-    """A qfactory: ``inner``'s quantizers for blocks 1 .. num_layers - 2, None (bf16) elsewhere."""
+    """A qfactory for a model of ``num_layers`` blocks: ``inner``'s quantizers for blocks 1 .. num_layers - 2,
+    None (bf16) for blocks 0 and num_layers - 1 and outside numbered blocks."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"te_jax: nvfp4_first_last_bf16: num_layers must be a positive int (the model's number of "
+                         f"transformer blocks), got {num_layers!r}")
 
     def qfactory(role):
-        index = block_index(getattr(role, "path", ()))
-        if index is None or index == 0 or index >= num_layers - 1:
+        path = getattr(role, "path", ())
+        index = block_index(path)
+        if index is not None and index >= num_layers:
+            raise ValueError(
+                f"te_jax: nvfp4_first_last_bf16 was built for num_layers={num_layers}, but the layer at "
+                f"{'/'.join(path)} lies in block {index}: load it with the model's depth, "
+                "load_recipe('nvfp4_first_last_bf16', num_layers=<number of blocks>)")
+        if index is None or index == 0 or index == num_layers - 1:
             return None
         return inner.quantizer(role)
 
     return qfactory
-
-
-qfactory = make_qfactory(NUM_LAYERS)

@@ -6,6 +6,7 @@ The public face::
     te_jax.MeshResource                     which mesh axes play which role
     te_jax.dense, layernorm_dense, layernorm_mlp, grouped_dense, grouped_mlp
                                             the functional ops
+    te_jax.ragged_dot                       jax.lax.ragged_dot, quantized under autocast (MoE experts)
     te_jax.flax, te_jax.nnx                 Linen and NNX layers
     te_jax.train                            value_and_grad and TrainState for FP8 state
     te_jax.inspect                          quantization statistics
@@ -30,6 +31,7 @@ from te_jax.core.grouped_dense import grouped_dense  # noqa: E402
 from te_jax.core.grouped_mlp import grouped_mlp  # noqa: E402
 from te_jax.core.layernorm_dense import layernorm_dense  # noqa: E402
 from te_jax.core.layernorm_mlp import layernorm_mlp  # noqa: E402
+from te_jax.core.ragged_dot import ragged_dot  # noqa: E402
 from te_jax.ops.sharding import MeshResource  # noqa: E402
 from te_jax.recipe.autocast import autocast  # noqa: E402
 from te_jax.spec.names import FP8_COLLECTION  # noqa: E402
@@ -40,7 +42,7 @@ _LAZY_MODULES = ("flax", "inspect", "moe", "nnx", "train")
 
 __all__ = [
     "FP8_COLLECTION", "MeshResource", "autocast", "dense", "flax", "grouped_dense", "grouped_mlp", "inspect",
-    "layernorm_dense", "layernorm_mlp", "moe", "nnx", "ops", "quantize", "recipe", "train",
+    "layernorm_dense", "layernorm_mlp", "moe", "nnx", "ops", "quantize", "ragged_dot", "recipe", "train",
 ]
 
 def __getattr__(name: str):

@@ -11,7 +11,10 @@ import json
 import pathlib
 import xml.etree.ElementTree as ET
 
-TRAIN_COLUMNS = ["run", "recipe", "preset", "steps", "final_train_loss", "final_eval_loss", "tokens_per_s"]
+# peak_memory_gib: the device's peak bytes in use over the run; step_memory_gib: XLA's analysis of the compiled
+# train step (arguments + temporaries + outputs - donated), both from examples/gpt/train.py's --json.
+TRAIN_COLUMNS = ["run", "recipe", "preset", "steps", "final_train_loss", "final_eval_loss", "tokens_per_s",
+                 "peak_memory_gib", "step_memory_gib"]
 
 
 def test_counts(junit: pathlib.Path) -> dict:

@@ -12,7 +12,8 @@ fi
 PY=.venv/bin/python
 $PY -m pip install -q --disable-pip-version-check \
   "jax>=0.6" "jaxlib>=0.6" "flax>=0.10" "optax>=0.2" "ml_dtypes>=0.5" \
-  "nanobind>=2.4" "scikit-build-core>=0.10" cmake ninja "pytest>=8" pytest-xdist orbax-checkpoint tqdm matplotlib
+  "nanobind>=2.4" "scikit-build-core>=0.10" cmake ninja "pytest>=8" pytest-xdist "hypothesis>=6" orbax-checkpoint tqdm \
+  matplotlib "qwix>=0.1.8"
 $PY -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . \
   -C cmake.define.TE_JAX_CUDA=OFF
 

@@ -1,7 +1,8 @@
 """Orbax checkpoints of the GPT example's train state, fp8_meta included (used by examples/gpt/train.py).
 
 A checkpoint holds the step, the parameters (fp8_meta included) and the optimizer state, and as
-metadata the preset, recipe and seed of the run that wrote it; ``--resume`` checks the metadata
+metadata the preset, recipe and seed of the run that wrote it and its loss history up to the step
+(so a resumed run reports the figures an uninterrupted one does); ``--resume`` checks the metadata
 before restoring. orbax is imported only when a checkpoint is used.
 """
 
@@ -55,6 +56,19 @@ def find_checkpoint(manager, which: str, meta: dict) -> int:
             raise ValueError(f"--resume: the checkpoint was written with --{key} {saved_meta.get(key)!r}, "
                              f"this run has {meta[key]!r}")
     return step
+
+
+def saved_history(manager, step: int) -> dict[str, list]:
+    """The losses the run that wrote checkpoint ``step`` had recorded (``{"step": [...], "loss": [...], ...}``),
+    the steps after ``step`` dropped; empty for a checkpoint written without them."""
+    import orbax.checkpoint as ocp
+
+    hist = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"].get("history") or {}
+    out = {}
+    for steps, values in (("step", "loss"), ("eval_step", "eval_loss")):
+        kept = [(s, v) for s, v in zip(hist.get(steps, []), hist.get(values, [])) if s <= step]
+        out[steps], out[values] = [s for s, _ in kept], [v for _, v in kept]
+    return out
 
 
 def restore_checkpoint(manager, state: TrainState, step: int) -> TrainState:

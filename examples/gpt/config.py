@@ -12,14 +12,20 @@ import math
 from pathlib import Path
 
 from examples.gpt import parallel
+from examples.gpt.model import REMAT_POLICIES
 from examples.gpt.presets import PRESETS, ModelConfig
 from te_jax import recipe as R
 
 NO_RECIPE = {
     "bf16": "no quantization (autocast disabled)",
     "flax-fp8": "the same blocks through flax.linen's Fp8DotGeneral, no te_jax recipe (the baseline)",
+    "flax": "the dense blocks built from flax.linen's own layers, bf16 (the peer with no te_jax kernel)",
 }
 """The ``--recipe`` names that are no te_jax recipe; every other name goes to ``te_jax.recipe.load_recipe``."""
+
+
+REMAT_CHOICES = tuple(REMAT_POLICIES)
+"""``--remat``'s policies (examples.gpt.model.REMAT_POLICIES: te_jax.flax's, by what a block keeps)."""
 
 
 def make_recipe(name: str, num_layers: int | None = None) -> R.Recipe | None:
@@ -74,6 +80,8 @@ class RunConfig:
     dtype: str | None = None
     inspect: str | None = None  # directory for te_jax.inspect statistics (None: off)
     inspect_every: int = 1  # statistics read every k-th row of activations and gradients (te_jax.inspect.Sample)
+    remat: str = "none"  # every block under nn.remat with this policy (examples.gpt.model.REMAT_POLICIES)
+    recompute_norm_act: bool = False  # te_jax's layers recompute their norm and activation outputs in backward
 
     def resolved(self) -> RunConfig:
         """With the preset's values filled in where a field is None."""
@@ -87,7 +95,8 @@ class RunConfig:
     def model_config(self) -> ModelConfig:
         m = PRESETS[self.preset].model
         return dataclasses.replace(m, max_len=max(m.max_len, self.seq_len), dtype=self.dtype,
-                                   flax_fp8=self.recipe == "flax-fp8")
+                                   flax_fp8=self.recipe == "flax-fp8", flax_linen=self.recipe == "flax",
+                                   remat=self.remat, recompute_norm_act=self.recompute_norm_act)
 
     def check(self) -> dict[str, int]:
         """Raises ValueError, naming the flag, for a value no run can use; returns the mesh's shape.
@@ -114,8 +123,15 @@ class RunConfig:
                 raise ValueError("--resume needs --ckpt-dir")
             if self.resume != "latest" and not self.resume.isdigit():
                 raise ValueError(f"--resume takes 'latest' or a step number, got {self.resume!r}")
+        if self.remat not in REMAT_CHOICES:
+            raise ValueError(f"--remat takes {', '.join(REMAT_CHOICES)}, got {self.remat!r}")
         shape = parallel.parse_mesh(self.mesh)
         m = PRESETS[self.preset].model
+        if self.recipe == "flax" and m.experts:
+            raise ValueError(f"--recipe flax: the {self.preset} preset's experts have no flax.linen layer; use bf16")
+        if self.recipe in ("flax", "flax-fp8") and self.recompute_norm_act:
+            raise ValueError(f"--recompute-norm-act is an option of te_jax's own products, which --recipe "
+                             f"{self.recipe} does not use; drop it for that run (--remat applies to every recipe)")
         if shape["ep"] > 1 and not m.experts:
             moe = ", ".join(name for name, p in PRESETS.items() if p.model.experts)
             raise ValueError(f"--mesh ep={shape['ep']}: the {self.preset} preset has no experts to split; use an MoE "

@@ -12,9 +12,17 @@ the same attention, then a ``te_jax.flax.MoE`` (router, top-k experts, shared
 experts) in place of the MLP; its load-balancing loss is sown under
 "intermediates". With ``ModelConfig.flax_fp8`` (``--recipe flax-fp8``) the
 same blocks multiply through flax's ``Fp8DotGeneral`` instead, outside any
-te_jax recipe: the baseline the benchmarks compare with. The output head stays in high precision unless
+te_jax recipe: the baseline the benchmarks compare with. With ``ModelConfig.flax_linen``
+(``--recipe flax``) the dense blocks are ``LinenBlock``s, flax.linen's own layers: the
+peer with no te_jax kernel in the blocks. The output head stays in high precision unless
 ``ModelConfig.quantize_head`` (the usual choice: the logits are the most
 sensitive GEMM, and with 256 byte tokens it is a tiny one).
+
+Memory: ``ModelConfig.remat`` wraps every block in ``nn.remat`` with one of
+te_jax.flax's policies (``REMAT_POLICIES``: what the backward keeps, the rest
+recomputed), and ``ModelConfig.recompute_norm_act`` makes te_jax's layers
+recompute their norms' and activation's outputs in the backward
+(benchmarks/README.md, "Memory", gives what each saves).
 """
 
 from __future__ import annotations
@@ -28,6 +36,23 @@ import te_jax.flax as te_flax
 from examples.gpt.presets import ModelConfig
 
 INIT_STD = 0.02
+
+
+# --remat: the nn.remat policy of every block, by what the backward keeps of it ("none": no remat).
+REMAT_POLICIES = {
+    "none": None,
+    "fp8": te_flax.save_fp8_policy,  # the FP8 copies (and norm statistics): GEMMs and attention recomputed
+    "fp8-pre-activation": te_flax.save_fp8_and_pre_activation_policy,  # also the MLP's first GEMM output
+    "nothing": te_flax.save_nothing_policy,  # the block's input only: the whole forward again
+    "offload-fp8": te_flax.offload_fp8_policy(),  # the FP8 copies, in host memory until the backward
+}
+
+
+def remat(block_cls: type[nn.Module], c: ModelConfig) -> type[nn.Module]:
+    """``block_cls`` under ``nn.remat`` with ``REMAT_POLICIES[c.remat]`` (itself for "none")."""
+    if c.remat not in REMAT_POLICIES:
+        raise ValueError(f"remat: no policy {c.remat!r}; choose from {', '.join(REMAT_POLICIES)}")
+    return block_cls if c.remat == "none" else nn.remat(block_cls, policy=REMAT_POLICIES[c.remat])
 
 
 def layer_settings(c: ModelConfig):
@@ -67,10 +92,10 @@ class GPT(nn.Module):
         dtype, init, dot_general_cls = layer_settings(c)
         x = OneHotEmbed(c.vocab, c.hidden, embedding_init=init, dtype=dtype, name="embed")(tokens)
         for i in range(c.layers):
-            if c.experts:
-                x = MoEBlock(c, name=f"TransformerLayer_{i}")(x)
+            if c.experts or c.flax_linen:
+                x = remat(MoEBlock if c.experts else LinenBlock, c)(c, name=f"TransformerLayer_{i}")(x)
                 continue
-            x = te_flax.TransformerLayer(
+            x = remat(te_flax.TransformerLayer, c)(
                 num_attention_heads=c.heads,
                 num_gqa_groups=c.kv_heads,
                 intermediate_dim=c.mlp_hidden,
@@ -81,6 +106,7 @@ class GPT(nn.Module):
                 kernel_init=init,
                 logical_axes=c.logical_axes,
                 dot_general_cls=dot_general_cls,
+                recompute_norm_act=c.recompute_norm_act,
                 name=f"TransformerLayer_{i}",
             )(x)
         x = te_flax.LayerNorm(dtype=dtype, name="ln_f")(x)
@@ -113,13 +139,49 @@ class MoEBlock(nn.Module):
         dtype, init, dot_general_cls = layer_settings(c)
         x = x + te_flax.SelfAttention(c.heads, c.kv_heads, c.hidden // c.heads, causal=True, rotary=c.rotary,
                                       dtype=dtype, kernel_init=init, dot_general_cls=dot_general_cls,
-                                      name="attention")(x).astype(x.dtype)
+                                      recompute_norm_act=c.recompute_norm_act, name="attention")(x).astype(x.dtype)
         h = te_flax.LayerNorm(dtype=dtype, name="moe_norm")(x)
         axes = EXPERT_AXES if c.logical_axes else {}
         y = te_flax.MoE(c.experts, c.top_k, c.mlp_hidden, num_shared_experts=c.shared_experts,
                         aux_loss_coeff=c.aux_loss_coeff, dtype=dtype, kernel_init=init, router_init=init,
                         name="moe", **axes)(h)
         return x + y.astype(x.dtype)
+
+
+def attention_implementation(q: jax.Array) -> str:
+    """cuDNN's fused attention on a GPU (bf16/fp16, head dim a multiple of 8 up to 128), XLA's otherwise: the
+    choice te_jax.flax.TransformerLayer makes, so that the flax.linen peer attends alike."""
+    d = q.shape[-1]
+    fits = q.dtype in (jnp.bfloat16, jnp.float16) and d % 8 == 0 and d <= 128
+    return "cudnn" if fits and jax.default_backend() == "gpu" else "xla"
+
+
+class LinenBlock(nn.Module):
+    """The dense block of ``te_jax.flax.TransformerLayer`` (no bias, layernorm, gelu) from flax.linen's own
+    layers: ``LayerNorm``, ``DenseGeneral`` (the grouped-query QKV projection and the output projection),
+    rotary embeddings, ``jax.nn.dot_product_attention``, ``LayerNorm``, ``Dense``, ``nn.gelu``, ``Dense``.
+    No te_jax kernel runs in it: the ``--recipe flax`` peer (with ``flax_fp8``, flax's FP8 on the same layers).
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.config
+        dtype, init, dot_general_cls = layer_settings(c)
+        n, kv, d = c.heads, c.kv_heads, c.hidden // c.heads
+        g = n // kv
+        dense = dict(use_bias=False, dtype=dtype, kernel_init=init, dot_general_cls=dot_general_cls)
+        qkv = nn.DenseGeneral((kv, g + 2, d), name="qkv", **dense)(nn.LayerNorm(1e-6, dtype, name="ln_1")(x))
+        q = qkv[..., :g, :].reshape(*qkv.shape[:2], n, d)  # grouped per key/value head, as TransformerLayer's
+        k, v = qkv[..., g, :], qkv[..., g + 1, :]
+        if c.rotary:
+            positions = jnp.arange(x.shape[1])
+            q, k = te_flax.rotary_embedding(q, positions), te_flax.rotary_embedding(k, positions)
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q))
+        x = x + nn.DenseGeneral(c.hidden, axis=(-2, -1), name="out", **dense)(o).astype(x.dtype)
+        h = nn.Dense(c.mlp_hidden, name="wi", **dense)(nn.LayerNorm(1e-6, dtype, name="ln_2")(x))
+        return x + nn.Dense(c.hidden, name="wo", **dense)(nn.gelu(h)).astype(x.dtype)
 
 
 def aux_loss(intermediates) -> jax.Array:

@@ -21,6 +21,12 @@ class ModelConfig:
     quantize_head: bool = False  # the output projection stays in high precision unless True
     logical_axes: bool = False  # name the parameters' axes ("embed", "heads", "mlp", ...) for sharding rules
     flax_fp8: bool = False  # the baseline: every block's projections through flax's Fp8DotGeneral, no te_jax recipe
+    flax_linen: bool = False  # the peer: dense blocks of flax.linen's own layers (LayerNorm, DenseGeneral, gelu)
+    # What a block keeps for its backward: remat (a te_jax.flax policy's name, model.REMAT_POLICIES) recomputes
+    # the rest of the block; recompute_norm_act drops only the norms' and activation's outputs (their FP8 copies),
+    # recomputed from the tensors the backward keeps anyway (te_jax.flax.TransformerLayer.recompute_norm_act).
+    remat: str = "none"
+    recompute_norm_act: bool = False
     # Mixture of experts: with experts > 0 each block's MLP is a te_jax.flax.MoE of that many swiglu experts
     # of width mlp_hidden, top_k of them per token, plus shared_experts every token goes through.
     experts: int = 0

@@ -72,9 +72,10 @@ import te_jax
 from examples.gpt import data as data_lib
 from examples.gpt import parallel, report
 from examples.gpt.checkpoint import (_ckpt_manager, _ckpt_meta, check_resume, find_checkpoint, restore_checkpoint,
-                                     save_checkpoint)
-from examples.gpt.config import NO_RECIPE, RunConfig, make_recipe, recipe_label
+                                     save_checkpoint, saved_history)
+from examples.gpt.config import NO_RECIPE, REMAT_CHOICES, RunConfig, make_recipe, recipe_label
 from examples.gpt.inspection import StatsLog, inspect_overhead, write_report
+from examples.gpt.memory import StepTooLarge, check_fits, memory_errors, memory_figures, step_description
 from examples.gpt.model import GPT, count_params
 from examples.gpt.presets import PRESETS
 from examples.gpt.steps import autocast_for, make_eval_step, make_optimizer, make_train_step
@@ -192,12 +193,18 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
     evals = [jax.device_put(b, batch_sharding)
              for b in data_lib.eval_batches(corpus, cfg.eval_batches, cfg.batch, cfg.seq_len)]
     inspecting = inspect_step is not None
+    # Compiled now and checked against the memory it runs in, before anything is written.
+    first = jax.device_put(data_lib.train_batch(corpus, 0, cfg.batch, cfg.seq_len, cfg.seed), batch_sharding)
+    train_step = train_step.lower(state, first).compile()
+    check_fits(train_step, step_description(cfg))
 
     meta = _ckpt_meta(cfg)
-    manager = _ckpt_manager(cfg) if cfg.ckpt_dir else None
+    manager = _ckpt_manager(cfg) if cfg.resume else None  # else made at the first save: no empty folder is left
+    earlier = {}  # the resumed run's history up to its checkpoint, so the figures cover every step
     if cfg.resume:
         step = find_checkpoint(manager, cfg.resume, meta)
         state = restore_checkpoint(manager, state, step)
+        earlier = saved_history(manager, step)
         print(f"{label}: resumed at step {step} from {Path(manager.directory) / str(step)}")
     start = int(state.step)
     stats_log = StatsLog(cfg.inspect, label, cfg.tensorboard) if inspecting else None
@@ -212,6 +219,7 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
                           initial=start)
     # window_tokens_per_s: the tokens/s of each stretch between log points (compile and evaluation excluded)
     hist = {"step": [], "loss": [], "eval_step": [], "eval_loss": [], "window_step": [], "window_tokens_per_s": []}
+    hist.update({k: list(v) for k, v in earlier.items() if k in ("step", "loss", "eval_step", "eval_loss")})
     if inspect_step is not None:  # compiled now, so its first use at an evaluation step is not timed as training
         example = jax.device_put(data_lib.train_batch(corpus, start, cfg.batch, cfg.seq_len, cfg.seed), batch_sharding)
         inspect_step = inspect_step.lower(state, example).compile()
@@ -228,7 +236,7 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
             t0, timed_from = time.perf_counter(), done
         last = done == cfg.steps
         do_eval = last or (cfg.eval_every and done % cfg.eval_every == 0)
-        do_save = manager is not None and (last or (cfg.ckpt_every and done % cfg.ckpt_every == 0))
+        do_save = bool(cfg.ckpt_dir) and (last or (cfg.ckpt_every and done % cfg.ckpt_every == 0))
         if not (last or do_eval or do_save or done % cfg.log_every == 0):
             continue
         # A log point: wait for the steps so far, then evaluate / save outside the timed region.
@@ -261,7 +269,8 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
             postfix["eval"] = f"{hist['eval_loss'][-1]:.3f}"
         bar.set_postfix(postfix)
         if do_save:
-            save_checkpoint(manager, state, meta)
+            manager = manager or _ckpt_manager(cfg)
+            save_checkpoint(manager, state, meta | {"history": hist})
         t0 = time.perf_counter()
     bar.close()
     if manager:
@@ -289,6 +298,9 @@ def train(cfg: RunConfig, corpus: data_lib.Corpus | None = None, *, return_state
         "final_train_loss": float(np.mean(tail)) if tail else float("nan"),
         "final_eval_loss": hist["eval_loss"][-1] if hist["eval_loss"] else float("nan"),
         "tokens_per_s": timed_steps * tokens_per_step / train_time if timed_steps else float("nan"),
+        "remat": cfg.remat,
+        "recompute_norm_act": cfg.recompute_norm_act,
+        **memory_figures(train_step),
         "history": hist,
     }
     if inspection:
@@ -317,13 +329,17 @@ def use_command_buffers(mode: str) -> None:
 
 
 def format_table(results: list[dict]) -> str:
-    """A plain-text table: recipe, train loss (``TRAIN_LOSS_LABEL``), final eval loss, tokens/s (and vs bf16)."""
+    """A plain-text table: recipe, train loss (``TRAIN_LOSS_LABEL``), final eval loss, tokens/s (and vs bf16),
+    and the device's peak memory where it reports one (else XLA's analysis of the step), in GiB."""
     base = next((r["tokens_per_s"] for r in results if r["recipe"] == "bf16"), None)
-    rows = [("recipe", TRAIN_LOSS_LABEL, "eval loss", "tokens/s", "vs bf16")]
+    measured = any(r.get("peak_memory_gib") is not None for r in results)
+    memory_key, memory_label = ("peak_memory_gib", "peak GiB") if measured else ("step_memory_gib", "step GiB")
+    rows = [("recipe", TRAIN_LOSS_LABEL, "eval loss", "tokens/s", "vs bf16", memory_label)]
     for r in results:
         rel = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        memory = r.get(memory_key)
         rows.append((r["recipe"], f"{r['final_train_loss']:.4f}", f"{r['final_eval_loss']:.4f}",
-                     f"{r['tokens_per_s']:,.0f}", rel))
+                     f"{r['tokens_per_s']:,.0f}", rel, "-" if memory is None else f"{memory:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in rows]
@@ -374,6 +390,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inspect-every", type=int, default=1, metavar="K",
                    help="statistics over every K-th row of activations and gradients (te_jax.inspect.Sample; "
                         "cheaper, though not K times; default 1: every row)")
+    p.add_argument("--remat", choices=REMAT_CHOICES, default="none",
+                   help="every block under nn.remat with te_jax.flax's policy that keeps (the rest recomputed): "
+                        "fp8 (the FP8 copies), fp8-pre-activation (and the MLP's first GEMM output), nothing, "
+                        "offload-fp8 (the FP8 copies, in host memory)")
+    p.add_argument("--recompute-norm-act", action="store_true",
+                   help="te_jax's layers recompute their norms' and activation's outputs (their FP8 copies) in the "
+                        "backward from the tensors it keeps anyway: less memory, no GEMM recomputed")
     return p
 
 
@@ -384,7 +407,8 @@ def config_from_args(args, recipe: str) -> RunConfig:
         eval_every=args.eval_every, eval_batches=args.eval_batches, log_every=args.log_every, data=args.data,
         data_bytes=args.data_bytes, mesh=args.mesh, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,
         resume=args.resume, tensorboard=args.tensorboard, progress=not args.no_progress, dtype=args.dtype,
-        inspect=args.inspect, inspect_every=args.inspect_every)
+        inspect=args.inspect, inspect_every=args.inspect_every, remat=args.remat,
+        recompute_norm_act=args.recompute_norm_act)
 
 
 def prepare(args: argparse.Namespace) -> tuple[list[RunConfig], data_lib.Corpus]:
@@ -444,7 +468,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"preset {args.preset}: {preset.model}")
     results = []
     for cfg in configs:
-        result = train(cfg, corpus) | {"command_buffers": args.command_buffers}
+        try:
+            with memory_errors(step_description(cfg)):
+                result = train(cfg, corpus) | {"command_buffers": args.command_buffers}
+        except StepTooLarge as err:
+            parser.error(str(err))
         print(f"{result['recipe']}: {result['params'] / 1e6:.2f}M params, final train loss "
               f"{result['final_train_loss']:.4f}, eval loss {result['final_eval_loss']:.4f}, "
               f"{result['tokens_per_s']:,.0f} tokens/s (train loss: the mean of the last "

@@ -19,6 +19,9 @@ one signature, ``op(x, ..., *, quantizers=None, state=None, key=None) ->
 * ``layer_support``: what the Linen and NNX layers share and what knows no
   module system (dtype and axis checks, flax's norm order, dropout masks).
 
+``dot_general`` and ``einsum`` (``te_jax.core.dot_general``) are
+``lax.dot_general`` / ``jnp.einsum`` on those ops, for injection points.
+
 The quantizers in a bundle follow ``te_jax.quantize.protocols``; each op's
 custom VJP saves its residuals as a NamedTuple (``_Residuals``) the backward
 reads by name.
@@ -33,12 +36,19 @@ from te_jax.core.bundles import GEMMS, DenseQuantizers, MLPQuantizers, Quantizer
     as_quantizers
 from te_jax.core.gemm_quant import NORM_STATS, PRE_ACTIVATION, QUANTIZED, fp8_checkpoint_policy, name_quantized, \
     save_fp8_policy
+from te_jax.core.gemm_quant import NORM_ACT_OUTPUT, offload_fp8_policy, recompute_norm_act_policy, \
+    save_fp8_and_pre_activation_policy, save_nothing_policy
 
 __all__ = [
-    "GEMMS", "NORM_STATS", "PRE_ACTIVATION", "QUANTIZED", "STATS", "DenseQuantizers", "GemmQuant", "MLPQuantizers",
+    "GEMMS", "NORM_ACT_OUTPUT", "NORM_STATS", "PRE_ACTIVATION", "QUANTIZED", "STATS", "DenseQuantizers", "GemmQuant", "MLPQuantizers",
     "Plan", "QuantizerBundle", "as_mlp_quantizers", "as_quantizers", "check_gemm", "check_high_precision",
     "check_no_dot_general",
     "cotangent", "fp8_checkpoint_policy", "given_stats", "high_precision_state", "keep", "mesh_resource_or_autocast",
-    "name_quantized", "raw_key", "save_fp8_policy", "split_stats", "state_cotangent", "state_leaves", "updated_state",
-    "vary_of", "with_stats",
+    "name_quantized", "offload_fp8_policy", "raw_key", "recompute_norm_act_policy", "save_fp8_and_pre_activation_policy",
+    "save_fp8_policy", "save_nothing_policy", "split_stats", "state_cotangent", "state_leaves", "updated_state",
+    "vary_of", "with_stats", "dot_general", "einsum", "ragged_dot",
 ]
+
+# Last: these ops import the names above from this package.
+from te_jax.core.dot_general import dot_general, einsum  # noqa: E402
+from te_jax.core.ragged_dot import ragged_dot  # noqa: E402

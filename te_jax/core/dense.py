@@ -53,14 +53,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax.core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, check_gemm, check_high_precision,
+from te_jax.core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, check_gemm,
                           cotangent, given_stats, high_precision_state, keep, mesh_resource_or_autocast, raw_key,
                           state_cotangent, state_leaves, updated_state, vary_of)
 from te_jax.core.bundles import contracting_axes
+from te_jax.core.unquantized import check_dtypes
 from te_jax.core.gemm_quant import QUANTIZED, name_quantized
 from te_jax.recipe.autocast import with_plan_mesh
 from te_jax.core.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves
 from te_jax.ops.sharding import MeshResource, to_varying
+from te_jax.ops.sharding_types import dot_general as typed_dot, product_type, retype
 
 __all__ = ["QUANTIZED", "DenseQuantizers", "as_quantizers", "dense", "name_quantized"]
 
@@ -110,7 +112,7 @@ def dense(
     """
     q = as_quantizers(quantizers)
     inspect = as_sample(inspect)
-    check_high_precision(_WHERE, x=x, kernel=kernel, bias=bias)
+    check_dtypes(_WHERE, q.any, x=x, kernel=kernel, bias=bias)  # float64 too when not quantizing
     x_c = contracting_axes(contracting_dims[0], x.ndim, "x", _WHERE)
     k_c = contracting_axes(contracting_dims[1], kernel.ndim, "kernel", _WHERE)
     if len(x_c) != len(k_c) or any(x.shape[i] != kernel.shape[j] for i, j in zip(x_c, k_c)):
@@ -120,11 +122,15 @@ def dense(
     if bias is not None and tuple(bias.shape) != k_free_shape:
         raise ValueError(f"te_jax: {_WHERE}: bias must have kernel's free shape {k_free_shape}, got {bias.shape}")
     if not q.any:
-        y = lax.dot_general(x, kernel, ((x_c, k_c), ((), ())), precision=precision)
+        y = typed_dot(x, kernel, ((x_c, k_c), ((), ())), precision=precision)  # lax's, typed where lax refuses
         if bias is not None:
             y = y + jnp.reshape(bias, (1,) * (y.ndim - bias.ndim) + bias.shape)
         return y, high_precision_state(state, inspect)
 
+    if len(x_c) == x.ndim:  # x has no free axis (rank-1 x): the GEMMs take it as one row
+        y, new_state = dense(x[None], kernel, bias, contracting_dims=(tuple(a + 1 for a in x_c), k_c), quantizers=q,
+                             state=state, key=key, mesh_resource=mesh_resource, inspect=inspect)
+        return y[0], new_state
     # Contracting axes last on x, first on the kernel: flatten_axis then splits them off.
     x_free = tuple(i for i in range(x.ndim) if i not in x_c)
     k_free = tuple(i for i in range(kernel.ndim) if i not in k_c)
@@ -132,10 +138,12 @@ def dense(
     x2 = jnp.transpose(x, x_free + x_c) if x_free + x_c != tuple(range(x.ndim)) else x
     k2 = jnp.transpose(kernel, k_c + k_free) if k_c + k_free != tuple(range(kernel.ndim)) else kernel
     qstats = stats_input(q.quantized_roles(), given_stats(state)) if inspect else None
-    plan = _DensePlan(mesh_resource_or_autocast(mesh_resource), state_leaves(inner), stats_leaves(qstats),
-                      vary_of(x, kernel, bias), inspect, q, len(x_free), len(x_c), len(k_free), x.dtype, kernel.dtype,
+    mesh_resource = mesh_resource_or_autocast(mesh_resource, x, where=_WHERE)
+    plan = _DensePlan(mesh_resource, state_leaves(inner), stats_leaves(qstats),
+                      vary_of(x2, k2, bias), inspect, q, len(x_free), len(x_c), len(k_free), x.dtype, kernel.dtype,
                       None if bias is None else bias.dtype)
     y, new_inner, fwd_stats = _vjp(plan, x2, k2, bias, inner, raw_key(key), qstats)
+    y = retype(y, product_type(x, x_free, kernel, k_free, bias))  # as jax types x @ kernel + bias (Explicit mesh)
     return y, updated_state(state, new_inner, fwd_stats)
 
 

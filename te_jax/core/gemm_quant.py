@@ -13,28 +13,38 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
+from te_jax.core import forward_updates
 from te_jax.core.bundles import BACKWARD_FIELDS, DenseQuantizers, ROLE_OF, check_key
-from te_jax.core.stats import STATS_COLLECTION, Sample, primary_copy, tensor_stats
+from te_jax.core.forward_updates import ForwardUpdate
+from te_jax.core.stats import STATS_COLLECTION, Sample, primary_copy, tensor_stats, with_skipped_update
 from te_jax.ops import gemm as gemm_ops
 from te_jax.ops import norm_act as norm_ops
-from te_jax.ops.sharding import MeshResource, match_cotangent, reduce_amax, varying_axes
+from te_jax.ops.sharding import MeshResource, check_mesh_axes, match_cotangent, reduce_amax, varying_axes
+from te_jax.ops.sharding_types import ArgType, arg_type, cotangent_as
 from te_jax.quantize import dequantize, fused
-from te_jax.quantize.delayed import as_float32
+from te_jax.quantize.delayed import DelayedScalingQuantizer, as_float32
 from te_jax.recipe import ROLES
 from te_jax.recipe.autocast import current as current_autocast
 from te_jax.spec.modes import ScaledTensor
 
 
-def mesh_resource_or_autocast(mesh_resource: MeshResource | None) -> MeshResource | None:
-    """``mesh_resource``, or the active autocast's when None (the one place a functional op reads the autocast)."""
-    return current_autocast().mesh_resource if mesh_resource is None else mesh_resource
+def mesh_resource_or_autocast(mesh_resource: MeshResource | None, *arrays, where: str = "te_jax") -> \
+        MeshResource | None:
+    """``mesh_resource``, or the active autocast's when None (the one place a functional op reads the autocast).
+
+    Its axes are checked against the mesh in scope (``arrays``: the op's
+    operands, whose types name it under plain jit): a misspelled axis raises.
+    """
+    mesh_resource = current_autocast().mesh_resource if mesh_resource is None else mesh_resource
+    check_mesh_axes(mesh_resource, *arrays, where=where)
+    return mesh_resource
 
 
 class GemmQuant:
@@ -72,10 +82,12 @@ class GemmQuant:
         """Whether the role of ``field`` ("input", "weight", ...) has a quantizer."""
         return getattr(self.q, field) is not None
 
-    def run(self, field: str, fn: Callable, reference: jax.Array | Callable[[slice], jax.Array] | None = None):
+    def run(self, field: str, fn: Callable, reference: jax.Array | Callable[[slice], jax.Array] | None = None,
+            name: str | None = None):
         """``fn(quantizer, state, key) -> (ScaledTensor, *extras)``, recording the amax for stateful roles.
 
-        The ScaledTensor is named ``QUANTIZED`` before anything reads it (the
+        The ScaledTensor is named ``name`` (default ``QUANTIZED``; a norm's or
+        activation's output ``NORM_ACT_OUTPUT``) before anything reads it (the
         state update too), so a remat policy that saves it never reruns ``fn``.
         When inspecting, the statistics compare the quantized tensor with
         ``reference``: the high-precision tensor itself, or, for a fused
@@ -88,7 +100,7 @@ class GemmQuant:
         role, qz = ROLE_OF[field], getattr(self.q, field)
         key = None if self.key is None else jax.random.fold_in(self.key, ROLES.index(role))
         out = fn(qz, self.st.get(role), key)
-        out = (name_quantized(out[0]), *out[1:])
+        out = (name_quantized(out[0], name or QUANTIZED), *out[1:])
         if self.stats is not None:
             self.stats[role] = tensor_stats(reference, out[0], primary_copy(role), self.sample)
         if role in self.st:
@@ -100,15 +112,17 @@ class GemmQuant:
                 amax = reduce_amax(amax, sq.amax_reduction, self.mesh_resource)
             self.new[role] = sq.update_state(self.st[role], amax)
             self.grads[role] = sq.state_gradient(self.st[role], amax)
+            if self.stats is not None and isinstance(sq, DelayedScalingQuantizer):
+                self.stats[role] = with_skipped_update(self.stats[role], sq.update_skipped(self.st[role], amax))
         return out
 
-    def quantize(self, field: str, x, *, rowwise=True, colwise=False, flatten_axis=-1):
-        """``x`` quantized by the role's quantizer, or ``x`` itself when it has none."""
+    def quantize(self, field: str, x, *, rowwise=True, colwise=False, flatten_axis=-1, name: str | None = None):
+        """``x`` quantized by the role's quantizer (named as in ``run``), or ``x`` itself when it has none."""
         if not self.has(field):
             return x
         return self.run(field, lambda qz, st, key: (qz.quantize(x, st, rowwise=rowwise, colwise=colwise,
                                                                 flatten_axis=flatten_axis, key=key),),
-                        x)[0]
+                        x, name)[0]
 
     def qdq(self, field: str, y, flatten_axis=-1):
         """Quantize-dequantize of a GEMM output (linear_output, linear_grad_input); ``y`` itself without a quantizer."""
@@ -126,8 +140,9 @@ class GemmQuant:
                              autotune=self.q.autotune, mesh_resource=self.mesh_resource)
 
     def new_state(self) -> dict[str, Any]:
-        """The forward-updated state of every stateful role."""
-        return {r: self.new.get(r, v) for r, v in self.st.items()}
+        """The forward-updated state of every stateful role: a ``ForwardUpdate`` (state and update form) for each
+        role the forward quantized, the incoming state for the others (``updated_state`` splits them)."""
+        return {r: ForwardUpdate(self.new[r], self.grads[r]) if r in self.new else v for r, v in self.st.items()}
 
 
 def keep(t, copy: str):
@@ -139,10 +154,24 @@ def keep(t, copy: str):
     return dataclasses.replace(t, colwise_data=None, colwise_scale_inv=None)
 
 
-def state_leaves(states: Mapping[str, Mapping]) -> tuple:
-    """Static ``((role, ((leaf name, dtype, varying axes), ...)), ...)`` of the incoming role states."""
-    return tuple((r, tuple((n, v.dtype, varying_axes(v)) for n, v in sorted(states[r].items())))
-                 for r in sorted(states))
+class StateLeaves(NamedTuple):
+    """What a backward needs of the incoming role states, recorded when the forward builds its plan (static).
+
+    Attributes:
+      roles: ``((role, ((leaf name, dtype, varying axes), ...)), ...)``.
+      declared: whether ``fp8_state_updates()`` was active then: a caller that
+        applies the update may declare it around the forward (the
+        overwrite-with-gradient route does) instead of around the backward.
+    """
+
+    roles: tuple
+    declared: bool
+
+
+def state_leaves(states: Mapping[str, Mapping]) -> StateLeaves:
+    """The ``StateLeaves`` of the incoming role states (call it in the forward, where the plan is built)."""
+    return StateLeaves(tuple((r, tuple((n, v.dtype, varying_axes(v)) for n, v in sorted(states[r].items())))
+                             for r in sorted(states)), applies_fp8_state_updates())
 
 
 def state_cotangent(leaves: tuple, grads: Mapping, all_vary) -> dict[str, dict]:
@@ -154,37 +183,69 @@ def state_cotangent(leaves: tuple, grads: Mapping, all_vary) -> dict[str, dict]:
     amaxes were reduced already). Raises ``te_jax.train.FP8StateError``
     when the caller did not declare that it applies the update.
     """
-    check_state_update_applied([role for role, _ in leaves])
+    check_state_update_applied([role for role, _ in leaves.roles], leaves.declared)
     return {role: {name: lax.convert_element_type(match_cotangent(grads[role][name], all_vary, vary, "max"), dtype)
                    for name, dtype, vary in names}
-            for role, names in leaves}
+            for role, names in leaves.roles}
 
 
-def cotangent(ct, all_vary, vary):
-    """``ct`` in shard_map's varying-axes type, reduced over the axes its primal does not vary over (None passes)."""
-    return None if ct is None else match_cotangent(ct, all_vary, vary)
+def cotangent(ct, all_vary, arg: ArgType):
+    """``ct`` typed as its primal ``arg``: reduced over the manual axes the primal does not vary over (shard_map),
+    with the primal's sharding type (Explicit meshes); None passes."""
+    return cotangent_as(ct, all_vary, arg)
 
 
-def vary_of(*xs) -> tuple:
-    """The varying axes (shard_map) of each array (empty for None)."""
-    return tuple(frozenset() if x is None else varying_axes(x) for x in xs)
+def vary_of(*xs) -> tuple[ArgType, ...]:
+    """The type of each array argument (varying axes in shard_map, sharding type; empty for None)."""
+    return tuple(arg_type(x) for x in xs)
 
 
-QUANTIZED = "te_jax_quantized"  # every forward quantized copy (inputs, weights, activations)
+QUANTIZED = "te_jax_quantized"  # the forward quantized copies (weights, inputs) but those named below
+NORM_ACT_OUTPUT = "te_jax_norm_act_output"  # a norm's or an MLP activation's output a GEMM reads (FP8 or not)
 NORM_STATS = "te_jax_norm_stats"  # a norm's mean and rsigma
 PRE_ACTIVATION = "te_jax_pre_activation"  # an MLP's first GEMM output
+
+# Remat policies (``jax.checkpoint`` / ``nn.remat``), named by what the backward keeps of a rematerialized block;
+# the rest is recomputed. Memory per block: benchmarks/README.md, "Memory".
+save_nothing_policy = jax.checkpoint_policies.nothing_saveable  # only the block's inputs: the whole forward again
 
 
 def fp8_checkpoint_policy(*extra_names: str):
     """A remat policy that saves the FP8 copies and norm statistics (plus ``extra_names``)."""
-    return jax.checkpoint_policies.save_only_these_names(QUANTIZED, NORM_STATS, *extra_names)
+    return jax.checkpoint_policies.save_only_these_names(QUANTIZED, NORM_ACT_OUTPUT, NORM_STATS, *extra_names)
 
 
-save_fp8_policy = fp8_checkpoint_policy()
+save_fp8_policy = fp8_checkpoint_policy()  # the FP8 copies only: GEMMs and attention again, never a cast
+save_fp8_and_pre_activation_policy = fp8_checkpoint_policy(PRE_ACTIVATION)  # also an MLP's first GEMM output
+# The ops' own ``recompute_norm_act``: everything but norm and activation outputs, recomputed from the kept
+# input and pre-activation (a fused kernel each, no GEMM).
+recompute_norm_act_policy = jax.checkpoint_policies.save_only_these_names(QUANTIZED, NORM_STATS, PRE_ACTIVATION)
 
 
-def name_quantized(t):
-    """``checkpoint_name(t, QUANTIZED)``, with FP8 leaves named as their uint8 bits.
+def offload_fp8_policy(offload_dst: str = "pinned_host"):
+    """``save_fp8_policy`` with the FP8 copies moved to host memory (JAX memory kind ``offload_dst``) between
+    the forward and the backward instead of staying in device memory; the norm statistics stay."""
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=(NORM_STATS,), names_which_can_be_offloaded=(QUANTIZED, NORM_ACT_OUTPUT),
+        offload_src="device", offload_dst=offload_dst)
+
+
+def check_recompute(where: str, recompute_norm_act: bool, dot_general) -> None:
+    """``recompute_norm_act`` wraps the op in ``jax.checkpoint``, inside which a custom product given as a flax
+    module (``dot_general``/``dot_generals``) cannot run: raises instead of dropping the option."""
+    if recompute_norm_act and dot_general:
+        raise ValueError(f"te_jax: {where}: recompute_norm_act=True cannot be combined with a custom dot_general "
+                         "(a flax module cannot run inside the jax.checkpoint that recomputes the norm and "
+                         "activation); drop one of them, or wrap the layer in nn.remat instead")
+
+
+def recomputing_norm_act(fn: Callable, enabled: bool, static_argnums: tuple[int, ...] = ()) -> Callable:
+    """``fn`` under ``jax.checkpoint(policy=recompute_norm_act_policy)`` when ``enabled``, else ``fn`` itself."""
+    return jax.checkpoint(fn, policy=recompute_norm_act_policy, static_argnums=static_argnums) if enabled else fn
+
+
+def name_quantized(t, name: str = QUANTIZED):
+    """``checkpoint_name(t, name)``, with FP8 leaves named as their uint8 bits.
 
     Remat inserts ``reduce_precision(x, **finfo(x.dtype))`` on saved float
     residuals, which for float8_e4m3fn follows IEEE rules and turns every value
@@ -193,8 +254,8 @@ def name_quantized(t):
 
     def one(v):
         if v is None or not (jnp.issubdtype(v.dtype, jnp.floating) and jnp.dtype(v.dtype).itemsize == 1):
-            return checkpoint_name(v, QUANTIZED)
-        bits = checkpoint_name(lax.bitcast_convert_type(v, jnp.uint8), QUANTIZED)
+            return checkpoint_name(v, name)
+        bits = checkpoint_name(lax.bitcast_convert_type(v, jnp.uint8), name)
         return lax.bitcast_convert_type(bits, v.dtype)
 
     return jax.tree.map(one, t)
@@ -246,7 +307,7 @@ def norm_input(norm: NormSpec | None, g: GemmQuant, x, gamma, beta, dtype, train
         return fused.norm(x[rows], gamma, beta, kind=norm.kind, zero_centered_gamma=norm.zero_centered_gamma,
                           epsilon=norm.epsilon, out_dtype=jnp.float32, backend="reference")[0]
 
-    ln, mean, rsigma = g.run("input", fn, reference) if g.has("input") else fn(None, None, None)
+    ln, mean, rsigma = g.run("input", fn, reference, NORM_ACT_OUTPUT) if g.has("input") else fn(None, None, None)
     return ln, checkpoint_name((mean, rsigma), NORM_STATS)
 
 
@@ -281,7 +342,7 @@ class Plan:
       mesh_resource: the mesh axes amaxes are reduced over and GEMMs partitioned by.
       state_leaves: ``state_leaves`` of the incoming role states (per GEMM for an MLP).
       stats_leaves: ``te_jax.core.stats.stats_leaves`` of the statistics input (per GEMM for an MLP).
-      vary: the varying axes (shard_map) of the op's array arguments, in order.
+      vary: the ``ArgType`` (varying axes in shard_map, sharding type) of the op's array arguments, in order.
       inspect: the rows statistics read (None: not inspecting).
     """
 
@@ -294,7 +355,7 @@ class Plan:
     @property
     def all_vary(self) -> frozenset[str]:
         """Every axis some argument varies over."""
-        return frozenset().union(*self.vary)
+        return frozenset().union(*(a.vary for a in self.vary))
 
 
 def given_stats(state: Mapping | None) -> Any:
@@ -310,7 +371,13 @@ def high_precision_state(state: Mapping | None, inspect: Sample | None) -> dict 
 
 
 def updated_state(state: Mapping | None, updates: Mapping, fwd_stats: Any) -> dict:
-    """``state`` with ``updates`` (the forward-updated entries) and, when not None, ``fwd_stats`` under ``STATS``."""
+    """``state`` with ``updates`` (the forward-updated entries) and, when not None, ``fwd_stats`` under ``STATS``.
+
+    Each ``ForwardUpdate`` in ``updates`` (``GemmQuant.new_state``) becomes its
+    state; its update form, and ``fwd_stats``, go to the recorders of
+    ``te_jax.core.forward_updates`` open around the call.
+    """
+    updates = forward_updates.split(state, updates, given_stats(state), fwd_stats)
     return {**dict(state or {}), **updates, **({} if fwd_stats is None else {STATS: fwd_stats})}
 
 
@@ -360,13 +427,15 @@ def applies_fp8_state_updates() -> bool:
     return _applies_updates.value
 
 
-def check_state_update_applied(roles) -> None:
+def check_state_update_applied(roles, declared_in_forward: bool = False) -> None:
     """Raises ``FP8StateError`` unless the caller applies state updates; a no-op when ``roles`` is empty.
 
     Called by the backward rule of every layer, at trace time, with the roles
-    whose state it returns an update for.
+    whose state it returns an update for. The declaration counts when
+    ``fp8_state_updates()`` is active now (the backward's trace) or was when
+    the forward built the plan (``declared_in_forward``, ``StateLeaves.declared``).
     """
-    if roles and not applies_fp8_state_updates():
+    if roles and not (declared_in_forward or applies_fp8_state_updates()):
         raise FP8StateError(
             f"te_jax: this model keeps FP8 state (delayed scaling: the \"fp8_meta\" collection, here for "
             f"{sorted(set(roles))}), and its update after each step comes back as the gradient of that state; "

@@ -53,16 +53,19 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+from jax.sharding import PartitionSpec as P
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax.core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, check_high_precision, cotangent, keep,
+from te_jax.core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, cotangent, keep,
                           mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state, vary_of)
 from te_jax.core.bundles import FORWARD_FIELDS, ROLE_OF, check_key, check_state, scaling_mode_of
 from te_jax.core.gemm_quant import name_quantized
+from te_jax.core.unquantized import check_dtypes
 from te_jax.ops.grouped import gemm as gg
-from te_jax.ops.grouped.layout import regroup_rows, span_lengths
+from te_jax.ops.grouped.layout import regroup_rows, span_lengths, valid_group_sizes
 from te_jax.ops.sharding import MeshResource, to_varying
+from te_jax.ops.sharding_types import dim_spec, specs_like, untyped_op
 from te_jax.quantize import dequantize
 from te_jax.quantize.protocols import QuantizeLike
 from te_jax.recipe import ROLES
@@ -81,9 +84,10 @@ def init_state(quantizers: DenseQuantizers | Mapping[str, Any] | None, num_group
     return as_quantizers(quantizers).init_state(num_groups=num_groups)
 
 
-def check_grouped_inputs(x, kernel, group_sizes, bias, where: str = _WHERE) -> int:
-    """G, once x ``[M, K]``, kernel ``[G, K, N]``, group_sizes int32 ``[G]`` and bias ``[G, N]`` agree."""
-    check_high_precision(where, x=x, kernel=kernel, bias=bias)
+def check_grouped_inputs(x, kernel, group_sizes, bias, where: str = _WHERE, quantized: bool = True) -> int:
+    """G, once x ``[M, K]``, kernel ``[G, K, N]``, group_sizes int32 ``[G]`` and bias ``[G, N]`` agree (float64
+    too when not ``quantized``)."""
+    check_dtypes(where, quantized, x=x, kernel=kernel, bias=bias)
     if x.ndim != 2 or kernel.ndim != 3 or x.shape[1] != kernel.shape[1]:
         raise ValueError(f"te_jax: {where}: x must be [M, K] and kernel [G, K, N] with one K; got x {x.shape} and "
                          f"kernel {kernel.shape}")
@@ -92,6 +96,8 @@ def check_grouped_inputs(x, kernel, group_sizes, bias, where: str = _WHERE) -> i
         got = f"{getattr(group_sizes, 'dtype', type(group_sizes).__name__)}{list(getattr(group_sizes, 'shape', ()))}"
         raise TypeError(f"te_jax: {where}: group_sizes must be int32 [G] = [{kernel.shape[0]}] (one row count per "
                         f"expert of the kernel), got {got}")
+    if kernel.shape[0] == 0:
+        raise ValueError(f"te_jax: {where}: the kernel has no expert (G = 0); give it at least one")
     if bias is not None and tuple(bias.shape) != (kernel.shape[0], kernel.shape[2]):
         raise ValueError(f"te_jax: {where}: bias must be [G, N] = {[kernel.shape[0], kernel.shape[2]]}, "
                          f"got {bias.shape}")
@@ -161,6 +167,9 @@ def check_blocks(q: DenseQuantizers, spans: int, k: int, n: int, where: str = _W
                 "(DelayedScaling, Float8CurrentScaling)")
 
 
+# Under an Explicit mesh: with the mesh's axes Auto (jax types neither its row gathers nor ragged products);
+# y keeps x's split of the rows and the kernel's of N, the new state the given state's types.
+@untyped_op(lambda out, a: (P(dim_spec(a["x"], 0), dim_spec(a["kernel"], 2)), specs_like(out[1], a["state"])))
 def grouped_dense(
     x: jax.Array,
     kernel: jax.Array,
@@ -178,7 +187,8 @@ def grouped_dense(
     Args:
       x: ``[M, K]`` float32/bfloat16/float16, rows sorted by group.
       kernel: ``[G, K, N]``, one weight per expert.
-      group_sizes: int32 ``[G]``: the rows of each expert, in order (sum <= M).
+      group_sizes: int32 ``[G]``: the rows of each expert, in order; a negative size counts as 0 and the groups
+        are cut at M (docs/numerics.md, "Edges").
       bias: ``[G, N]`` or None.
       quantizers: ``DenseQuantizers`` or a mapping role -> quantizer; None computes in high precision.
       state: role -> state of the stateful quantizers (``init_state(quantizers, G)``).
@@ -195,9 +205,10 @@ def grouped_dense(
       nothing is quantized).
     """
     q = as_quantizers(quantizers)
-    num_groups = check_grouped_inputs(x, kernel, group_sizes, bias)
+    num_groups = check_grouped_inputs(x, kernel, group_sizes, bias, quantized=q.any)
     group_align = _check_group_align(q, group_align)
     m, k = x.shape
+    group_sizes = valid_group_sizes(group_sizes, m, group_align)  # one meaning of any sizes, on every path
     n = kernel.shape[2]
     if not q.any:
         return _aligned_high_precision(x, kernel, group_sizes, bias, group_align), \
@@ -214,7 +225,8 @@ def grouped_dense(
     inner = check_grouped_state(q, state, num_groups)
     if key is None:
         check_key(q, FORWARD_FIELDS, _WHERE)
-    plan = _GroupedPlan(mesh_resource_or_autocast(mesh_resource), state_leaves(inner), (), vary_of(x, kernel, bias),
+    mesh_resource = mesh_resource_or_autocast(mesh_resource, x, where=_WHERE)
+    plan = _GroupedPlan(mesh_resource, state_leaves(inner), (), vary_of(x, kernel, bias),
                         None, q, align, spans, x.dtype, kernel.dtype, None if bias is None else bias.dtype,
                         group_align > 1)
     y, new_inner = _vjp(plan, x, kernel, group_sizes, bias, inner, raw_key(key))

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
+from jax.sharding import PartitionSpec as P
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.core import (GEMMS, PRE_ACTIVATION, GemmQuant, MLPQuantizers, Plan, as_mlp_quantizers,
@@ -54,6 +55,8 @@ from te_jax.ops import norm_act as act_ops
 from te_jax.quantize import fused
 from te_jax.spec import reference_norm_act as ref_norm_act
 from te_jax.ops.sharding import MeshResource, to_varying
+from te_jax.ops.grouped.layout import valid_group_sizes
+from te_jax.ops.sharding_types import dim_spec, specs_like, untyped_op
 
 __all__ = ["grouped_mlp"]
 
@@ -72,6 +75,9 @@ class _GroupedMLPPlan(Plan):
     bo_dtype: Any
 
 
+# Under an Explicit mesh: with the mesh's axes Auto (jax types neither its row gathers nor ragged products);
+# y keeps x's split of the rows and the wo's of N, the new state the given state's types.
+@untyped_op(lambda out, a: (P(dim_spec(a["x"], 0), dim_spec(a["wo"], 2)), specs_like(out[1], a["state"])))
 def grouped_mlp(
     x: jax.Array,
     wi: jax.Array,
@@ -117,6 +123,7 @@ def grouped_mlp(
         raise ValueError(f"te_jax: {_WHERE}: group_align must be a positive multiple of {need} (both GEMMs' "
                          f"span_alignment) that divides x's {x.shape[0]} rows, got {group_align!r}; lay x out with "
                          "te_jax.moe.permute(..., align=group_align)")
+    group_sizes = valid_group_sizes(group_sizes, x.shape[0], group_align)  # grouped_dense's one meaning of any sizes
     if not q.any:
         y = _high_precision(x, wi, wo, group_sizes, wi_bias, wo_bias, activation, group_align)
         return y, None if state is None else {g: dict((state or {}).get(g) or {}) for g in GEMMS}
@@ -127,7 +134,8 @@ def grouped_mlp(
     if key is None:
         for g, qg in q.by_gemm().items():
             check_key(qg, FORWARD_FIELDS, f"{_WHERE} ({g})")
-    plan = _GroupedMLPPlan(mesh_resource_or_autocast(mesh_resource), tuple((g, state_leaves(inner[g])) for g in GEMMS),
+    mesh_resource = mesh_resource_or_autocast(mesh_resource, x, where=_WHERE)
+    plan = _GroupedMLPPlan(mesh_resource, tuple((g, state_leaves(inner[g])) for g in GEMMS),
                            (), vary_of(x, wi, wi_bias, wo, wo_bias), None, q, activation, group_align, x.dtype,
                            None if wi_bias is None else wi_bias.dtype, None if wo_bias is None else wo_bias.dtype)
     y, new_inner = _vjp(plan, x, wi, wi_bias, wo, wo_bias, group_sizes, inner, raw_key(key))

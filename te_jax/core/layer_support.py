@@ -7,7 +7,6 @@ its arrays and keys.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,14 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.linen import dtypes as flax_dtypes
-from jax import lax
 
 from te_jax.core.gemm_quant import NORM_TYPES
-from te_jax.core.layernorm_mlp import ACTIVATIONS, GATED
+from te_jax.core.unquantized import KERNEL_DTYPES, dtype_problem, quantized_dtype_error
+from te_jax.core.unquantized import flax_normalize  # noqa: F401  (the layers' import path)
+from te_jax.ops.norm_act import ACTIVATIONS, GATED
+from te_jax.recipe.autocast import current_recipe
 
-HIGH_PRECISION = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+HIGH_PRECISION = KERNEL_DTYPES
 Initializer = Callable[..., Any]
-_OPS = ("dense", "grouped_dense", "layernorm_dense", "layernorm_mlp")  # the functional ops, named in their errors
+_OPS = ("dense", "grouped_dense", "layernorm_dense", "layernorm_mlp", "dot_general", "einsum",
+        "ragged_dot")  # the functional ops, named in their errors
 # TransformerEngine-style activation tuples.
 _ACTIVATION_TUPLES = {("gelu",): "gelu", ("relu",): "relu", ("silu",): "silu", ("swish",): "silu",
                       ("squared_relu",): "squared_relu", ("silu", "linear"): "swiglu", ("swish", "linear"): "swiglu",
@@ -36,16 +38,24 @@ def describe(layer: object, path: Sequence[str]) -> str:
 
 
 def check_dtypes(where: str, dtype=None, param_dtype=None, x: jax.Array | None = None) -> None:
-    """``dtype``, ``param_dtype`` and the input must be float32, bfloat16 or float16 (a clear error otherwise)."""
+    """``dtype``, ``param_dtype`` and the input must be float32, bfloat16 or float16, or float64 outside
+    ``te_jax.autocast`` (flax's computation; the active recipe is read here), with a clear error otherwise."""
+    quantized = current_recipe() is not None
     for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
-        if value is not None and jnp.dtype(value) not in HIGH_PRECISION:
+        problem = None if value is None else dtype_problem(value, quantized)
+        if problem == "quantized":
+            raise quantized_dtype_error(where, name, value, f"pass {name}=jnp.float32")
+        if problem == "invalid":
             raise TypeError(f"te_jax: {where}: {name}={jnp.dtype(value)} is not supported; use float32, bfloat16 "
-                            "or float16")
+                            "or float16 (float64 outside te_jax.autocast)")
     if x is not None:
         x_dtype = getattr(x, "dtype", None)
-        if x_dtype is None or jnp.dtype(x_dtype) not in HIGH_PRECISION:
-            raise TypeError(f"te_jax: {where}: the input must be a float32, bfloat16 or float16 array, "
-                            f"got {x_dtype if x_dtype is not None else type(x).__name__}")
+        problem = "invalid" if x_dtype is None else dtype_problem(x_dtype, quantized)
+        if problem == "quantized":
+            raise quantized_dtype_error(where, "the input", x_dtype, "cast it with x.astype(jnp.float32)")
+        if problem == "invalid":
+            raise TypeError(f"te_jax: {where}: the input must be a float32, bfloat16 or float16 array (float64 "
+                            f"outside te_jax.autocast), got {x_dtype if x_dtype is not None else type(x).__name__}")
 
 
 def canonical_input(x) -> jax.Array:
@@ -92,53 +102,6 @@ def norm_uses_bias(layernorm_type: str, use_bias: bool | None, where: str) -> bo
     if use_bias and layernorm_type == "rmsnorm":
         raise ValueError(f"te_jax: {where}: rmsnorm has no bias; leave use_bias unset (None) or False")
     return layernorm_type == "layernorm" if use_bias is None else bool(use_bias)
-
-
-def flax_normalize(x, gamma, beta, *, layernorm_type: str, zero_centered_gamma: bool, epsilon: float,
-                   use_fast_variance: bool, force_float32_reductions: bool, reduction_dtype, param_dtype, dtype,
-                   mask=None) -> jax.Array:
-    """flax's LayerNorm (RMSNorm) statistics and normalization over the last axis, in its order of operations.
-
-    Args:
-      x: the input (flax.nnx's layers promote it with the parameters first).
-      gamma, beta: ``[H]`` scale and bias, or None.
-      layernorm_type: "layernorm" or "rmsnorm".
-      zero_centered_gamma: scale by ``1 + gamma``.
-      epsilon: added to the variance.
-      use_fast_variance: ``E[x^2] - E[x]^2`` rather than ``E[(x - E[x])^2]``.
-      force_float32_reductions: statistics in at least float32 (flax.linen's
-        switch; flax.nnx always does).
-      reduction_dtype: the layer's ``dtype`` argument (None: the input's), which the statistics use.
-      param_dtype: the parameters' dtype (read without float32 reductions).
-      dtype: the output dtype.
-      mask: broadcastable to ``x``; the elements the statistics read.
-    """
-    stats_dtype = jnp.result_type(x) if reduction_dtype is None else reduction_dtype
-    if force_float32_reductions:
-        stats_dtype = jnp.promote_types(stats_dtype, jnp.float32)
-    xs = x.astype(stats_dtype)
-    where = None if mask is None else jnp.asarray(mask, bool)
-    mean = functools.partial(jnp.mean, axis=-1, keepdims=True, where=where)
-    if layernorm_type == "rmsnorm":
-        var = mean(lax.square(xs))
-        mu = jnp.zeros_like(var)
-    elif use_fast_variance:
-        squares = lax.square(xs)  # before the means: the order of uses sets how x's gradient terms add up
-        mu, mu2 = mean(xs), mean(squares)
-        var = jnp.maximum(0.0, mu2 - lax.square(mu))
-    else:
-        mu = mean(xs)
-        var = mean(lax.square(xs - mu))
-    y = x - mu
-    mul = lax.rsqrt(var + epsilon)
-    if gamma is not None:
-        if not force_float32_reductions:
-            gamma = jnp.asarray(gamma, param_dtype)
-        mul = mul * (gamma + 1 if zero_centered_gamma else gamma)
-    y = y * mul
-    if beta is not None:
-        y = y + (beta if force_float32_reductions else jnp.asarray(beta, param_dtype))
-    return jnp.asarray(y, dtype)
 
 
 def dropout_mask(draw_key: Callable[[], jax.Array], rate: float, shape, broadcast_dims, dtype, deterministic: bool,

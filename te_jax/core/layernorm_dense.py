@@ -46,13 +46,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from te_jax.core import (NORM_STATS, PRE_ACTIVATION, QUANTIZED, DenseQuantizers, GemmQuant, Plan, as_quantizers,
-                          check_gemm, check_high_precision, check_no_dot_general, cotangent, fp8_checkpoint_policy,
+                          check_gemm, check_no_dot_general, cotangent, fp8_checkpoint_policy,
                           given_stats, high_precision_state, keep, mesh_resource_or_autocast, raw_key,
                           save_fp8_policy, state_cotangent, state_leaves, updated_state, vary_of)
-from te_jax.core.gemm_quant import NormSpec, as_norm, norm_backward, norm_input, normalize_hp
+from te_jax.core.dense import dense
+from te_jax.core.gemm_quant import NormSpec, as_norm, check_recompute, norm_backward, norm_input, recomputing_norm_act
+from te_jax.core.unquantized import check_dtypes, normalize
 from te_jax.recipe.autocast import with_plan_mesh
 from te_jax.core.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves
 from te_jax.ops.sharding import MeshResource, to_varying
+from te_jax.ops.sharding_types import dot_general as typed_dot, product_type, reshape, retype
 
 __all__ = ["NORM_STATS", "PRE_ACTIVATION", "QUANTIZED", "fp8_checkpoint_policy", "layernorm_dense",
            "save_fp8_policy"]
@@ -88,6 +91,7 @@ def layernorm_dense(
     precision=None,
     inspect: bool | Sample = False,
     dot_general=None,
+    recompute_norm_act: bool = False,
 ) -> tuple[jax.Array, dict[str, Any] | None]:
     """``norm(x) @ kernel + bias`` over x's last axis, with the norm fused into the input's cast.
 
@@ -105,6 +109,9 @@ def layernorm_dense(
       inspect: quantization statistics, as in ``te_jax.dense``.
       dot_general: the product of the unquantized path instead of
         ``lax.dot_general`` (e.g. a flax ``Fp8DotGeneral`` instance); only without quantizers.
+      recompute_norm_act: with a norm, the backward does not keep the norm's output (its FP8 copy under
+        a recipe) but recomputes it from the input, which it keeps anyway (``te_jax.layernorm_mlp``).
+        Not with ``dot_general``.
 
     Returns:
       ``(y [..., *features], new_state)``, new_state as in ``te_jax.dense``.
@@ -113,8 +120,9 @@ def layernorm_dense(
     q = as_quantizers(quantizers)
     inspect = as_sample(inspect)
     check_no_dot_general(where, dot_general, q.any)
+    check_recompute(where, recompute_norm_act, dot_general)
     norm = as_norm(norm_type, zero_centered_gamma, epsilon, gamma, beta, where)
-    check_high_precision(where, x=x, gamma=gamma, beta=beta, kernel=kernel, bias=bias)
+    check_dtypes(where, q.any, x=x, gamma=gamma, beta=beta, kernel=kernel, bias=bias)
     if x.ndim < 1 or kernel.ndim < 2 or x.shape[-1] != kernel.shape[0]:
         raise ValueError(f"te_jax: {where}: x [..., H] and kernel [H, *features] must share H; got x {x.shape}, "
                          f"kernel {kernel.shape}")
@@ -123,21 +131,33 @@ def layernorm_dense(
         raise ValueError(f"te_jax: {where}: bias must have the kernel's feature shape {features}, got {bias.shape}")
     lead, h, n = x.shape[:-1], x.shape[-1], math.prod(features)
     dtype = kernel.dtype
+    if x.size == 0 and q.any:  # no row, or H = 0: the norm's output is empty, and dense's GEMMs take that
+        return dense(jnp.zeros(x.shape, dtype), kernel, bias, quantizers=q, state=state, key=key,
+                     mesh_resource=mesh_resource, inspect=inspect)
+    recompute = recompute_norm_act and norm is not None
     if not q.any:
-        ln = normalize_hp(norm, x, gamma, beta, dtype)
-        y = (dot_general or lax.dot_general)(ln, kernel, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision)
+        def high_precision(x, gamma, beta, kernel):
+            ln = normalize(norm, x, gamma, beta, dtype) if x.size else jnp.zeros(x.shape, dtype)
+            return typed_dot(ln, kernel, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision, dot=dot_general)
+
+        y = recomputing_norm_act(high_precision, recompute)(x, gamma, beta, kernel)
         if bias is not None:
             y = y + bias.astype(y.dtype)
         return y, high_precision_state(state, inspect)
     inner = check_gemm(q, state, key, where)
-    x2, k2 = x.reshape(-1, h), kernel.reshape(h, n)
-    b2 = None if bias is None else bias.reshape(n)
+    x2, k2 = reshape(x, (-1, h)), reshape(kernel, (h, n))
+    b2 = None if bias is None else reshape(bias, (n,))
     qstats = stats_input(q.quantized_roles(), given_stats(state)) if inspect else None
-    plan = _LayerNormDensePlan(mesh_resource_or_autocast(mesh_resource), state_leaves(inner), stats_leaves(qstats),
-                               vary_of(x, gamma, beta, kernel, bias), inspect, q, norm, dtype, x.dtype,
+    mesh_resource = mesh_resource_or_autocast(mesh_resource, x, where=where)
+    plan = _LayerNormDensePlan(mesh_resource, state_leaves(inner), stats_leaves(qstats),
+                               vary_of(x2, gamma, beta, k2, b2), inspect, q, norm, dtype, x.dtype,
                                None if bias is None else bias.dtype)
-    y, new_inner, fwd_stats = _vjp(plan, x2, gamma, beta, k2, b2, inner, raw_key(key), qstats)
-    return y.reshape(*lead, *features), updated_state(state, new_inner, fwd_stats)
+    y, new_inner, fwd_stats = (_recomputing_vjp if recompute else _vjp)(plan, x2, gamma, beta, k2, b2, inner,
+                                                                        raw_key(key), qstats)
+    # Typed as jax types norm(x) @ kernel + bias (Explicit meshes).
+    y = retype(reshape(y, (*lead, *features)),
+               product_type(x, range(x.ndim - 1), kernel, range(1, kernel.ndim), bias))
+    return y, updated_state(state, new_inner, fwd_stats)
 
 
 class _Residuals(NamedTuple):
@@ -195,3 +215,4 @@ def _bwd(plan: _LayerNormDensePlan, res: _Residuals, cts):
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))
 _vjp.defvjp(_fwd, with_plan_mesh(_bwd))
+_recomputing_vjp = recomputing_norm_act(_vjp, True, static_argnums=(0,))  # recompute_norm_act=True, with a norm

@@ -46,15 +46,21 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from te_jax.core import (GEMMS, PRE_ACTIVATION, GemmQuant, MLPQuantizers, Plan, as_mlp_quantizers, check_gemm,
-                          check_high_precision, check_no_dot_general, cotangent, given_stats, high_precision_state,
+                          check_no_dot_general, cotangent, given_stats, high_precision_state,
                           keep, mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state,
                           vary_of)
-from te_jax.core.gemm_quant import NormSpec, as_norm, norm_backward, norm_input, normalize_hp
+from te_jax.core.dense import dense
+from te_jax.core.gemm_quant import NormSpec, as_norm, norm_backward, norm_input, split_stats, with_stats
+from te_jax.core.gemm_quant import NORM_ACT_OUTPUT, check_recompute, recomputing_norm_act
+from te_jax.core.layernorm_dense import layernorm_dense
+from te_jax.core.unquantized import activation as unquantized_activation
+from te_jax.core.unquantized import check_dtypes, normalize
 from te_jax.recipe.autocast import with_plan_mesh
 from te_jax.core.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves
 from te_jax.ops import norm_act as act_ops
 from te_jax.quantize import fused
 from te_jax.ops.sharding import MeshResource, to_varying
+from te_jax.ops.sharding_types import dot_general as typed_dot, product_type, reshape, retype
 
 __all__ = ["ACTIVATIONS", "GATED", "GEMMS", "MLPQuantizers", "act_out_features", "layernorm_mlp"]
 
@@ -112,6 +118,7 @@ def layernorm_mlp(
     precision=None,
     inspect: bool | Sample = False,
     dot_generals=None,
+    recompute_norm_act: bool = False,
 ) -> tuple[jax.Array, dict[str, Any] | None]:
     """``act(norm(x) @ kernel_1 + bias_1) [* dropout_mask] @ kernel_2 + bias_2``.
 
@@ -135,6 +142,11 @@ def layernorm_mlp(
       inspect: quantization statistics, as in ``te_jax.dense``, per GEMM.
       dot_generals: ``(first, second)`` products of the unquantized path instead of
         ``lax.dot_general`` (e.g. flax ``Fp8DotGeneral`` instances); only without quantizers.
+      recompute_norm_act: the backward keeps neither the norm's output nor the activation's (their FP8
+        copies under a recipe, bf16 without) and recomputes them from the input and the pre-activation,
+        which it keeps anyway: less memory between forward and backward (per token ``H + F`` elements of
+        the GEMM inputs' dtype), a fused norm and activation kernel more in the backward, no GEMM. The
+        values are the same bits. Not with ``dot_generals`` (flax's modules cannot run inside it).
 
     Returns:
       ``(y [..., H_out], new_state)``: new_state as in ``te_jax.dense``, per GEMM (the forward statistics
@@ -144,9 +156,10 @@ def layernorm_mlp(
     inspect = as_sample(inspect)
     q = as_mlp_quantizers(quantizers)
     check_no_dot_general(where, dot_generals, q.any)
+    check_recompute(where, recompute_norm_act, dot_generals)
     norm = as_norm(norm_type, zero_centered_gamma, epsilon, gamma, beta, where)
-    check_high_precision(where, x=x, gamma=gamma, beta=beta, kernel_1=kernel_1, bias_1=bias_1, kernel_2=kernel_2,
-                         bias_2=bias_2, dropout_mask=dropout_mask)
+    check_dtypes(where, q.any, x=x, gamma=gamma, beta=beta, kernel_1=kernel_1, bias_1=bias_1, kernel_2=kernel_2,
+                 bias_2=bias_2, dropout_mask=dropout_mask)
     h = x.shape[-1]
     if kernel_1.ndim < 2 or kernel_1.shape[0] != h:
         raise ValueError(f"te_jax: {where}: kernel_1 must be [H, ...] with x's H={h}, got {kernel_1.shape}")
@@ -165,42 +178,86 @@ def layernorm_mlp(
     lead, h_out, dtype = x.shape[:-1], kernel_2.shape[1], kernel_2.dtype
     if dropout_mask is not None and dropout_mask.shape != (*lead, f):
         raise ValueError(f"te_jax: {where}: dropout_mask must have shape {(*lead, f)}, got {dropout_mask.shape}")
-    k1 = kernel_1.reshape(h, n1)
-    b1 = None if bias_1 is None else bias_1.reshape(n1)
-    mask = None if dropout_mask is None else dropout_mask.astype(dtype).reshape(-1, f)
+    if x.size == 0 or f == 0:  # nothing to normalize or activate: the fused kernels take no empty matrix
+        return _unfused(x, gamma, beta, reshape(kernel_1, (h, n1)), None if bias_1 is None else reshape(bias_1, (n1,)),
+                        kernel_2, bias_2, dropout_mask, q, state, key, dict(
+                            norm_type=norm_type, zero_centered_gamma=zero_centered_gamma, epsilon=epsilon,
+                            mesh_resource=mesh_resource, precision=precision, inspect=inspect),
+                        activation, dot_generals)
+    k1 = reshape(kernel_1, (h, n1))  # a gated [H, 2, F] split along F is unsplit (Explicit meshes: typed)
+    b1 = None if bias_1 is None else reshape(bias_1, (n1,))
+    mask = None if dropout_mask is None else reshape(dropout_mask.astype(dtype), (-1, f))
+    y_type = product_type(x, range(x.ndim - 1), kernel_2, (1,), bias_2)  # as jax types the MLP's output
     if not q.any:
-        y = _high_precision(norm, activation, x, gamma, beta, k1, b1, kernel_2, bias_2, mask,
-                            precision, dot_generals or (lax.dot_general, lax.dot_general))
-        return y.reshape(*lead, h_out), high_precision_state(state, inspect)
+        def high_precision(x, gamma, beta, k1, b1, k2, b2, mask):
+            return _high_precision(norm, activation, x, gamma, beta, k1, b1, k2, b2, mask, precision,
+                                   dot_generals or (None, None))
+
+        y = recomputing_norm_act(high_precision, recompute_norm_act)(
+            x, gamma, beta, k1, b1, kernel_2, bias_2, mask)
+        return retype(reshape(y, (*lead, h_out)), y_type), high_precision_state(state, inspect)
     state = dict(state or {})
     inner = {g: check_gemm(qg, state.get(g), key, f"{where} ({g})") for g, qg in q.by_gemm().items()}
     qstats = None
     if inspect:
         given = dict(given_stats(state) or {})
         qstats = {g: stats_input(qg.quantized_roles(), given.get(g)) for g, qg in q.by_gemm().items()}
-    plan = _MLPPlan(mesh_resource_or_autocast(mesh_resource), tuple((g, state_leaves(inner[g])) for g in GEMMS),
+    mesh_resource = mesh_resource_or_autocast(mesh_resource, x, where=where)
+    x2 = reshape(x, (-1, h))
+    plan = _MLPPlan(mesh_resource, tuple((g, state_leaves(inner[g])) for g in GEMMS),
                     tuple((g, stats_leaves(qstats[g])) for g in GEMMS) if inspect else (),
-                    vary_of(x, gamma, beta, kernel_1, bias_1, kernel_2, bias_2, dropout_mask), inspect, q, norm,
+                    vary_of(x2, gamma, beta, k1, b1, kernel_2, bias_2, mask), inspect, q, norm,
                     activation, dtype, x.dtype, None if b1 is None else b1.dtype,
                     None if bias_2 is None else bias_2.dtype)
-    y, new_inner, fwd_stats = _vjp(plan, x.reshape(-1, h), gamma, beta, k1, b1, kernel_2, bias_2, mask, inner,
-                                   raw_key(key), qstats)
+    y, new_inner, fwd_stats = (_recomputing_vjp if recompute_norm_act else _vjp)(
+        plan, x2, gamma, beta, k1, b1, kernel_2, bias_2, mask, inner, raw_key(key), qstats)
     updates = {g: {**dict(state.get(g) or {}), **new_inner[g]} for g in GEMMS}
-    return y.reshape(*lead, h_out), updated_state(state, updates, fwd_stats)
+    return retype(reshape(y, (*lead, h_out)), y_type), updated_state(state, updates, fwd_stats)
 
 
 def _high_precision(norm, activation, x, gamma, beta, k1, b1, k2, b2, mask, precision, dots):
     """Plain autodiff on the unquantized fused kernels: what flax.linen's LayerNorm-Dense-act-Dense computes."""
     dtype = k2.dtype
-    ln = normalize_hp(norm, x, gamma, beta, dtype)
-    hid = dots[0](ln, k1, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision)
+    ln = normalize(norm, x, gamma, beta, dtype)
+    hid = typed_dot(ln, k1, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision, dot=dots[0])
     if b1 is not None:
         hid = hid + b1.astype(hid.dtype)
-    a = act_ops.apply_activation(hid, activation)
+    a = unquantized_activation(checkpoint_name(hid, PRE_ACTIVATION), activation)
     if mask is not None:
         a = a * mask.reshape(a.shape)
-    y = dots[1](a, k2, (((a.ndim - 1,), (0,)), ((), ())), precision=precision)
+    y = typed_dot(a, k2, (((a.ndim - 1,), (0,)), ((), ())), precision=precision, dot=dots[1])
     return y if b2 is None else y + b2.astype(y.dtype)
+
+
+def _unfused(x, gamma, beta, k1, b1, k2, b2, mask, q: MLPQuantizers, state, key, options: dict, activation: str,
+             dots) -> tuple[jax.Array, dict[str, Any] | None]:
+    """``layernorm_dense``, the activation and ``dense`` in turn, for an empty ``x`` or F = 0.
+
+    The fused norm and activation kernels take no empty matrix. The results
+    are empty, or (H = 0) the biases' terms; the weights are quantized and
+    their state recorded as in the fused form (an empty tensor's amax is 0),
+    with the keys and statistics of each GEMM. ``options``: the norm's and
+    ``mesh_resource``, ``precision``, ``inspect``.
+    """
+    state = dict(state or {})
+    given = dict(given_stats(state) or {})
+    inspect = as_sample(options["inspect"])
+    ki, ko = _keys(key)
+    hid, wi_state = layernorm_dense(x, gamma, beta, k1, b1, quantizers=q.wi, key=ki,
+                                    state=with_stats(state.get("wi"), given.get("wi")),
+                                    dot_general=dots[0] if dots else None, **options)
+    a = unquantized_activation(hid, activation) if hid.size else jnp.zeros((*hid.shape[:-1], k2.shape[0]), hid.dtype)
+    if mask is not None:
+        a = a * mask.astype(a.dtype)
+    if not q.any:
+        y = typed_dot(a, k2, (((a.ndim - 1,), (0,)), ((), ())), precision=options["precision"],
+                      dot=dots[1] if dots else None)
+        return (y if b2 is None else y + b2.astype(y.dtype)), high_precision_state(state, inspect)
+    y, wo_state = dense(a, k2, b2, quantizers=q.wo, key=ko, state=with_stats(state.get("wo"), given.get("wo")),
+                        mesh_resource=options["mesh_resource"], inspect=inspect)
+    (wi_state, wi_stats), (wo_state, wo_stats) = split_stats(wi_state), split_stats(wo_state)
+    return y, updated_state(state, {"wi": wi_state, "wo": wo_state},
+                            None if wi_stats is None else {"wi": wi_stats, "wo": wo_stats})
 
 
 def _keys(key):
@@ -211,13 +268,13 @@ def _activation_output(plan: _MLPPlan, go: GemmQuant, hid, mask, training: bool)
     """``act(hid)`` written by wo's input quantizer (fused unless dropout sits in between)."""
     if mask is not None:
         a = fused.activation(hid, plan.activation, out_dtype=plan.dtype) * mask
-        return go.quantize("input", a, rowwise=True, colwise=training)
+        return go.quantize("input", a, rowwise=True, colwise=training, name=NORM_ACT_OUTPUT)
     if not go.has("input"):
         return fused.activation(hid, plan.activation, out_dtype=plan.dtype)
     return go.run("input", lambda qz, st, k: (fused.activation(hid, plan.activation, qz, st, rowwise=True,
                                                                colwise=training, key=k),),
                   lambda rows: fused.activation(hid[rows], plan.activation, out_dtype=jnp.float32,
-                                                backend="reference"))[0]
+                                                backend="reference"), NORM_ACT_OUTPUT)[0]
 
 
 class _Residuals(NamedTuple):
@@ -316,3 +373,4 @@ def _bwd(plan: _MLPPlan, res: _Residuals, cts):
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))
 _vjp.defvjp(_fwd, with_plan_mesh(_bwd))
+_recomputing_vjp = recomputing_norm_act(_vjp, True, static_argnums=(0,))  # recompute_norm_act=True

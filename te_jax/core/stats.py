@@ -21,6 +21,12 @@ without any gives 0.
 * ``scale_log2_range``: ``log2(max / min)`` of the decode scales of the
   blocks holding a nonzero value (0 for per-tensor modes: one scale).
 * ``scale_log2_std``: the standard deviation of those blocks' ``log2`` decode scales.
+* ``skipped_update``: 1 when this step's delayed-scaling update of the
+  tensor's state was skipped (its amax was NaN or Inf, or
+  ``scaling_factor_compute_algo`` returned a scale that is not finite and
+  positive: ``te_jax.quantize.delayed``), else 0 (and 0 for a quantizer
+  without state). Uses of a layer in one step merge by max; summed over steps
+  (``te_jax.inspect.mean_over``) it counts the skipped steps.
 
 Blocks whose decode scale is 0 or not finite (an NVFP4 block scale that
 underflowed in E4M3) are left out of the scale statistics; ``underflow`` shows them.
@@ -56,7 +62,10 @@ from te_jax.recipe.autocast import Sample, as_sample  # noqa: F401  (re-exported
 from te_jax.ops.sharding import dim_shards, explicit_axes, match_cotangent, varying_axes
 
 STATS_COLLECTION = "fp8_stats"
-STAT_NAMES = ("amax", "scale", "underflow", "saturation", "rel_error", "scale_log2_range", "scale_log2_std")
+# What a tensor and its quantization give; then what its state update gives.
+TENSOR_STAT_NAMES = ("amax", "scale", "underflow", "saturation", "rel_error", "scale_log2_range", "scale_log2_std")
+STAT_NAMES = (*TENSOR_STAT_NAMES, "skipped_update")
+COUNTED = ("skipped_update",)  # statistics summed, not averaged, over steps
 SATURATION_MARGIN = 2.0**-16
 COPIES = ("rowwise", "colwise")
 _BLOCK = {ScalingMode.MXFP8: 32, ScalingMode.FP8_BLOCK: 128, ScalingMode.NVFP4: 16}
@@ -231,7 +240,22 @@ def tensor_stats(x: jax.Array | Callable[[slice], jax.Array], t: ScaledTensor, c
       copy: "rowwise" (the ``[M, N]`` matrix) or "colwise" (``[N, M]``,
         compared in the Hadamard domain when ``t.rht``).
       sample: which rows to read (None: all; see the module docstring).
+
+    ``skipped_update`` is 0 here (a tensor alone has no state update); the
+    functional ops set it for a stateful quantizer (``with_skipped_update``).
     """
+    return {**_stats_of(x, t, copy, sample), "skipped_update": jnp.zeros((), jnp.float32)}
+
+
+def with_skipped_update(stats: Stats, skipped: jax.Array) -> Stats:
+    """``stats`` with ``skipped_update`` the max of ``skipped`` (1 where the quantizer's state update skipped this
+    step, ``te_jax.quantize.delayed.update_skipped``)."""
+    return {**stats, "skipped_update": jnp.max(jnp.asarray(skipped, jnp.float32))}
+
+
+def _stats_of(x: jax.Array | Callable[[slice], jax.Array], t: ScaledTensor, copy: str,
+              sample: Sample | None) -> Stats:
+    """``tensor_stats`` but ``skipped_update``."""
     if copy not in COPIES:
         raise ValueError(f"te_jax.inspect: copy must be one of {COPIES}, got {copy!r}")
     whole = x(slice(None)) if callable(x) else x
@@ -300,4 +324,4 @@ def _tensor_stats(x: jax.Array, t: ScaledTensor, copy: str, every: int, presampl
         out.update(scale=nm.reciprocal(decode.reshape(())), scale_log2_range=zero, scale_log2_std=zero)
     else:
         out.update(_scale_stats(log2, *totals[6:]))
-    return {n: out[n].astype(jnp.float32) for n in STAT_NAMES}
+    return {n: out[n].astype(jnp.float32) for n in TENSOR_STAT_NAMES}

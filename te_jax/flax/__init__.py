@@ -13,6 +13,9 @@
 Each layer takes its flax.linen namesake's arguments (plus logical axis names
 for its parameters) and, with autocast off, computes what that namesake
 computes (``MoE``, which has no flax namesake, computes in high precision).
+``DotGeneral`` goes where flax.linen takes a ``dot_general_cls`` (nn.Dense,
+nn.DenseGeneral, nn.MultiHeadDotProductAttention) and keeps its state in
+flax's "_overwrite_with_gradient" collection (``te_jax.flax.inject``).
 The functional cores are ``te_jax.dense``, ``te_jax.grouped_dense``,
 ``te_jax.layernorm_dense`` and ``te_jax.layernorm_mlp``.
 
@@ -22,20 +25,32 @@ layer also records its tensors' statistics in the "fp8_stats" collection
 
 Rematerialization: ``nn.remat(Layer, policy=te_jax.flax.save_fp8_policy)``
 keeps the FP8 copies (and norm statistics) instead of recomputing the casts
-in backward; ``fp8_checkpoint_policy(PRE_ACTIVATION)`` also keeps the MLP's
-first GEMM output. Every layer's quantized copies carry these names (the
-functional cores name them; ``te_jax.core.gemm_quant``).
+in backward; ``save_fp8_and_pre_activation_policy`` also keeps the MLP's
+first GEMM output, ``save_nothing_policy`` only the block's input, and
+``offload_fp8_policy()`` moves the FP8 copies to host memory until the
+backward. Every layer's quantized copies carry these names (the functional
+cores name them; ``te_jax.core.gemm_quant``). Without remat, a layer's
+``recompute_norm_act=True`` drops the norm's and activation's outputs
+(their FP8 copies under a recipe) from what the backward keeps, and
+recomputes them there from the input and pre-activation it keeps anyway.
+Memory of each choice: benchmarks/README.md, "Memory".
 """
 
-from te_jax.flax.dense import DenseGeneral
+from te_jax.flax.dense import Dense, DenseGeneral
+from te_jax.flax.einsum import Einsum
+from te_jax.flax.inject import DotGeneral
 from te_jax.flax.layernorm import LayerNorm, LayerNormDenseGeneral
 from te_jax.flax.mlp import LayerNormMLP
 from te_jax.flax.moe import MoE
+from te_jax.flax.ragged import RaggedDot
 from te_jax.flax.transformer import SelfAttention, TransformerLayer, rotary_embedding
 from te_jax.core.gemm_quant import NORM_STATS, PRE_ACTIVATION, QUANTIZED, fp8_checkpoint_policy, save_fp8_policy
+from te_jax.core.gemm_quant import (NORM_ACT_OUTPUT, offload_fp8_policy, save_fp8_and_pre_activation_policy,
+                                    save_nothing_policy)
 
 __all__ = [
-    "DenseGeneral", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MoE", "NORM_STATS", "PRE_ACTIVATION",
-    "QUANTIZED", "SelfAttention", "TransformerLayer", "fp8_checkpoint_policy", "rotary_embedding",
-    "save_fp8_policy",
+    "Dense", "DenseGeneral", "DotGeneral", "Einsum", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP", "MoE",
+    "NORM_ACT_OUTPUT", "NORM_STATS", "PRE_ACTIVATION",
+    "QUANTIZED", "RaggedDot", "SelfAttention", "TransformerLayer", "fp8_checkpoint_policy", "rotary_embedding",
+    "offload_fp8_policy", "save_fp8_and_pre_activation_policy", "save_fp8_policy", "save_nothing_policy",
 ]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -17,11 +18,13 @@ from te_jax.core import stats as inspect_stats
 from te_jax.core.layer_support import (  # noqa: F401  (shared with the modules)
     HIGH_PRECISION, Initializer, canonical_input, compute_dtype)
 from te_jax.core.layer_support import located, norm_uses_bias
+from te_jax.core.forward_updates import record_forward_updates
 from te_jax.core.gemm_quant import missing_state_error
 from te_jax.core.stats import STATS_COLLECTION
 from te_jax.recipe.autocast import current_recipe, inspect_sample, inspecting
 from te_jax.spec.names import FP8_COLLECTION
 from te_jax.spec.names import QUANTIZE_RNG
+from te_jax.train.step import apply_fp8_update, merge_fp8_updates
 
 
 def module_path(module) -> tuple[str, ...]:
@@ -96,6 +99,16 @@ def recipe_or_none():
     return current_recipe()
 
 
+def recipe_of_dense(module: nn.Module):
+    """``recipe_or_none()`` for a Dense-like ``module``, refusing a custom ``dot_general`` / ``dot_general_cls``
+    under a recipe (te_jax's quantized GEMMs replace it)."""
+    recipe = recipe_or_none()
+    if recipe is not None and (module.dot_general is not None or module.dot_general_cls is not None):
+        raise ValueError(f"te_jax: {where(module)}: dot_general / dot_general_cls cannot be combined with "
+                         "te_jax.autocast (te_jax's quantized GEMMs replace them); drop them")
+    return recipe
+
+
 def gemm_state(module: nn.Module, quantizers, name: str | None = None) -> dict[str, Any]:
     """A GEMM's state from ``fp8_meta`` (created when initializing).
 
@@ -110,13 +123,16 @@ def gemm_state(module: nn.Module, quantizers, name: str | None = None) -> dict[s
         if not module.has_variable(FP8_COLLECTION, n) and not module.is_mutable_collection(FP8_COLLECTION):
             raise missing_state_error(where(module), n)
     if name is None:
-        return {r: module.variable(FP8_COLLECTION, r, q.init_state).value for r, q in stateful.items()}
-    value = dict(module.variable(FP8_COLLECTION, name, quantizers.init_state).value)
-    missing = [r for r in stateful if r not in value]
-    if missing:
-        raise ValueError(f"te_jax: {where(module)}: {FP8_COLLECTION} state {name!r} lacks {missing}; re-initialize "
-                         "the model under this recipe")
-    return value
+        value = {r: module.variable(FP8_COLLECTION, r, q.init_state).value for r, q in stateful.items()}
+    else:
+        value = dict(module.variable(FP8_COLLECTION, name, quantizers.init_state).value)
+        missing = [r for r in stateful if r not in value]
+        if missing:
+            raise ValueError(f"te_jax: {where(module)}: {FP8_COLLECTION} state {name!r} lacks {missing}; "
+                             "re-initialize the model under this recipe")
+    # A layer called again in a mutable apply quantizes with the state the apply started from, as in training.
+    written = _written(module).get((FP8_COLLECTION, module_path(module), name)) if _writes(module) else None
+    return value if written is None else dict(written.start)
 
 
 def store_gemm_state(module: nn.Module, new_state: dict | None, name: str | None = None) -> None:
@@ -157,8 +173,61 @@ def stats_input(module: nn.Module, quantizers, name: str | None = None) -> dict[
 
 
 def store_stats(module: nn.Module, stats: dict | None = None, name: str | None = None) -> None:
-    """Writes the forward statistics when "fp8_stats" is mutable (not while initializing)."""
+    """Writes the forward statistics when "fp8_stats" is mutable (not while initializing); a layer called again
+    in one apply merges its statistics with those of its earlier calls by max, as training does."""
+    if stats and _writes(module, STATS_COLLECTION):
+        written, key = _written(module), (STATS_COLLECTION, module_path(module), name)
+        if key in written:
+            stored = (module.get_variable(STATS_COLLECTION, name) if name is not None else
+                      {r: module.get_variable(STATS_COLLECTION, r) for r in stats})
+            stats = {r: {k: jnp.maximum(stored[r][k], v) if k in stored.get(r, {}) else v for k, v in s.items()}
+                     for r, s in stats.items()}
+        written[key] = True
     _store(module, STATS_COLLECTION, stats, name, merge=True)
+
+
+# ---- a mutable apply: the uses of one layer merge as in training ----------------------------------------------
+
+_WRITTEN = "_te_jax_fp8_written"  # the attribute of an apply's root flax Scope: what the apply has written
+
+
+class _Written(NamedTuple):
+    """An "fp8_meta" entry a mutable apply wrote: the state the apply started from, the update forms merged so far."""
+
+    start: Any
+    update: Any
+
+
+def _written(module: nn.Module) -> dict:
+    """What this apply has written into "fp8_meta" and "fp8_stats", by ``(collection, module path, name)``.
+
+    Kept on the apply's root scope, which every ``apply`` (and the body of a lifted transformation) creates
+    afresh, so that a layer called again finds the state the apply started from.
+    """
+    root = module.scope.root
+    if not hasattr(root, _WRITTEN):
+        setattr(root, _WRITTEN, {})
+    return getattr(root, _WRITTEN)
+
+
+def _writes(module: nn.Module, collection: str = FP8_COLLECTION) -> bool:
+    """Whether this call stores into ``collection``: mutable, and not while initializing."""
+    return module.is_mutable_collection(collection) and not module.is_initializing()
+
+
+def _merge_into_apply(module: nn.Module, state: dict, update: dict, gemms: Sequence[str] | None) -> dict:
+    """The state to store after this call: the start of the apply with this call's update forms max-merged into
+    those of the layer's earlier calls in the apply (``te_jax.train.merge_fp8_updates``), as training merges them."""
+    written, path, out = _written(module), module_path(module), {}
+    for name in [None] if gemms is None else gemms:
+        start, upd = (state, update) if name is None else (state[name], update[name])
+        earlier = written.get((FP8_COLLECTION, path, name))
+        if earlier is not None:
+            upd = merge_fp8_updates(earlier.update, upd)
+        written[(FP8_COLLECTION, path, name)] = _Written(start, upd)
+        new = apply_fp8_update(start, upd)
+        out = new if name is None else {**out, name: new}
+    return out
 
 
 def _store(module: nn.Module, collection: str, entries: dict | None, name: str | None, merge: bool = False) -> None:
@@ -217,7 +286,10 @@ def call_op(module: nn.Module, quantizers, op: Callable, gemms: Sequence[str] | 
     Returns:
       y. The forward-updated state and the forward statistics are stored in
       "fp8_meta" and "fp8_stats" where those collections are mutable; the op's
-      errors name the module.
+      errors name the module. A layer called several times in one apply
+      quantizes each time with the state the apply started from, and stores
+      that state with the calls' updates merged by max, as
+      ``te_jax.train.value_and_grad`` merges them (statistics by max too).
     """
     if gemms is None:
         state, stats = gemm_state(module, quantizers), stats_input(module, quantizers)
@@ -227,11 +299,16 @@ def call_op(module: nn.Module, quantizers, op: Callable, gemms: Sequence[str] | 
         each = {g: stats_input(module, quantizers.by_gemm()[g], g) for g in gemms}
         inspect = inspect_arg(*each.values())
         stats = {g: v for g, v in each.items() if v is not None} if inspect else None
+    writes = _writes(module) and bool(jax.tree.leaves(state))
     try:
-        y, new_state = op(state=with_stats(state, stats), key=quantize_key(module, quantizers.any), inspect=inspect)
+        with record_forward_updates(state) if writes else contextlib.nullcontext() as forward:
+            y, new_state = op(state=with_stats(state, stats), key=quantize_key(module, quantizers.any),
+                              inspect=inspect)
     except ValueError as err:
         raise located(err, where(module)) from None
     new_state, fwd_stats = split_stats(new_state)
+    if writes:
+        new_state = _merge_into_apply(module, state, forward.updates(), gemms)
     if gemms is None:
         store_gemm_state(module, new_state)
         store_stats(module, fwd_stats)

@@ -1,4 +1,5 @@
-"""``te_jax.flax.DenseGeneral``: flax.linen.DenseGeneral whose GEMMs run in FP8 under te_jax.autocast."""
+"""``te_jax.flax.DenseGeneral`` and ``te_jax.flax.Dense``: flax.linen's namesakes whose GEMMs run in FP8 under
+te_jax.autocast."""
 
 from __future__ import annotations
 
@@ -86,11 +87,8 @@ class DenseGeneral(nn.Module):
                            self.bias_axes)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         C.check_dtypes(self, inputs)
-        recipe = C.recipe_or_none()
+        recipe = C.recipe_of_dense(self)
         custom = self.dot_general is not None or self.dot_general_cls is not None
-        if recipe is not None and custom:
-            raise ValueError(f"te_jax: {C.where(self)}: dot_general / dot_general_cls cannot be combined with "
-                             "te_jax.autocast (te_jax's quantized GEMMs replace them); drop them")
         if batch or custom:
             if recipe is not None:
                 raise ValueError(f"te_jax: {C.where(self)}: batch_dims are not supported under te_jax.autocast "
@@ -111,3 +109,55 @@ class DenseGeneral(nn.Module):
             expanded = tuple(inputs.shape[a] if a in batch else 1 for a in range(inputs.ndim) if a not in axis)
             out = out + jnp.reshape(bias, expanded + features)
         return out
+
+
+class Dense(nn.Module):
+    """flax.linen.Dense whose GEMMs run in FP8 under te_jax.autocast.
+
+    flax's name (auto-named "Dense_0"), arguments and parameters ("kernel"
+    ``[in, features]``, "bias" ``[features]``, the same initializers called
+    with the same shapes), so swapping ``nn.Dense`` for it loads a flax
+    checkpoint unchanged; without autocast it computes what flax computes, bit
+    for bit. Under ``te_jax.autocast(recipe=...)`` it calls ``te_jax.dense``
+    (state in ``fp8_meta/<path>/<role>``, as ``DenseGeneral``).
+
+    Attributes:
+      features, use_bias, dtype, param_dtype, precision, kernel_init, bias_init, promote_dtype: flax's.
+      kernel_axes, bias_axes: logical axis names (``nn.with_logical_partitioning``); () for none.
+      dot_general, dot_general_cls: flax's custom products, honoured without autocast only.
+    """
+
+    features: int
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    precision: Any = None
+    kernel_init: C.Initializer = nn.initializers.lecun_normal()
+    bias_init: C.Initializer = nn.initializers.zeros_init()
+    promote_dtype: Any = promote_dtype
+    dot_general: Any = None
+    dot_general_cls: Any = None
+    kernel_axes: tuple[str | None, ...] = ()
+    bias_axes: tuple[str | None, ...] = ()
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        """``inputs @ kernel + bias`` over the last axis."""
+        C.check_dtypes(self)
+        kernel = C.param(self, "kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype,
+                         self.kernel_axes)
+        bias = C.param(self, "bias", self.bias_init, (self.features,), self.param_dtype,
+                       self.bias_axes) if self.use_bias else None
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        C.check_dtypes(self, inputs)
+        recipe = C.recipe_of_dense(self)
+        if recipe is None:  # flax.linen.Dense's product, as flax writes it
+            dot = self.dot_general_cls() if self.dot_general_cls is not None else (self.dot_general or lax.dot_general)
+            y = dot(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision)
+            if bias is not None:
+                y += jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
+            return y
+        quantizers = DenseQuantizers.from_recipe(recipe, module_path(self))
+        return call_op(self, quantizers, functools.partial(
+            dense, inputs, kernel, bias, contracting_dims=((-1,), (0,)), quantizers=quantizers,
+            precision=self.precision))

@@ -118,6 +118,8 @@ class LayerNormDenseGeneral(nn.Module):
       kernel_axes, bias_axes, scale_axes, ln_bias_axes: logical axis names.
       dot_general_cls: as ``flax.linen.DenseGeneral``'s (e.g. ``nn.Fp8DirectDotGeneralOp``), for the
         unquantized path only: under a te_jax recipe the quantized GEMMs replace it.
+      recompute_norm_act: with the norm, the backward recomputes its output (FP8 copy) from the input it
+        keeps, instead of keeping it (``te_jax.layernorm_dense``).
     """
 
     features: int | Sequence[int]
@@ -141,6 +143,7 @@ class LayerNormDenseGeneral(nn.Module):
     scale_axes: tuple[str | None, ...] = ()
     ln_bias_axes: tuple[str | None, ...] = ()
     dot_general_cls: Any = None
+    recompute_norm_act: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -161,11 +164,12 @@ class LayerNormDenseGeneral(nn.Module):
         C.check_dtypes(self, jnp.zeros((), dtype))
         kernel = kernel.astype(dtype).reshape(int(np.prod(in_shape)), *features)
         bias = None if bias is None else bias.astype(dtype)
-        x = x.reshape(*x.shape[:x.ndim - n_in], -1) if n_in > 1 else x
+        x = x.reshape(*x.shape[:x.ndim - n_in], int(np.prod(in_shape))) if n_in > 1 else x
         if not self.enable_layernorm:
             x = x.astype(dtype)
         quantizers = DenseQuantizers.from_recipe(C.recipe_or_none(), module_path(self))
         return call_op(self, quantizers, functools.partial(
             layernorm_dense, x, gamma, beta, kernel, bias, norm_type=kind, zero_centered_gamma=zcg,
             epsilon=self.epsilon, quantizers=quantizers, precision=self.precision,
-            dot_general=C.dot_general_of(self, self.dot_general_cls, quantizers.any)))
+            dot_general=C.dot_general_of(self, self.dot_general_cls, quantizers.any),
+            recompute_norm_act=self.recompute_norm_act))

@@ -45,6 +45,9 @@ class LayerNormMLP(nn.Module):
       kernel_axes_1, kernel_axes_2, bias_axes_1, bias_axes_2, scale_axes,
         ln_bias_axes: logical axis names.
       dot_general_cls: as ``flax.linen.Dense``'s, one instance per GEMM, for the unquantized path only.
+      recompute_norm_act: the backward recomputes the norm's and the activation's outputs (their FP8
+        copies) from the input and pre-activation it keeps, instead of keeping them
+        (``te_jax.layernorm_mlp``): less memory, two fused kernels more in the backward.
     """
 
     intermediate_dim: int = 2048
@@ -73,6 +76,7 @@ class LayerNormMLP(nn.Module):
     scale_axes: tuple[str | None, ...] = ()
     ln_bias_axes: tuple[str | None, ...] = ()
     dot_general_cls: Any = None
+    recompute_norm_act: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, deterministic: bool = True) -> jax.Array:
@@ -105,4 +109,5 @@ class LayerNormMLP(nn.Module):
             layernorm_mlp, x, gamma, beta, k1, b1, k2, b2, activation=act, norm_type=kind, zero_centered_gamma=zcg,
             epsilon=self.epsilon, dropout_mask=mask, quantizers=quantizers, precision=self.precision,
             dot_generals=None if self.dot_general_cls is None else tuple(
-                C.dot_general_of(self, self.dot_general_cls, quantizers.any) for _ in range(2))), gemms=GEMMS)
+                C.dot_general_of(self, self.dot_general_cls, quantizers.any) for _ in range(2)),
+            recompute_norm_act=self.recompute_norm_act), gemms=GEMMS)

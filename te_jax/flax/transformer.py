@@ -51,13 +51,15 @@ class SelfAttention(nn.Module):
     implementation: str | None = None
     logical_axes: bool = False
     dot_general_cls: Any = None
+    recompute_norm_act: bool = False  # the qkv projection's norm output (LayerNormDenseGeneral)
 
     @nn.compact
     def __call__(self, x, mask=None, positions=None):
         n, kv, d, h = self.num_heads, self.num_kv_heads, self.head_dim, x.shape[-1]
         ax = self.logical_axes
         common = dict(use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
-                      dtype=self.dtype, param_dtype=self.param_dtype, dot_general_cls=self.dot_general_cls)
+                      dtype=self.dtype, param_dtype=self.param_dtype, dot_general_cls=self.dot_general_cls,
+                      recompute_norm_act=self.recompute_norm_act)
         g = n // kv  # grouped per key/value head: [kv, n/kv query heads + key + value, d] (split_qkv)
         qkv = LayerNormDenseGeneral(features=(kv, g + 2, d), layernorm_type=self.layernorm_type,
                                     zero_centered_gamma=self.zero_centered_gamma, epsilon=self.epsilon, name="qkv",
@@ -102,6 +104,10 @@ class TransformerLayer(nn.Module):
       logical_axes: give the parameters logical axis names ("embed", "heads", "qkv", "kv", "mlp", "act").
       dot_general_cls: flax's custom product for every projection (e.g. ``nn.Fp8DirectDotGeneralOp``:
         the same block with flax's FP8), for the unquantized path only.
+      recompute_norm_act: the backward recomputes both norms' outputs and the MLP activation's output
+        (their FP8 copies) from the tensors it keeps anyway instead of keeping them: per token
+        ``2 H + F`` elements less memory, three fused memory-bound kernels more in the backward
+        (benchmarks/README.md, "Memory").
     """
 
     num_attention_heads: int = 8
@@ -126,6 +132,7 @@ class TransformerLayer(nn.Module):
     bias_init: C.Initializer = nn.initializers.zeros_init()
     logical_axes: bool = False
     dot_general_cls: Any = None
+    recompute_norm_act: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, *, mask: jax.Array | None = None, positions: jax.Array | None = None,
@@ -140,7 +147,8 @@ class TransformerLayer(nn.Module):
         n, kv, d = attention_heads(h, self.num_attention_heads, self.num_gqa_groups, self.head_dim, C.where(self))
         norm = dict(layernorm_type=self.layernorm_type, zero_centered_gamma=self.zero_centered_gamma)
         common = dict(use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init,
-                      dtype=self.dtype, param_dtype=self.param_dtype, dot_general_cls=self.dot_general_cls)
+                      dtype=self.dtype, param_dtype=self.param_dtype, dot_general_cls=self.dot_general_cls,
+                      recompute_norm_act=self.recompute_norm_act)
         attn = SelfAttention(n, kv, d, epsilon=self.layernorm_epsilon, causal=self.causal,
                              rotary=self.enable_rotary_pos_emb, rotary_base=self.rotary_base,
                              implementation=self.attention_implementation, logical_axes=self.logical_axes,

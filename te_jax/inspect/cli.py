@@ -42,9 +42,9 @@ SHORT_NAMES = {"delayed": R.DelayedScaling, "current": R.Float8CurrentScaling, "
 VOCAB = 256
 
 
-def make_recipe(name: str) -> R.Recipe:
+def make_recipe(name: str, num_layers: int | None = None) -> R.Recipe:
     """A short name (``SHORT_NAMES``) or anything ``te_jax.recipe.load_recipe`` accepts."""
-    return SHORT_NAMES[name]() if name in SHORT_NAMES else R.load_recipe(name)
+    return SHORT_NAMES[name]() if name in SHORT_NAMES else R.load_recipe(name, num_layers=num_layers)
 
 
 def recipe_label(name: str) -> str:
@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, list[Row]]:
         raise SystemExit("te_jax.inspect.cli: --recipes is empty")
     if not 0 <= args.skip < args.steps:
         raise SystemExit(f"te_jax.inspect.cli: --skip {args.skip} must be in [0, --steps {args.steps})")
-    recipes = {recipe_label(n): make_recipe(n) for n in names}  # a bad name fails before any work
+    recipes = {recipe_label(n): make_recipe(n, args.layers) for n in names}  # a bad name fails before any work
     order = [n.strip() for n in (args.compare or "").split(",") if n.strip()]
     if [n for n in order if n not in recipes]:
         raise SystemExit(f"te_jax.inspect.cli: --compare {args.compare!r} must name recipes among {list(recipes)}")

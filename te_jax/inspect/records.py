@@ -8,6 +8,8 @@ into one dict per quantized tensor::
     {"layer": "TransformerLayer_0/mlp/wi", "role": "linear_input", "amax": 3.2, ..., **extra}
 
 (a scanned layer ``layers/dense`` becomes ``layers/dense[0]``, ``[1]``, ...).
+An NNX model's statistics, ``nnx.state(model, te_jax.nnx.FP8Stats)``, give
+the same rows, named by the layers' paths in the model.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
-from te_jax.core.stats import STAT_NAMES
+from te_jax.core.stats import COUNTED, STAT_NAMES, STATS_COLLECTION
 from te_jax.recipe import ROLES
 
 Row = dict[str, Any]
@@ -32,14 +35,34 @@ def _is_role_stats(node: Any) -> bool:
     return isinstance(node, Mapping) and bool(node) and set(node) <= set(STAT_NAMES)
 
 
+def _as_tree(node: Any) -> Any:
+    """Nested dicts from a statistics tree or an NNX state: each ``nnx.Variable`` (``FP8Stats``) replaced by its
+    value, and an NNX layer's attribute "fp8_stats" dropped from the path (its entries are the layer's)."""
+    if isinstance(node, nnx.Variable):
+        node = node.get_value()
+    if not isinstance(node, Mapping):
+        return node
+    out: dict[str, Any] = {}
+    for name, child in node.items():
+        child = _as_tree(child)
+        if name == STATS_COLLECTION and isinstance(child, Mapping):
+            out.update(child)
+        else:
+            out[str(name)] = child
+    return out
+
+
 def to_rows(stats: Mapping, **extra: Any) -> list[Row]:
     """One row per (layer, role) of a statistics tree (host values; call outside jit).
 
     Args:
-      stats: the "fp8_stats" tree, e.g. ``grads["fp8_stats"]``.
+      stats: the "fp8_stats" tree, e.g. ``grads["fp8_stats"]``; or an NNX
+        model's ``nnx.state(model, te_jax.nnx.FP8Stats)`` (or its
+        ``nnx.to_pure_dict``), whose rows are named by the layers' paths.
       extra: fields added to every row (e.g. ``step=10, recipe="mxfp8"``).
     """
     rows: list[Row] = []
+    stats = _as_tree(stats)
 
     def walk(node: Mapping, path: tuple[str, ...]) -> None:
         roles = sorted((n for n, c in node.items() if _is_role_stats(c)), key=role_order)
@@ -60,7 +83,11 @@ def to_rows(stats: Mapping, **extra: Any) -> list[Row]:
 
 
 def mean_over(rows: Iterable[Row], by: Sequence[str] = KEY) -> list[Row]:
-    """Rows with the same ``by`` fields averaged (e.g. over steps), in first-seen order."""
+    """Rows with the same ``by`` fields averaged (e.g. over steps), in first-seen order.
+
+    ``skipped_update`` (``te_jax.core.stats.COUNTED``) is summed instead: the
+    number of steps whose delayed-scaling update of that tensor was skipped.
+    """
     groups: dict[tuple, list[Row]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in by), []).append(r)
@@ -70,7 +97,7 @@ def mean_over(rows: Iterable[Row], by: Sequence[str] = KEY) -> list[Row]:
         for name in STAT_NAMES:
             values = [g[name] for g in group if name in g]
             if values:
-                row[name] = float(np.mean(values))
+                row[name] = float(np.sum(values) if name in COUNTED else np.mean(values))
         out.append(row)
     return out
 

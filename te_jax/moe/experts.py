@@ -26,6 +26,7 @@ from te_jax.core.grouped_dense import grouped_dense, span_alignment
 from te_jax.core.grouped_mlp import grouped_mlp
 from te_jax.moe import Routing, aligned_layout, combine, dispatch, packed_layout, permute, route, unpermute
 from te_jax.ops.sharding import axes_of
+from te_jax.ops.sharding_types import dim_spec, specs_like, untyped
 
 ACTIVATIONS = {
     "swiglu": lambda a, g: jax.nn.silu(a) * g,
@@ -124,7 +125,20 @@ def activate(h: jax.Array, activation: str) -> jax.Array:
 
 def route_tokens(x: jax.Array, router: jax.Array, expert_bias: jax.Array | None, num_experts_per_tok: int,
                  score_function: str) -> Routing:
-    """The router's float32 logits of ``x`` ``[T, H]`` (unquantized, highest precision) and their top-k routing."""
+    """The router's float32 logits of ``x`` ``[T, H]`` (unquantized, highest precision) and their top-k routing.
+
+    Under an Explicit mesh this runs with the mesh's axes Auto (jax types no per-token scatter or top-k of split
+    tokens); the per-token results keep x's split of the tokens.
+    """
+    tokens = P(dim_spec(x, 0))
+    return untyped(_route_tokens, lambda r: Routing(*(tokens if f in _PER_TOKEN else P() for f in Routing._fields)),
+                   x, router, expert_bias, num_experts_per_tok, score_function)
+
+
+_PER_TOKEN = ("expert_ids", "gates", "probs")
+
+
+def _route_tokens(x, router, expert_bias, num_experts_per_tok: int, score_function: str) -> Routing:
     logits = jnp.dot(x.astype(jnp.float32), router, precision=lax.Precision.HIGHEST)
     return route(logits, num_experts_per_tok, score_function=score_function, expert_bias=expert_bias)
 
@@ -158,8 +172,19 @@ def expert_parallel(where: str, num_experts: int, num_tokens: int) -> ExpertPara
 
 
 def routed_experts(x: jax.Array, routing: Routing, wi: jax.Array, wo: jax.Array, wi_bias: jax.Array | None,
-                   wo_bias: jax.Array | None, quantizers: MoEQuantizers, *, activation: str, num_experts: int,
-                   where: str, state: dict[str, Any], key: jax.Array | None, inspect) -> tuple[jax.Array, dict]:
+                   wo_bias: jax.Array | None, quantizers: MoEQuantizers, *, state: dict[str, Any],
+                   **options) -> tuple[jax.Array, dict]:
+    """``_routed_experts``; under an Explicit mesh with the mesh's axes Auto (its permutation scatters rows by
+    expert, which jax cannot type from split tokens). y keeps x's split of the tokens and wo's of H, as
+    ``x @ wo`` would; the new state is typed as the state given."""
+    y_spec = P(dim_spec(x, 0), dim_spec(wo, 2))
+    return untyped(_routed_experts, lambda out: (y_spec, specs_like(out[1], state)), x, routing, wi, wo, wi_bias,
+                   wo_bias, quantizers, state=state, **options)
+
+
+def _routed_experts(x: jax.Array, routing: Routing, wi: jax.Array, wo: jax.Array, wi_bias: jax.Array | None,
+                    wo_bias: jax.Array | None, quantizers: MoEQuantizers, *, activation: str, num_experts: int,
+                    where: str, state: dict[str, Any], key: jax.Array | None, inspect) -> tuple[jax.Array, dict]:
     """``sum_j gates[t, j] * FFN_{expert_ids[t, j]}(x[t])``: ``(y [T, H], {"wi": state, "wo": state})``.
 
     The op a layer runs with its FP8 state (``call_op`` / ``run_op``): on one

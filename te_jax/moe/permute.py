@@ -75,7 +75,8 @@ def sort_assignments(expert_ids: jax.Array, num_experts: int, align: int = 1) ->
     if align == 1:
         return Permutation(*materialized(order, packed_row), sizes)
     source, member = regroup_sources(sizes, aligned_rows(flat.size, num_experts, align), 1, align, flat.size)
-    sorted_assignment = jnp.where(member, order[source], -1)
+    # no assignments (an empty batch): every aligned row is padding, and there is nothing to gather from
+    sorted_assignment = jnp.where(member, order[source], -1) if flat.size else jnp.full(source.shape, -1, jnp.int32)
     spans = span_lengths(sizes, align)
     assignment_row = (jnp.cumsum(spans) - spans)[flat] + packed_row - (jnp.cumsum(sizes) - sizes)[flat]
     return Permutation(*materialized(sorted_assignment.astype(jnp.int32), assignment_row.astype(jnp.int32)), sizes)
@@ -110,6 +111,8 @@ def permute(x: jax.Array, expert_ids: jax.Array, num_experts: int, *,
 
 def _rows_of(t: jax.Array, sorted_assignment: jax.Array, k: int) -> jax.Array:
     """``t[sorted_assignment // k]``, zero rows where ``sorted_assignment`` is -1 (between aligned groups)."""
+    if t.shape[0] == 0:  # no tokens: every row is padding
+        return jnp.zeros((sorted_assignment.shape[0], *t.shape[1:]), t.dtype)
     rows = t[jnp.maximum(sorted_assignment, 0) // k]
     if sorted_assignment.shape[0] == t.shape[0] * k:  # packed: every row holds an assignment
         return rows
@@ -127,7 +130,8 @@ def _gather_rows_fwd(k, x, sorted_assignment, assignment_row):
 
 
 def _gather_rows_bwd(k, assignment_row, dx_sorted):
-    per_token = dx_sorted[assignment_row].astype(jnp.float32).reshape(-1, k, dx_sorted.shape[1])
+    per_token = dx_sorted[assignment_row].astype(jnp.float32).reshape(assignment_row.shape[0] // k, k,
+                                                                      dx_sorted.shape[1])
     return _sum_in_order(per_token).astype(dx_sorted.dtype), None, None
 
 
@@ -175,7 +179,7 @@ def unpermute(y_sorted: jax.Array, perm: Permutation, gates: jax.Array) -> jax.A
 def _combine(y_sorted, sorted_assignment, assignment_row, gates):
     """``unpermute``'s sum; its gradients are gathers (``y_sorted``'s through ``sorted_assignment``)."""
     num_tokens, k = gates.shape
-    per_assignment = y_sorted[assignment_row].reshape(num_tokens, k, -1)
+    per_assignment = y_sorted[assignment_row].reshape(num_tokens, k, y_sorted.shape[-1])
     weighted = per_assignment.astype(jnp.float32) * gates.astype(jnp.float32)[..., None]
     return _sum_in_order(weighted).astype(y_sorted.dtype)
 
@@ -188,11 +192,11 @@ def _combine_fwd(y_sorted, sorted_assignment, assignment_row, gates):
 def _combine_bwd(res, dy):
     y_sorted, sorted_assignment, assignment_row, gates = res
     num_tokens, k = gates.shape
-    gate_of_row = gates.astype(jnp.float32).reshape(-1)[jnp.maximum(sorted_assignment, 0)]
+    gate_of_row = _rows_of(gates.astype(jnp.float32).reshape(-1, 1), sorted_assignment, 1)[:, 0]
     # Rows are gathered in their own dtype and widened after: the gathers move half the bytes.
     dy_rows = _rows_of(dy, sorted_assignment, k).astype(jnp.float32)
     dy_sorted = (dy_rows * gate_of_row[:, None]).astype(y_sorted.dtype)
-    per_assignment = y_sorted[assignment_row].reshape(num_tokens, k, -1).astype(jnp.float32)
+    per_assignment = y_sorted[assignment_row].reshape(num_tokens, k, y_sorted.shape[-1]).astype(jnp.float32)
     dgates = jnp.sum(per_assignment * dy.astype(jnp.float32)[:, None], axis=-1)
     return dy_sorted, None, None, dgates.astype(gates.dtype)
 

@@ -23,16 +23,29 @@ is constructed under ``te_jax.autocast(recipe=...)``: ``nnx.state(model,
 FP8Meta)`` splits it out, ``nnx.Optimizer(model, tx, wrt=nnx.Param)`` never
 touches it, and ``te_jax.nnx.value_and_grad`` applies its update after each
 forward and backward (``te_jax.nnx.train``). Calling a layer reads it and
-leaves it unchanged.
+leaves it unchanged (``te_jax.nnx.calibrate`` applies a forward pass's update).
+
+Every layer knows its module path (the path a ``CustomRecipe``'s roles carry
+and ``te_jax.inspect`` names its rows by): ``path=``, or its place in the
+model, which ``te_jax.nnx.name_paths(model)`` gives it (``value_and_grad``
+calls it). flax.nnx's own ``Linear``, ``LinearGeneral`` and ``Einsum`` run on
+te_jax's GEMMs through an injected ``DotGeneral`` / ``EinsumOp``
+(``te_jax.nnx.inject(model)`` gives every one its own); ``te_jax.nnx.Einsum``
+is flax.nnx's ``Einsum`` on them.
 """
 
+from te_jax.nnx.einsum import Einsum
+from te_jax.nnx.inject import DotGeneral, EinsumOp, inject
 from te_jax.nnx.linear import Linear, LinearGeneral
 from te_jax.nnx.mlp import LayerNormMLP
 from te_jax.nnx.moe import MoE
 from te_jax.nnx.normalization import LayerNorm, LayerNormLinear, RMSNorm
-from te_jax.nnx.train import grad, value_and_grad
+from te_jax.nnx.paths import name_paths
+from te_jax.nnx.ragged import RaggedDot
+from te_jax.nnx.train import calibrate, grad, value_and_grad
 from te_jax.nnx.transformer import SelfAttention, TransformerLayer
 from te_jax.nnx.variables import FP8Meta, FP8Stats
 
-__all__ = ["FP8Meta", "FP8Stats", "LayerNorm", "LayerNormLinear", "LayerNormMLP", "Linear", "LinearGeneral", "MoE",
-           "RMSNorm", "SelfAttention", "TransformerLayer", "grad", "value_and_grad"]
+__all__ = ["DotGeneral", "Einsum", "EinsumOp", "FP8Meta", "FP8Stats", "LayerNorm", "LayerNormLinear", "LayerNormMLP",
+           "Linear", "LinearGeneral", "MoE", "RaggedDot", "RMSNorm", "SelfAttention", "TransformerLayer", "calibrate", "grad",
+           "inject", "name_paths", "value_and_grad"]

@@ -15,9 +15,10 @@ from flax.nnx.nn import dtypes, initializers
 from jax import lax
 
 from te_jax.core import DenseQuantizers
-from te_jax.core.layer_support import canonical_axes
+from te_jax.core.layer_support import canonical_axes, check_dtypes
 from te_jax.core.dense import dense
-from te_jax.nnx._fp8 import as_path, init_fp8, recipe_or_none, run_op, where
+from te_jax.nnx._fp8 import Layer, call_quantizers, init_fp8, recipe_or_none, run_op, where
+from te_jax.nnx._product import flat_operands
 
 Dtype = Any
 default_kernel_init = initializers.lecun_normal()
@@ -42,29 +43,43 @@ def reshaped_init(init, shape_of_flat):
     return wrapped
 
 
-class _Dense(nnx.Module):
+class _Dense(Layer):
     """What Linear and LinearGeneral share: FP8 state at construction, the call on ``te_jax.dense``."""
 
     def _init_fp8(self, rngs: nnx.Rngs, path) -> None:
-        self.path = as_path(path)
-        init_fp8(self, DenseQuantizers.from_recipe(recipe_or_none(), self.path), rngs)
+        self.set_path(path)
+        init_fp8(self, rngs)
 
-    def _product(self, inputs, axis: tuple[int, ...], custom: bool, flax_product):
-        """``te_jax.dense`` over ``axis``, or flax.nnx's own product (``flax_product()``) when ``custom``."""
+    def fp8_quantizers(self, recipe) -> DenseQuantizers:
+        return DenseQuantizers.from_recipe(recipe, self.path or ())
+
+    def _product(self, inputs, axis: tuple[int, ...], custom: bool, flax_product, out_sharding=None):
+        """``te_jax.dense`` over ``axis``, or flax.nnx's own product (``flax_product()``) when ``custom``.
+
+        Under autocast the result is resharded to ``out_sharding`` as flax's ``dot_general(...,
+        out_sharding=...)`` types it (the bias added after, as flax adds it, changes no sharding)."""
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
         recipe = recipe_or_none()
         if custom:
             if recipe is not None:
-                raise ValueError(f"te_jax: {where(self)}: a custom dot_general, batch_axis, preferred_element_type or "
-                                 "out_sharding cannot be combined with te_jax.autocast (the quantized GEMMs have "
-                                 "none of them); drop them or call outside autocast")
+                raise ValueError(f"te_jax: {where(self)}: a custom dot_general, batch_axis or "
+                                 "preferred_element_type cannot be combined with te_jax.autocast (the quantized GEMMs "
+                                 "have none of them); drop them or call outside autocast")
             return flax_product(inputs, kernel, bias)
-        quantizers = DenseQuantizers.from_recipe(recipe, self.path)
-        return run_op(self, quantizers, functools.partial(
-            dense, inputs, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))), quantizers=quantizers,
+        check_dtypes(where(self), x=inputs)  # float64 outside autocast only
+        quantizers = call_quantizers(self)
+        x, w, out_shape = inputs, kernel, None
+        if quantizers.any:  # [..., K] @ [K, N]: the matrices dense quantizes, reshaped as Explicit mesh axes allow
+            x, w, out_shape = flat_operands(inputs, kernel, axis, tuple(range(len(axis))), where(self))
+            bias = None if bias is None else bias.reshape(w.shape[1:])
+            axis = (x.ndim - 1,)
+        y = run_op(self, quantizers, functools.partial(
+            dense, x, w, bias, contracting_dims=(axis, tuple(range(len(axis)))), quantizers=quantizers,
             precision=self.precision))
+        y = y if out_shape is None else y.reshape(out_shape)
+        return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
 
 
 class Linear(_Dense):
@@ -82,9 +97,11 @@ class Linear(_Dense):
         kernel_init, bias_init, dot_general, promote_dtype,
         preferred_element_type, rngs, kernel_metadata, bias_metadata: as
         ``flax.nnx.Linear``. A custom ``dot_general`` or
-        ``preferred_element_type`` is honoured outside autocast only.
+        ``preferred_element_type`` is honoured outside autocast only; the
+        call's ``out_sharding`` under autocast too (the result resharded).
       path: the module path the recipe's roles carry (a ``te_jax.recipe.CustomRecipe``
-        may choose by it), e.g. ``"block/attention/out"``; it also names the layer in errors.
+        may choose by it), e.g. ``"block/attention/out"``; it also names the layer in errors. Left out
+        (None), the layer's path in the model, which ``te_jax.nnx.name_paths(model)`` gives it.
     """
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True, dtype: Dtype | None = None,
@@ -92,7 +109,7 @@ class Linear(_Dense):
                  bias_init=default_bias_init, dot_general=lax.dot_general, promote_dtype=dtypes.promote_dtype,
                  preferred_element_type: Dtype | None = None, rngs: nnx.Rngs,
                  kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-                 bias_metadata: Mapping[str, Any] = MappingProxyType({}), path: str | Sequence[str] = ()):
+                 bias_metadata: Mapping[str, Any] = MappingProxyType({}), path: str | Sequence[str] | None = None):
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features), param_dtype),
                                 **kernel_metadata)
         self.bias: nnx.Param | None
@@ -113,8 +130,9 @@ class Linear(_Dense):
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         """``inputs @ kernel + bias`` over the last axis."""
-        custom = self.dot_general is not lax.dot_general or self.preferred_element_type is not None or \
-            out_sharding is not None
+        custom = self.dot_general is not lax.dot_general or self.preferred_element_type is not None
+        if recipe_or_none() is None and out_sharding is not None:
+            custom = True  # flax's own product honours it
 
         def flax_product(inputs, kernel, bias):
             kwargs = {"out_sharding": out_sharding}
@@ -124,7 +142,7 @@ class Linear(_Dense):
                                  **kwargs)
             return y if bias is None else y + jnp.reshape(bias, (1,) * (y.ndim - 1) + (-1,))
 
-        return self._product(inputs, (jnp.ndim(inputs) - 1,), custom, flax_product)
+        return self._product(inputs, (jnp.ndim(inputs) - 1,), custom, flax_product, out_sharding)
 
 
 class LinearGeneral(_Dense):
@@ -134,8 +152,8 @@ class LinearGeneral(_Dense):
     The kernel is ``[*batch, *in_features, *out_features]``; the contracted
     input axes are taken in ascending order, as flax.nnx takes them. Under
     autocast the GEMMs quantize as ``Linear``'s do; ``batch_axis``, a custom
-    ``dot_general``/``dot_general_cls``, ``preferred_element_type`` and
-    ``out_sharding`` are honoured outside autocast only.
+    ``dot_general``/``dot_general_cls`` and ``preferred_element_type`` are
+    honoured outside autocast only, ``out_sharding`` under autocast too.
 
     Args:
       in_features, out_features, axis, batch_axis, use_bias, dtype,
@@ -152,7 +170,7 @@ class LinearGeneral(_Dense):
                  promote_dtype=dtypes.promote_dtype, dot_general=None, dot_general_cls=None,
                  preferred_element_type: Dtype | None = None, rngs: nnx.Rngs,
                  kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-                 bias_metadata: Mapping[str, Any] = MappingProxyType({}), path: str | Sequence[str] = ()):
+                 bias_metadata: Mapping[str, Any] = MappingProxyType({}), path: str | Sequence[str] | None = None):
         self.in_features = _as_tuple(in_features)
         self.out_features = _as_tuple(out_features)
         self.axis = _as_tuple(axis)
@@ -192,7 +210,7 @@ class LinearGeneral(_Dense):
         axis = tuple(sorted(canonical_axes(self.axis, ndim, where(self))))
         batch = tuple(sorted(canonical_axes(tuple(a for a, _ in self.batch_axis), ndim, where(self), "batch_axis")))
         custom = bool(batch) or self.dot_general is not None or self.dot_general_cls is not None or \
-            self.preferred_element_type is not None or out_sharding is not None
+            self.preferred_element_type is not None or (recipe_or_none() is None and out_sharding is not None)
 
         def flax_product(inputs, kernel, bias):
             n_b = len(batch)
@@ -207,4 +225,4 @@ class LinearGeneral(_Dense):
             expanded = tuple(inputs.shape[a] if a in batch else 1 for a in range(ndim) if a not in axis)
             return y + jnp.reshape(bias, (*expanded, *self.out_features))
 
-        return self._product(inputs, axis, custom, flax_product)
+        return self._product(inputs, axis, custom, flax_product, out_sharding)

@@ -15,7 +15,7 @@ from flax.nnx.nn import initializers
 from te_jax.core import GEMMS, MLPQuantizers
 from te_jax.core.layer_support import activation_name, canonical_input, check_dtypes, compute_dtype, dropout_mask
 from te_jax.core.layernorm_mlp import GATED, layernorm_mlp
-from te_jax.nnx._fp8 import as_path, init_fp8, recipe_or_none, run_op, where
+from te_jax.nnx._fp8 import Layer, call_quantizers, init_fp8, run_op, where
 from te_jax.nnx.linear import default_bias_init, default_kernel_init, reshaped_init
 from te_jax.nnx.normalization import norm_args, norm_params, param
 
@@ -42,7 +42,7 @@ def dropout_key(layer: nnx.Module, rngs) -> jax.Array:
     return rngs
 
 
-class LayerNormMLP(nnx.Module):
+class LayerNormMLP(Layer):
     """``wo(dropout(act(wi(norm(x)))))`` on ``te_jax.layernorm_mlp``: ``te_jax.flax.LayerNormMLP`` in NNX form.
 
     Parameters (drawn in this order): "scale", "ln_bias" ``[H]``;
@@ -74,6 +74,8 @@ class LayerNormMLP(nnx.Module):
       path: the module path the recipe's roles carry (see ``te_jax.nnx.Linear``).
     """
 
+    fp8_gemms = GEMMS
+
     def __init__(self, in_features: int, intermediate_dim: int = 2048, *, activation: str | Sequence[str] = "gelu",
                  enable_layernorm: bool = True, layernorm_type: str = "layernorm", zero_centered_gamma: bool = False,
                  epsilon: float = 1e-6, use_scale: bool = True, scale_init=None, use_ln_bias: bool | None = None,
@@ -84,8 +86,8 @@ class LayerNormMLP(nnx.Module):
                  precision: Any = None, kernel_axes_1: Sequence[str | None] = (),
                  kernel_axes_2: Sequence[str | None] = (), bias_axes_1: Sequence[str | None] = (),
                  bias_axes_2: Sequence[str | None] = (), scale_axes: Sequence[str | None] = (),
-                 ln_bias_axes: Sequence[str | None] = (), rngs: nnx.Rngs, path: str | Sequence[str] = ()):
-        self.path = as_path(path)
+                 ln_bias_axes: Sequence[str | None] = (), rngs: nnx.Rngs, path: str | Sequence[str] | None = None):
+        self.set_path(path)
         check_dtypes(where(self), dtype, param_dtype)
         self.activation = activation_name(activation, where(self))
         h, f = int(in_features), int(intermediate_dim)
@@ -112,7 +114,10 @@ class LayerNormMLP(nnx.Module):
         self.dropout_rng_name, self.deterministic = dropout_rng_name, deterministic
         self.dropout_rngs = dropout_rngs(rngs, dropout_rng_name, intermediate_dropout_rate)
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
-        init_fp8(self, MLPQuantizers.from_recipe(recipe_or_none(), self.path), rngs, GEMMS)
+        init_fp8(self, rngs)
+
+    def fp8_quantizers(self, recipe) -> MLPQuantizers:
+        return MLPQuantizers.from_recipe(recipe, self.path or ())
 
     def __call__(self, x: jax.Array, *, deterministic: bool | None = None, rngs=None) -> jax.Array:
         """``[..., H] -> [..., H]``.
@@ -146,8 +151,8 @@ class LayerNormMLP(nnx.Module):
         mask = dropout_mask(lambda: dropout_key(self, rngs), self.intermediate_dropout_rate,
                             (*x.shape[:-1], self.intermediate_dim), self.intermediate_hidden_dropout_dims, dtype,
                             deterministic, where(self))
-        quantizers = MLPQuantizers.from_recipe(recipe_or_none(), self.path)
+        quantizers = call_quantizers(self)
         return run_op(self, quantizers, functools.partial(
             layernorm_mlp, x, gamma, beta, k1, b1, k2, b2, activation=self.activation, norm_type=kind,
             zero_centered_gamma=zcg, epsilon=self.epsilon, dropout_mask=mask, quantizers=quantizers,
-            precision=self.precision), gemms=GEMMS)
+            precision=self.precision))

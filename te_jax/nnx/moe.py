@@ -13,13 +13,13 @@ from flax.nnx.nn import initializers
 
 from te_jax.core.layer_support import canonical_input, check_dtypes
 from te_jax.moe.experts import GEMMS, MoEQuantizers, activate, check_config, expert_width, route_tokens, routed_experts
-from te_jax.nnx._fp8 import as_path, init_fp8, recipe_or_none, run_op, where
+from te_jax.nnx._fp8 import Layer, call_quantizers, init_fp8, run_op, where
 from te_jax.nnx.normalization import LayerNormLinear, param
 
 Dtype = Any
 
 
-class MoE(nnx.Module):
+class MoE(Layer):
     """A dropless MoE block whose expert GEMMs are quantized with the active autocast recipe.
 
     ``te_jax.flax.MoE`` in NNX form, on the same routing and grouped FFN: for
@@ -71,6 +71,8 @@ class MoE(nnx.Module):
       path: the module path the recipe's roles carry (see ``te_jax.nnx.Linear``).
     """
 
+    fp8_gemms = GEMMS
+
     def __init__(self, in_features: int, num_experts: int, num_experts_per_tok: int, intermediate_dim: int, *,
                  activation: str = "swiglu", score_function: str = "softmax", aux_loss_coeff: float = 0.0,
                  num_shared_experts: int = 0, use_bias: bool = False, dtype: Dtype | None = None,
@@ -78,8 +80,8 @@ class MoE(nnx.Module):
                  kernel_init=initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,)),
                  router_init=initializers.lecun_normal(), router_axes: Sequence[str | None] = (),
                  wi_axes: Sequence[str | None] = (), wo_axes: Sequence[str | None] = (), rngs: nnx.Rngs,
-                 path: str | Sequence[str] = ()):
-        self.path = as_path(path)
+                 path: str | Sequence[str] | None = None):
+        self.set_path(path)
         check_dtypes(where(self), dtype, param_dtype)
         check_config(where(self), activation, num_experts, num_experts_per_tok)
         e, f, h = int(num_experts), int(intermediate_dim), int(in_features)
@@ -100,14 +102,17 @@ class MoE(nnx.Module):
         if num_shared_experts:
             shared = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, enable_layernorm=False, rngs=rngs)
             self.shared_wi = LayerNormLinear(h, num_shared_experts * width, kernel_axes=wi_axes[1:],
-                                             path=self.path + ("shared_wi",), **shared)
+                                             path=self.child_path("shared_wi"), **shared)
             self.shared_wo = LayerNormLinear(num_shared_experts * f, h, kernel_axes=wo_axes[1:],
-                                             path=self.path + ("shared_wo",), **shared)
+                                             path=self.child_path("shared_wo"), **shared)
         self.in_features, self.num_experts, self.num_experts_per_tok = h, e, int(num_experts_per_tok)
         self.intermediate_dim, self.activation, self.score_function = f, activation, score_function
         self.aux_loss_coeff, self.num_shared_experts, self.use_bias = aux_loss_coeff, num_shared_experts, use_bias
         self.dtype, self.param_dtype = dtype, param_dtype
-        init_fp8(self, MoEQuantizers.from_recipe(recipe_or_none(), self.path, e), rngs, GEMMS)
+        init_fp8(self, rngs)
+
+    def fp8_quantizers(self, recipe) -> MoEQuantizers:
+        return MoEQuantizers.from_recipe(recipe, self.path or (), self.num_experts)
 
     def __call__(self, inputs: jax.Array) -> jax.Array:
         """``[..., H]`` -> ``[..., H]``; sows the scaled load-balancing loss (see the class docstring)."""
@@ -125,10 +130,10 @@ class MoE(nnx.Module):
         dtype = self.dtype or jnp.result_type(x.dtype, self.param_dtype)
         x, wi, wo = x.astype(dtype), self.wi[...].astype(dtype), self.wo[...].astype(dtype)
         wi_bias, wo_bias = (None if b is None else b[...].astype(dtype) for b in (self.wi_bias, self.wo_bias))
-        quantizers = MoEQuantizers.from_recipe(recipe_or_none(), self.path, self.num_experts)
+        quantizers = call_quantizers(self)
         y = run_op(self, quantizers, functools.partial(
             routed_experts, x, r, wi, wo, wi_bias, wo_bias, quantizers, activation=self.activation,
-            num_experts=self.num_experts, where=where(self)), gemms=GEMMS)
+            num_experts=self.num_experts, where=where(self)))
         if self.num_shared_experts:
             y = y + self.shared_wo(activate(self.shared_wi(x), self.activation))
         return y.reshape(inputs.shape[:-1] + (h,)).astype(dtype)

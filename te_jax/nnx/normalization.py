@@ -18,7 +18,7 @@ from te_jax.core.gemm_quant import NormSpec, normalize_hp
 from te_jax.core.layer_support import canonical_axes, canonical_input, check_dtypes, compute_dtype, flax_normalize, \
     norm_uses_bias
 from te_jax.core.layernorm_dense import layernorm_dense
-from te_jax.nnx._fp8 import as_path, init_fp8, recipe_or_none, run_op, where
+from te_jax.nnx._fp8 import Layer, call_quantizers, init_fp8, recipe_or_none, run_op, where
 from te_jax.nnx.linear import default_bias_init, default_kernel_init, reshaped_init
 
 Dtype = Any
@@ -58,7 +58,7 @@ def norm_args(x: jax.Array, scale, bias, zero_centered_gamma: bool):
     return scale, bias, bool(zero_centered_gamma)
 
 
-class _Norm(nnx.Module):
+class _Norm(Layer):
     """LayerNorm and RMSNorm: flax.nnx's computation without autocast, the fused kernel under it."""
 
     layernorm_type = "layernorm"
@@ -67,7 +67,7 @@ class _Norm(nnx.Module):
                  use_scale: bool, bias_init, scale_init, reduction_axes, feature_axes, axis_name, axis_index_groups,
                  use_fast_variance: bool, promote_dtype, zero_centered_gamma: bool, rngs: nnx.Rngs,
                  bias_metadata, scale_metadata):
-        self.path = ()
+        self.set_path(None)
         check_dtypes(where(self), dtype, param_dtype)
         if axis_name is not None or axis_index_groups is not None:
             raise ValueError(f"te_jax: {where(self)}: axis_name / axis_index_groups are not supported; under jit with "
@@ -182,7 +182,7 @@ class RMSNorm(_Norm):
         return self._normalize(x, mask)
 
 
-class LayerNormLinear(nnx.Module):
+class LayerNormLinear(Layer):
     """``LinearGeneral(LayerNorm(x))`` with the norm writing the GEMM's quantized input (``te_jax.layernorm_dense``).
 
     ``te_jax.flax.LayerNormDenseGeneral`` in NNX form. Parameters "scale",
@@ -215,8 +215,8 @@ class LayerNormLinear(nnx.Module):
                  kernel_init=default_kernel_init, bias_init=default_bias_init, dtype: Dtype | None = None,
                  param_dtype: Dtype = jnp.float32, precision: Any = None, kernel_axes: Sequence[str | None] = (),
                  bias_axes: Sequence[str | None] = (), scale_axes: Sequence[str | None] = (),
-                 ln_bias_axes: Sequence[str | None] = (), rngs: nnx.Rngs, path: str | Sequence[str] = ()):
-        self.path = as_path(path)
+                 ln_bias_axes: Sequence[str | None] = (), rngs: nnx.Rngs, path: str | Sequence[str] | None = None):
+        self.set_path(path)
         check_dtypes(where(self), dtype, param_dtype)
         in_shape = (in_features,) if isinstance(in_features, (int, np.integer)) else tuple(in_features)
         features = (out_features,) if isinstance(out_features, (int, np.integer)) else tuple(out_features)
@@ -241,7 +241,10 @@ class LayerNormLinear(nnx.Module):
         self.enable_layernorm, self.layernorm_type = enable_layernorm, layernorm_type
         self.zero_centered_gamma, self.epsilon = zero_centered_gamma, epsilon
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
-        init_fp8(self, DenseQuantizers.from_recipe(recipe_or_none(), self.path), rngs)
+        init_fp8(self, rngs)
+
+    def fp8_quantizers(self, recipe) -> DenseQuantizers:
+        return DenseQuantizers.from_recipe(recipe, self.path or ())
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``[..., *in_features] -> [..., *out_features]``."""
@@ -262,12 +265,12 @@ class LayerNormLinear(nnx.Module):
             kind = self.layernorm_type
         dtype = compute_dtype(self.dtype, x, scale, ln_bias, kernel, bias)
         check_dtypes(where(self), dtype)
-        kernel = kernel.astype(dtype).reshape(-1, *self.out_features)
+        kernel = kernel.astype(dtype).reshape(int(np.prod(self.in_features)), *self.out_features)
         bias = None if bias is None else bias.astype(dtype)
-        x = x.reshape(*x.shape[:x.ndim - n_in], -1) if n_in > 1 else x
+        x = x.reshape(*x.shape[:x.ndim - n_in], int(np.prod(self.in_features))) if n_in > 1 else x
         if not self.enable_layernorm:
             x = x.astype(dtype)
-        quantizers = DenseQuantizers.from_recipe(recipe_or_none(), self.path)
+        quantizers = call_quantizers(self)
         return run_op(self, quantizers, functools.partial(
             layernorm_dense, x, gamma, beta, kernel, bias, norm_type=kind, zero_centered_gamma=zcg,
             epsilon=self.epsilon, quantizers=quantizers, precision=self.precision))

@@ -23,7 +23,7 @@ from flax import nnx
 
 from te_jax.core.layer_support import attention_heads, canonical_input, check_dtypes, choose_attention_implementation, \
     mlp_logical_axes, rotary_embedding, split_qkv
-from te_jax.nnx._fp8 import as_path, where
+from te_jax.nnx._fp8 import Layer, where
 from te_jax.nnx.linear import default_bias_init, default_kernel_init
 from te_jax.nnx.mlp import LayerNormMLP
 from te_jax.nnx.normalization import LayerNormLinear
@@ -32,7 +32,7 @@ Dtype = Any
 _HEADS = ("batch", None, "heads", "kv")  # the logical axes of q, k, v and the attention output
 
 
-class SelfAttention(nnx.Module):
+class SelfAttention(Layer):
     """Pre-norm self-attention: fused QKV projection (with the norm), attention, output projection.
 
     Sub-layers "qkv" (``LayerNormLinear``, kernel ``[H, KV, N/KV + 2, D]``)
@@ -45,8 +45,8 @@ class SelfAttention(nnx.Module):
                  use_bias: bool = False, kernel_init=default_kernel_init, bias_init=default_bias_init,
                  dtype: Dtype | None = None, param_dtype: Dtype = jnp.float32, causal: bool = True,
                  rotary: bool = True, rotary_base: float = 10000.0, implementation: str | None = None,
-                 logical_axes: bool = False, rngs: nnx.Rngs, path: str | Sequence[str] = ()):
-        self.path = as_path(path)
+                 logical_axes: bool = False, rngs: nnx.Rngs, path: str | Sequence[str] | None = None):
+        self.set_path(path)
         n, kv, d, ax = num_heads, num_kv_heads, head_dim, logical_axes
         common = dict(use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init, dtype=dtype,
                       param_dtype=param_dtype, rngs=rngs)
@@ -54,10 +54,10 @@ class SelfAttention(nnx.Module):
                                    zero_centered_gamma=zero_centered_gamma, epsilon=epsilon,
                                    kernel_axes=("embed", "heads", "qkv", "kv") if ax else (),
                                    bias_axes=("heads", "qkv", "kv") if ax else (), scale_axes=("embed",) if ax else (),
-                                   ln_bias_axes=("embed",) if ax else (), path=self.path + ("qkv",), **common)
+                                   ln_bias_axes=("embed",) if ax else (), path=self.child_path("qkv"), **common)
         self.out = LayerNormLinear((n, d), hidden, axis=(-2, -1), enable_layernorm=False,
                                    kernel_axes=("heads", "kv", "embed") if ax else (),
-                                   bias_axes=("embed",) if ax else (), path=self.path + ("out",), **common)
+                                   bias_axes=("embed",) if ax else (), path=self.child_path("out"), **common)
         self.num_heads, self.num_kv_heads, self.head_dim = n, kv, d
         self.causal, self.rotary, self.rotary_base = causal, rotary, rotary_base
         self.implementation, self.logical_axes = implementation, logical_axes
@@ -77,7 +77,7 @@ class SelfAttention(nnx.Module):
         return self.out(o)
 
 
-class TransformerLayer(nnx.Module):
+class TransformerLayer(Layer):
     """A pre-norm decoder block; ``[B, T, H] -> [B, T, H]`` (output in the input's dtype).
 
     ``te_jax.flax.TransformerLayer``'s arguments in NNX form: the hidden
@@ -107,8 +107,8 @@ class TransformerLayer(nnx.Module):
                  intermediate_dropout: float = 0.0, dropout_rng_name: str = "dropout", deterministic: bool = False,
                  attention_implementation: str | None = None, dtype: Dtype | None = None,
                  param_dtype: Dtype = jnp.float32, kernel_init=default_kernel_init, bias_init=default_bias_init,
-                 logical_axes: bool = False, rngs: nnx.Rngs, path: str | Sequence[str] = ()):
-        self.path = as_path(path)
+                 logical_axes: bool = False, rngs: nnx.Rngs, path: str | Sequence[str] | None = None):
+        self.set_path(path)
         check_dtypes(where(self), dtype, param_dtype)
         h = int(hidden_size)
         n, kv, d = attention_heads(h, num_attention_heads, num_gqa_groups, head_dim, where(self))
@@ -118,10 +118,10 @@ class TransformerLayer(nnx.Module):
         self.attention = SelfAttention(h, n, kv, d, epsilon=layernorm_epsilon, causal=causal,
                                        rotary=enable_rotary_pos_emb, rotary_base=rotary_base,
                                        implementation=attention_implementation, logical_axes=logical_axes,
-                                       path=self.path + ("attention",), **norm, **common)
+                                       path=self.child_path("attention"), **norm, **common)
         self.mlp = LayerNormMLP(h, intermediate_dim or 4 * h, activation=mlp_activation, epsilon=layernorm_epsilon,
                                 intermediate_dropout_rate=intermediate_dropout, dropout_rng_name=dropout_rng_name,
-                                deterministic=deterministic, path=self.path + ("mlp",), **norm, **common,
+                                deterministic=deterministic, path=self.child_path("mlp"), **norm, **common,
                                 **(mlp_logical_axes(mlp_activation, where(self)) if logical_axes else {}))
         self.dropout = nnx.Dropout(hidden_dropout, rng_collection=dropout_rng_name, deterministic=deterministic,
                                    rngs=rngs if hidden_dropout > 0.0 else None)

@@ -39,6 +39,7 @@ from te_jax.spec import reference as ref
 from te_jax.spec.modes import ScalingMode
 from te_jax.spec.modes import ScaledTensor
 from te_jax.ops.sharding import MeshResource
+from te_jax.ops.sharding_types import dot_general as typed_dot, reshape as typed_reshape
 
 __all__ = ["CUBLAS_WORKSPACE_BYTES", "gemm", "gemm_fp8", "gemm_fp8_block", "gemm_mxfp8", "gemm_nvfp4",
            "workspace_bytes"]
@@ -129,6 +130,13 @@ def _aligned(lay: Layout, args: tuple, bias) -> tuple[tuple, jax.Array | None]:
     return tuple(padded), bias
 
 
+def _empty_product(a, m: int, n: int, bias, out_dtype) -> jax.Array:
+    """A product with M, N or K of size 0, as ``lax.dot_general`` gives it: an empty output, or (K = 0) zeros
+    plus the bias. No kernel runs (the handlers take no empty operands)."""
+    out = jnp.zeros((*a.shape[:-2], m, n), jnp.float32)
+    return (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
+
+
 def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, autotune: bool, backend, mesh_resource):
     """Checks out_dtype and bias, then runs the custom call or its reference twin."""
     out_dtype, autotune = check_out_dtype(out_dtype), check_flag("autotune", autotune)
@@ -140,11 +148,14 @@ def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, autotune: bool, 
         if jnp.dtype(bias.dtype) not in (out_dtype, jnp.dtype(jnp.float32)):
             bias = bias.astype(jnp.float32)
     m, n = a.shape[-2], b.shape[-2]
+    if 0 in (m, n, a.shape[-1]):
+        return _empty_product(a, m, n, bias, out_dtype)
     args, bias = _aligned(lay, args, bias)
     if resolve_backend(backend) == "reference":
         da, db = dequantize(*args)
-        out = jnp.matmul(da, jnp.swapaxes(db, -1, -2), precision=lax.Precision.HIGHEST,
-                         preferred_element_type=jnp.float32)
+        batch = tuple(range(db.ndim - 2))  # a batched B shares A's leading axes
+        out = typed_dot(da, db, (((da.ndim - 1,), (db.ndim - 1,)), (batch, batch)), precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32)  # typed where lax refuses (Explicit meshes)
         out = (out if bias is None else out + bias.astype(jnp.float32)).astype(out_dtype)
     else:
         lay = dataclasses.replace(lay, attrs=(*lay.attrs, ("autotune", autotune)), out_dtype=out_dtype,
@@ -281,7 +292,7 @@ def _pick(t: ScaledTensor, contract: tuple[int, ...], batch: tuple[int, ...], si
                          f"but it has none; quantize it with {flag}=True")
     data, scale = (t.colwise_data, t.colwise_scale_inv) if colwise else (t.data, t.scale_inv)
     lead = tuple(t.shape[i] for i in batch_axes)
-    data = data.reshape(*lead, -1, data.shape[-1])
+    data = data.reshape(*lead, math.prod(t.shape[i] for i in free), data.shape[-1])  # explicit rows: 0-size axes
     spec = t.scaling_mode
     if not spec.per_tensor:
         rows_per_scale = spec.rows_per_scale_row
@@ -322,7 +333,8 @@ def _gemm_scaled(lhs: ScaledTensor, rhs: ScaledTensor, lc, rc, lb, rb, bias, fas
                              "be multiplied with another one (the transforms cancel); quantize both wgrad operands "
                              "with rht=True, or neither")
         out = gemm_nvfp4(a.data, a.scale, a.amax, b.data, b.scale, b.amax, bias, **kw)
-    return out.reshape(*out.shape[:-2], *a.free_shape, *b.free_shape)
+    # [.., M, N] to the free axes, typed also where jax's rule refuses (several split groups: Explicit meshes)
+    return typed_reshape(out, (*out.shape[:-2], *a.free_shape, *b.free_shape))
 
 
 def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_dtype=jnp.bfloat16, bias=None,
@@ -382,8 +394,8 @@ def gemm(lhs, rhs, contracting_dims=((-1,), (0,)), batch_dims=((), ()), *, out_d
     out_dtype = check_out_dtype(out_dtype)
     lhs = dequantize(lhs, jnp.float32, backend=backend) if lq else lhs
     rhs = dequantize(rhs, jnp.float32, backend=backend) if rq else rhs
-    out = lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)), precision=lax.Precision.HIGHEST if lq or rq else None,
-                          preferred_element_type=jnp.float32)
+    out = typed_dot(lhs, rhs, ((lc, rc), (lb, rb)), precision=lax.Precision.HIGHEST if lq or rq else None,
+                    preferred_element_type=jnp.float32)  # lax's, typed also where lax refuses (Explicit meshes)
     if bias is not None:
         out = out + bias.astype(jnp.float32).reshape(rhs_free)
     return out.astype(out_dtype)

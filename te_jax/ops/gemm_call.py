@@ -28,8 +28,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import te_jax.ops.ffi  # noqa: F401  (registers the FFI targets)
-from te_jax.ops.primitive import CustomCallPrimitive, Partitioned
-from te_jax.ops.sharding import AxisClaims, MeshResource, axes_of, mesh_axes
+from te_jax.ops.partitioned import CustomCallPrimitive, Partitioned
+from te_jax.ops.sharding import AxisClaims, MeshResource, axes_of, check_mesh_axes, mesh_axes
 from te_jax.spec import modes
 
 CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
@@ -152,11 +152,18 @@ def _sharding_rule(lay: Layout, mesh, value_types, result_types):
     """Shardy rule: leading axes and M pass through from A, N from B, K is reduced.
 
     Block-scaled K is the compound ``(kb kq)``: only whole blocks (kb) get
-    sharded, and the scales' K/k_block axis is kb. 2D blocks do the same to M or N.
+    sharded, and the scales' K/k_block axis is kb. 2D blocks do the same to M
+    or N. A dimension of one block is a plain factor (Shardy refuses a
+    compound with a factor of size 1; one block cannot be split anyway), its
+    scales' axis a factor of its own.
     """
+    a_type, b_type = value_types[lay.roles.index("a")], value_types[lay.roles.index("b")]
+    blocked_m = lay.a_rows > 1 and a_type.shape[-2] > lay.a_rows
+    blocked_n = lay.b_rows > 1 and b_type.shape[-2] > lay.b_rows
+    blocked_k = bool(lay.k_block) and a_type.shape[-1] * lay.pack > lay.k_block
     lead = [f"l{i}" for i in range(lay.n_lead)]
-    m, n = ("(mb mq)" if lay.a_rows > 1 else "m"), ("(nb nq)" if lay.b_rows > 1 else "n")
-    k = "(kb kq)" if lay.k_block else "k"
+    m, n = ("(mb mq)" if blocked_m else "m"), ("(nb nq)" if blocked_n else "n")
+    k = "(kb kq)" if blocked_k else "k"
     b_lead = lead if lay.b_batched else []
     dims = {
         "a": [*lead, m, k], "b": [*b_lead, n, k],
@@ -165,11 +172,12 @@ def _sharding_rule(lay: Layout, mesh, value_types, result_types):
         "a_t": ["ta"], "b_t": ["tb"], "a_tm": [*lead, "ta"], "b_tm": [*b_lead, "tb"], "bias": [n],
     }
     rule = ", ".join(" ".join(dims[r]) for r in lay.all_roles) + " -> " + " ".join([*lead, m, n])
-    sizes = {"mq": lay.a_rows} if lay.a_rows > 1 else {}
-    sizes |= {"nq": lay.b_rows} if lay.b_rows > 1 else {}
-    if lay.k_block:
+    sizes = {"mq": lay.a_rows} if blocked_m else {}
+    sizes |= {"nq": lay.b_rows} if blocked_n else {}
+    if blocked_k:
         sizes["kq"] = lay.k_block // lay.pack
-    return rule, dict(reduction_factors=("kb", "kq") if lay.k_block else ("k",), **sizes)
+    reduction = ("kb", "kq") if blocked_k else (("k", "kb") if lay.k_block else ("k",))
+    return rule, dict(reduction_factors=reduction, **sizes)
 
 
 def _plan(lay: Layout, mesh, arg_shapes, wanted=None):
@@ -282,7 +290,11 @@ def parallel_axes(mesh_resource: MeshResource | None) -> tuple[tuple[str, ...], 
 
 
 def call(lay: Layout, *args, mesh_resource: MeshResource | None = None):
-    """Runs the custom call; ``mesh_resource``'s tp/sp axes give ``keep_n``/``scatter_rows`` unless ``lay`` has them."""
+    """Runs the custom call; ``mesh_resource``'s tp/sp axes give ``keep_n``/``scatter_rows`` unless ``lay`` has them.
+
+    Its axes must be axes of the mesh in scope (a ValueError at trace time otherwise).
+    """
+    check_mesh_axes(mesh_resource, *args, where=f"GEMM {lay.target}")
     if not lay.keep_n and not lay.scatter_rows:
         keep_n, scatter_rows = parallel_axes(mesh_resource)
         lay = dataclasses.replace(lay, keep_n=keep_n, scatter_rows=scatter_rows)

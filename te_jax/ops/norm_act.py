@@ -47,7 +47,10 @@ rows and columns split (a gated ``[..., 2F]`` gathers its columns, ``[..., 2,
 F]`` keeps them). The fp8_tensor amax takes one pmax; fp8_current and nvfp4
 casts of a split output write it in float32 and quantize it with the whole
 tensor's amax (``cast.split_cast``, one extra pass); dgamma, dbeta and dbias
-are float32 partial sums and one psum.
+are float32 partial sums and one psum. Under a mesh with Explicit axes the
+differentiable forms (``normalize``, ``apply_activation``) are typed as jax
+types their jnp equivalents (the input's split; a norm's gamma and beta
+split H where x does not), their gradients as their primals.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ from te_jax.ops import quantize as qops
 from te_jax.ops.cast import (
     SPLIT_CASTS, CastOutputs, CastSpec, cast_operands, cast_reduce, cast_tokens, check_spec, result_shapes, split_cast,
 )
+from te_jax.ops.sharding_types import like, reshape, retype, type_entries
 from te_jax.spec import reference_norm_act as rna
 
 NORM_KINDS = rna.NORM_KINDS
@@ -144,7 +148,7 @@ def norm_fwd(x, gamma, beta=None, *, kind="layernorm", zero_centered_gamma=False
     m = math.prod(x.shape[:-1])
     spec = check_spec(spec, x.dtype, m, h)
     scale_op, words = cast_operands(spec, scale, key)
-    x2 = x.reshape(m, h)
+    x2 = reshape(x, (m, h))
     g32 = gamma.astype(jnp.float32)
     b32 = beta.astype(jnp.float32) if beta is not None else None
     norm_attrs = dict(kind=kind, zero_centered_gamma=bool(zero_centered_gamma), epsilon=np.float32(epsilon))
@@ -160,8 +164,8 @@ def norm_fwd(x, gamma, beta=None, *, kind="layernorm", zero_centered_gamma=False
             shard_n=False)
         outs = partition.call(op, x2, g32, b_op, scale_op, words)
     lead = x.shape[:-1]
-    mean = outs[7].reshape(lead) if kind == "layernorm" else None
-    return NormOutputs(CastOutputs(*outs[:7]), mean, outs[8].reshape(lead))
+    mean = reshape(outs[7], lead) if kind == "layernorm" else None
+    return NormOutputs(CastOutputs(*outs[:7]), mean, reshape(outs[8], lead))
 
 
 def _norm_bwd_body(op, shards, dy, x, mean, rsigma, gamma):
@@ -204,9 +208,9 @@ def norm_bwd(dy, x, mean, rsigma, gamma, *, kind="layernorm", zero_centered_gamm
     m = math.prod(lead)
     f32 = jnp.float32
     ct = jnp.promote_types(x.dtype, dy.dtype)  # the kernels take dy and x in one dtype
-    x2, dy2 = x.reshape(m, h).astype(ct), dy.reshape(m, h).astype(ct)
-    r2 = rsigma.astype(f32).reshape(m)
-    mean2 = mean.astype(f32).reshape(m) if kind == "layernorm" else jnp.zeros((0,), f32)
+    x2, dy2 = reshape(x, (m, h)).astype(ct), reshape(dy, (m, h)).astype(ct)
+    r2 = reshape(rsigma.astype(f32), (m,))
+    mean2 = reshape(mean.astype(f32), (m,)) if kind == "layernorm" else jnp.zeros((0,), f32)
     g32 = gamma.astype(f32)
     attrs = dict(kind=kind, zero_centered_gamma=bool(zero_centered_gamma))
     if partition.resolve(backend) == "reference":
@@ -218,7 +222,7 @@ def norm_bwd(dy, x, mean, rsigma, gamma, *, kind="layernorm", zero_centered_gamm
             ("m n", "m n", "m" if layernorm else "~", "m", "n"),
             ("m n", "n", "n" if layernorm else "~"), (m, h), reduce=(None, "sum", "sum"), shard_n=False)
         dx, dgamma, dbeta = partition.call(op, dy2, x2, mean2, r2, g32)
-    return dx.astype(x.dtype).reshape(x.shape), dgamma, (dbeta if kind == "layernorm" else None)
+    return reshape(dx.astype(x.dtype), x.shape), dgamma, (dbeta if kind == "layernorm" else None)
 
 
 # ---- the differentiable unquantized form ------------------------------------------------
@@ -234,14 +238,16 @@ def _normalize(x, gamma, beta, kind, zero_centered_gamma, epsilon, backend):
 def _normalize_fwd(x, gamma, beta, kind, zero_centered_gamma, epsilon, backend):
     out = norm_fwd(x, gamma, beta, kind=kind, zero_centered_gamma=zero_centered_gamma, epsilon=epsilon,
                    backend=backend)
-    return out.cast.q.reshape(x.shape), (x, out.mean, out.rsigma, gamma, beta)
+    return like(reshape(out.cast.q, x.shape), x, params=(gamma, beta)), (x, out.mean, out.rsigma, gamma, beta)
 
 
 def _normalize_bwd(kind, zero_centered_gamma, epsilon, backend, res, dy):
     x, mean, rsigma, gamma, beta = res
     dx, dgamma, dbeta = norm_bwd(dy, x, mean, rsigma, gamma, kind=kind, zero_centered_gamma=zero_centered_gamma,
                                  backend=backend)
-    return dx, dgamma.astype(gamma.dtype), (None if beta is None else dbeta.astype(beta.dtype))
+    # Typed as their primals (Explicit meshes), as jax's transposes type gradients.
+    return (retype(dx, type_entries(x)), retype(dgamma.astype(gamma.dtype), type_entries(gamma)),
+            None if beta is None else retype(dbeta.astype(beta.dtype), type_entries(beta)))
 
 
 _normalize.defvjp(_normalize_fwd, _normalize_bwd)
@@ -285,7 +291,7 @@ def check_act_args(x, act: str, pair_axis: bool = False) -> int:
 def _as_matrix(x, pair_axis: bool):
     """``x`` as the kernels' matrix: ``[M, N]``, or ``[M, 2, F]`` kept for the partitioner."""
     lead = x.shape[:-2] if pair_axis else x.shape[:-1]
-    return x.reshape(math.prod(lead), *x.shape[len(lead):])
+    return reshape(x, (math.prod(lead), *x.shape[len(lead):]))
 
 
 def _x_tokens(act: str, pair_axis: bool) -> str:
@@ -304,7 +310,7 @@ def _check_pair_blocks(spec: CastSpec, f: int) -> None:
 def _act_fwd_body(op, shards, x, scale, words):
     act, spec, pair_axis = op.config
     if pair_axis:
-        x = x.reshape(*x.shape[:-2], -1)
+        x = reshape(x, (*x.shape[:-2], -1))  # typed where the unsplit call is traced (Explicit mesh)
     split = shards.count > 1 and spec.mode in SPLIT_CASTS
     kspec = CastSpec("none", jnp.float32) if split else spec
 
@@ -329,7 +335,7 @@ def act_fwd(x, *, act: str, spec: CastSpec = CastSpec(), scale=None, key=None, p
     spec = check_spec(spec, x.dtype, m, n_out)
     scale_op, words = cast_operands(spec, scale, key)
     if partition.resolve(backend) == "reference":
-        return CastOutputs(*rna.act_fwd(xm.reshape(m, -1), scale_op, words, act=act, spec=spec))
+        return CastOutputs(*rna.act_fwd(reshape(xm, (m, -1)), scale_op, words, act=act, spec=spec))
     op = partition.MatrixOp("te_jax_act_fwd", _act_fwd_body, (act, spec, bool(pair_axis)),
                             (_x_tokens(act, pair_axis), "~", "~"), cast_tokens(spec), (m, n_out),
                             reduce=cast_reduce(spec), shard_n=pair_axis or act not in GATED)
@@ -341,19 +347,19 @@ def _pair_form(outs, n_lead: int) -> tuple:
     q, s, q_t, s_t, *rest, dbias = outs
 
     def rows(a):
-        return a.reshape(*a.shape[:-1], 2, -1) if a.ndim == n_lead + 2 else a
+        return reshape(a, (*a.shape[:-1], 2, -1)) if a.ndim == n_lead + 2 else a
 
     def cols(a):
-        return a.reshape(*a.shape[:-2], 2, -1, a.shape[-1]) if a.ndim == n_lead + 2 else a
+        return reshape(a, (*a.shape[:-2], 2, -1, a.shape[-1])) if a.ndim == n_lead + 2 else a
 
-    dbias = dbias.reshape(*dbias.shape[:-1], 2, -1) if dbias.shape[-1] else dbias
+    dbias = reshape(dbias, (*dbias.shape[:-1], 2, -1)) if dbias.shape[-1] else dbias
     return (rows(q), rows(s), cols(q_t), cols(s_t), *rest, dbias)
 
 
 def _act_bwd_body(op, shards, dy, x, scale, words):
     act, spec, dbias, pair_axis = op.config
     if pair_axis:
-        x = x.reshape(*x.shape[:-2], -1)
+        x = reshape(x, (*x.shape[:-2], -1))  # typed where the unsplit call is traced (Explicit mesh)
     n_lead = x.ndim - 2
     split = shards.count > 1 and spec.mode in SPLIT_CASTS
     kspec = CastSpec("none", jnp.float32) if split else spec
@@ -401,9 +407,9 @@ def act_bwd(dy, x, *, act: str, spec: CastSpec = CastSpec(), scale=None, key=Non
     if pair_axis:
         _check_pair_blocks(spec, n_out)
     scale_op, words = cast_operands(spec, scale, key)
-    dy2 = dy.reshape(m, n_out).astype(ct)
+    dy2 = reshape(dy, (m, n_out)).astype(ct)
     if partition.resolve(backend) == "reference":
-        outs = rna.act_bwd(dy2, xm.reshape(m, n), scale_op, words, act=act, spec=spec, dbias=bool(dbias))
+        outs = rna.act_bwd(dy2, reshape(xm, (m, n)), scale_op, words, act=act, spec=spec, dbias=bool(dbias))
         outs = _pair_form(outs, 0) if pair_axis else outs
     else:
         gated_flat = act in GATED and not pair_axis
@@ -433,22 +439,22 @@ def out_shape(x, act: str, pair_axis: bool = False) -> tuple[int, ...]:
 def matrix_form(outs: CastOutputs) -> CastOutputs:
     """Pair-form cast results (``[M, 2, F]``, ``[2, F, M]``) as the ``[M, 2F]`` / ``[2F, M]`` matrices."""
     def rows(a):
-        return a.reshape(a.shape[0], -1) if a.ndim == 3 else a
+        return reshape(a, (a.shape[0], -1)) if a.ndim == 3 else a
 
     def cols(a):
-        return a.reshape(-1, a.shape[-1]) if a.ndim == 3 else a
+        return reshape(a, (-1, a.shape[-1])) if a.ndim == 3 else a
 
     return outs._replace(q=rows(outs.q), s=rows(outs.s), q_t=cols(outs.q_t), s_t=cols(outs.s_t))
 
 
 def _unquantized(x, act, pair_axis, backend):
     outs = act_fwd(x, act=act, spec=CastSpec("none", x.dtype), pair_axis=pair_axis, backend=backend)
-    return outs.q.reshape(out_shape(x, act, pair_axis))
+    return like(reshape(outs.q, out_shape(x, act, pair_axis)), x, drop=(x.ndim - 2,) if pair_axis else ())
 
 
 def _unquantized_grad(dy, x, act, pair_axis, backend):
     outs, _ = act_bwd(dy, x, act=act, spec=CastSpec("none", x.dtype), pair_axis=pair_axis, backend=backend)
-    return outs.q.reshape(x.shape)
+    return retype(reshape(outs.q, x.shape), type_entries(x))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))

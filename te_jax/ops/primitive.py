@@ -1,15 +1,9 @@
-"""The custom-call primitive base, the backend choice, and the matrix ops' sharding rules.
+"""The backend choice and the matrix ops: their custom call and sharding rules.
 
-Every te_jax custom call is built from two pieces (the idea of
-TransformerEngine-JAX's ``BasePrimitive``, with te_jax's explicit errors):
-``CustomCallPrimitive``, a JAX primitive with an abstract eval, a compiled
-eager implementation, an FFI lowering per platform and an optional batching
-rule; and ``Partitioned``, a per-device function under ``custom_partitioning``
-(Shardy ``sharding_rule``, ``infer`` and ``partition`` hooks, the partitioned
-body traced with no mesh: ``device_local``) and, optionally, ``custom_vmap``.
-Three families use them: the matrix ops below (quantize, dequantize, the fused
-norm / activation kernels), the GEMM (``te_jax.ops.gemm_call``) and the
-grouped GEMM (``te_jax.ops.grouped.call``).
+The matrix ops (quantize, dequantize, the fused norm / activation kernels)
+are one family of the custom-call primitive base (``te_jax.ops.partitioned``:
+``CustomCallPrimitive``, ``Partitioned``), as are the GEMM
+(``te_jax.ops.gemm_call``) and the grouped GEMM (``te_jax.ops.grouped.call``).
 
 ``use`` / ``resolve`` (public as ``te_jax.ops.backend``) pick, at trace time,
 the FFI kernels or the pure-JAX reference, per call (``backend=``) or for a
@@ -46,6 +40,8 @@ Leading axes (a batch of matrices, vmap) keep their sharding. The rules:
 4. A cast whose scale depends on the whole tensor (current scaling, NVFP4)
    takes the local amax, one ``Shards.pmax``, and casts with the global scale
    in its body (``te_jax.ops.quantize``), so the bits equal the unsharded op's.
+5. Under a mesh with Explicit axes every family's results are typed with the
+   shardings these rules compute them in (``te_jax.ops.sharding_types``).
 """
 
 from __future__ import annotations
@@ -56,13 +52,10 @@ import itertools
 import math
 import re
 import warnings
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.custom_partitioning import custom_partitioning
-from jax.extend.core import Primitive
-from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 try:  # what custom_partitioning itself decodes shardings with (private: checked, and warned about, below)
@@ -70,7 +63,9 @@ try:  # what custom_partitioning itself decodes shardings with (private: checked
 except ImportError:  # pragma: no cover
     _parse_hlo_sharding = None
 
+from te_jax.ops.partitioned import CustomCallPrimitive, Partitioned
 from te_jax.ops.sharding import AxisClaims, ShardingGatherWarning, Shards, all_reduce, fold_shard_index
+from te_jax.ops.sharding_types import explicit_mesh
 
 Dim = tuple[str | None, int]  # (factor "m" / "n" / None for "~", entries per axis index)
 
@@ -100,122 +95,6 @@ def current() -> str:
 def resolve(backend: str | None) -> str:
     """The backend for one call: the explicit argument, else the context's."""
     return _current.value if backend is None else _check_backend(backend)
-
-
-# ---- the base: a primitive lowered per platform, partitioned, batched ----------------
-
-
-class CustomCallPrimitive:
-    """A JAX primitive whose lowering is an FFI custom call.
-
-    Args:
-      name: the primitive's name, as jaxprs print it.
-      abstract_eval: ``(*avals, **params)`` -> the result aval(s).
-      lower: ``(platform, ctx, *args, **params)`` -> the lowered results; ``platform``
-        is one of ``platforms``, or None when ``platforms`` is None (one rule for all).
-      platforms: the platforms lowered (None: every platform, by one rule).
-      multiple_results: whether the primitive returns a list of results.
-      batcher: a batching rule for the bare primitive (None: none; a ``Partitioned``
-        with a vmap rule batches the call before it is bound).
-    """
-
-    def __init__(self, name: str, *, abstract_eval: Callable, lower: Callable,
-                 platforms: Sequence[str] | None = ("cpu", "cuda"), multiple_results: bool = False,
-                 batcher: Callable | None = None):
-        self.primitive = prim = Primitive(name)
-        prim.multiple_results = multiple_results
-        prim.def_abstract_eval(abstract_eval)
-        # Eager calls compile the primitive (the params are static: hashable descriptions).
-        jitted = jax.jit(lambda params, *args: prim.bind(*args, **dict(params)), static_argnums=0)
-        prim.def_impl(lambda *args, **params: jitted(tuple(params.items()), *args))
-        if platforms is None:
-            mlir.register_lowering(prim, functools.partial(lower, None))
-        for platform in platforms or ():
-            mlir.register_lowering(prim, functools.partial(lower, platform), platform=platform)
-        if batcher is not None:
-            batching.primitive_batchers[prim] = batcher
-
-    def bind(self, *args, **params):
-        """The primitive applied to ``args``."""
-        return self.primitive.bind(*args, **params)
-
-
-def _traced_without_mesh(partition: Callable) -> Callable:
-    """``partition`` with the per-device body it returns run by ``device_local``."""
-
-    @functools.wraps(partition)
-    def run(*args):
-        mesh, body, result_shardings, arg_shardings = partition(*args)
-        return mesh, device_local(body), result_shardings, arg_shardings
-
-    return run
-
-
-class Partitioned:
-    """``local(static, *args)`` run partitioned (``custom_partitioning``) and, with ``vmap_rule``, batched.
-
-    ``static`` is the family's hashable description of one call (a ``MatrixOp``, a
-    GEMM ``Layout``); every hook takes it first.
-
-    Args:
-      local: the unsharded function, ``local(static, *args)``.
-      partition: ``(static, mesh, arg_shapes, result_shape)`` -> ``(mesh, body,
-        result shardings, arg shardings)``; ``body(*blocks)`` runs on one device's
-        blocks, traced with no mesh in context (``device_local``).
-      infer: ``(static, mesh, arg_shapes, result_shape)`` -> the result shardings.
-      sharding_rule: ``(static, mesh, value_types, result_types)`` -> Shardy's rule.
-      vmap_rule: ``vmap_rule(static)`` -> ``custom_vmap``'s rule for that call
-        (None: vmap traces through the partitioned call).
-      decode_shardings: whether the hooks get decoded ``NamedSharding``s.
-    """
-
-    def __init__(self, local: Callable, *, partition: Callable, infer: Callable, sharding_rule: Callable,
-                 vmap_rule: Callable | None = None, decode_shardings: bool = True):
-        self._partitioned = custom_partitioning(local, static_argnums=(0,))
-        self._partitioned.def_partition(partition=_traced_without_mesh(partition), infer_sharding_from_operands=infer,
-                                        sharding_rule=sharding_rule, decode_shardings=decode_shardings)
-        self._vmap_rule = vmap_rule
-
-    def __call__(self, static, *args):
-        if self._vmap_rule is None:
-            return self._partitioned(static, *args)
-        run = jax.custom_batching.custom_vmap(lambda *xs: self._partitioned(static, *xs))
-        run.def_vmap(self._vmap_rule(static))
-        return run(*args)
-
-
-# Not public in old releases (jax 0.6): there the body is traced as it always was.
-_use_abstract_mesh = getattr(jax.sharding, "use_abstract_mesh", None)
-
-
-def device_local(body: Callable[..., Any]) -> Callable[..., Any]:
-    """``body`` as a ``custom_partitioning`` lowering function: traced with no mesh in context.
-
-    XLA calls the partition rule while compiling; jax 0.11 does so with the
-    caller's mesh (``jax.set_mesh``) still in context, and the body traced
-    there types its values as sharded over it. With Explicit axes every op,
-    the all-reduces' reducers included, is then lowered with a Shardy
-    ``Sharding`` custom call, which nothing removes from a module that is
-    already partitioned: XLA rejects the reducer ("Unsupported reduction
-    computation") or the call itself. The body works on one device's blocks
-    and names mesh axes only in its collectives, so it is traced as jax 0.10
-    traced it, with no mesh: the same ops, hence the same bits.
-
-    Args:
-      body: the per-device function a partition rule returns.
-
-    Returns:
-      ``body``, run under an empty abstract mesh.
-    """
-    if _use_abstract_mesh is None:  # pragma: no cover
-        return body
-
-    @functools.wraps(body)
-    def run(*args: jax.Array) -> Any:
-        with _use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-            return body(*args)
-
-    return run
 
 
 # ---- the matrix ops' custom call ------------------------------------------------------
@@ -271,6 +150,7 @@ class MatrixOp:
       reduce: per result, None, "max" or "sum" (see the module docstring).
       shard_n: whether N may stay sharded (False: the op needs whole rows).
       align: extra granularity of ``(M, N)`` shards.
+      typed: traced under an Explicit mesh (its results get sharding types; ``call`` sets it).
     """
 
     target: str
@@ -282,6 +162,7 @@ class MatrixOp:
     reduce: tuple[str | None, ...] = ()
     shard_n: bool = True
     align: tuple[int, int] = (1, 1)
+    typed: bool = False
 
     def __repr__(self) -> str:
         return f"MatrixOp({self.target}, operands={self.operands}, results={self.results})"
@@ -392,9 +273,18 @@ def _sharding_rule(op: MatrixOp, mesh, value_types, result_types):
     """Shardy rule: leading axes ``...``, M and N as ``(mb mrK)`` compounds of whole pieces.
 
     Every ``~`` axis is its own need-replication factor, and so is N when
-    ``shard_n`` is False or M (N) when a mesh axis cannot split its blocks evenly.
+    ``shard_n`` is False or M (N) when a mesh axis cannot split its blocks
+    evenly, and every axis of M (N) when it is one block. Under an Explicit
+    mesh (``op.typed``) a result dimension the op computes whole is a factor
+    of its own too: else Shardy would carry an operand's split onto it (the
+    results' types say whole) and slice it, only for the type to gather it back.
     """
     grain = {f: _granularity(op, f) for f in "mn"}
+    axis_sizes = [s for s in mesh.shape.values() if s > 1]
+    gathered = {f for f, size in zip("mn", op.sizes)
+                if any((size // grain[f]) % s for s in axis_sizes) or (f == "n" and not op.shard_n)}
+    # One block (or none): nothing to split, and Shardy refuses a compound with a factor of size 1.
+    single = {f for f, size in zip("mn", op.sizes) if grain[f] > 1 and size // grain[f] <= 1}
     sizes: dict[str, int] = {}
     whole: set[str] = set()
     fixed: list[str] = []
@@ -416,7 +306,7 @@ def _sharding_rule(op: MatrixOp, mesh, value_types, result_types):
     for vi, tokens in enumerate(op.operands + op.results):
         names = []
         for di, (f, unit) in enumerate(_dims(tokens)):
-            if f is None:
+            if f is None or f in single or (op.typed and f in gathered and vi >= len(op.operands)):
                 fixed.append(f"z{vi}_{di}")
                 names.append(fixed[-1])
             else:
@@ -426,12 +316,10 @@ def _sharding_rule(op: MatrixOp, mesh, value_types, result_types):
         if f in seen and grain[f] > 1 and f"{f}b" not in whole:
             sizes[f"{f}b"] = size // grain[f]
     replicate = list(fixed)
-    axis_sizes = [s for s in mesh.shape.values() if s > 1]
-    for f, size in zip("mn", op.sizes):
+    for f in "mn":
         # Blocks that a mesh axis cannot split evenly would make Shardy split that axis into
         # sub-axes over the blocks (not a NamedSharding): gather them instead.
-        uneven = any((size // grain[f]) % s for s in axis_sizes)
-        if f in seen and (uneven or (f == "n" and not op.shard_n)):
+        if f in seen and f in gathered:
             replicate += [name for name in (f, f"{f}b", *sizes) if name in whole or
                           (name in sizes and name.startswith(f))]
     order: dict[str, int] = {}
@@ -468,8 +356,10 @@ _matrix_op = Partitioned(_unsharded, partition=_partition, sharding_rule=_shardi
 
 def call(op: MatrixOp, *args) -> tuple:
     """Runs ``op`` on ``args``: partitioned under ``jit`` with shardings, batched under ``vmap``."""
+    if explicit_mesh() is not None and not op.typed:
+        op = dataclasses.replace(op, typed=True)
     return _matrix_op(op, *args)
 
 
-__all__ = ["BACKENDS", "CustomCallPrimitive", "MatrixOp", "Partitioned", "ShardingGatherWarning", "Shards",
-           "all_reduce", "call", "current", "device_local", "ffi", "fold_shard_index", "per_matrix", "resolve", "use"]
+__all__ = ["BACKENDS", "MatrixOp", "ShardingGatherWarning", "Shards", "all_reduce", "call", "current", "ffi",
+           "fold_shard_index", "per_matrix", "resolve", "use"]

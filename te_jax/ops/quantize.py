@@ -23,6 +23,7 @@ import numpy as np
 
 import te_jax.ops.ffi  # noqa: F401  (registers the FFI targets)
 from te_jax.ops import primitive as partition
+from te_jax.ops.sharding_types import reshape
 from te_jax.spec import modes
 from te_jax.spec import numerics as nm
 from te_jax.spec import reference as ref
@@ -395,8 +396,9 @@ def quantize_nvfp4(
 
 
 def as_matrix(x: jax.Array, flatten_axis: int) -> jax.Array:
-    """``x`` reshaped to ``[M, N]`` around ``flatten_axis``."""
+    """``x`` reshaped to ``[M, N]`` around ``flatten_axis`` (under an Explicit mesh typed as
+    ``sharding_types.reshape`` types it: a split minor axis of a merged group, ``[K, H, D@tp]``, is unsplit)."""
     check_high_precision(x)
     if x.ndim == 0:
         raise ValueError("te_jax: cannot quantize a scalar; give a tensor of rank >= 1")
-    return x.reshape(flattened_shape(x.shape, flatten_axis))
+    return reshape(x, flattened_shape(x.shape, flatten_axis))

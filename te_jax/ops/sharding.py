@@ -6,6 +6,13 @@ amaxes that delayed scaling keeps are reduced over those axes (the ones that
 are manual there), so every device ends a step with the same state. Under
 plain ``jit`` with sharded arrays an amax is already a global value and
 nothing needs reducing.
+
+Every axis a ``MeshResource`` names must be an axis of the mesh in scope
+(``check_mesh_axes``): a misspelled axis raises at trace time instead of
+reducing over nothing.
+
+The sharding types of meshes with Explicit axes are
+``te_jax.ops.sharding_types``.
 """
 
 from __future__ import annotations
@@ -127,6 +134,7 @@ def amax_reduction_axes(mesh_resource: MeshResource | None) -> tuple[str, ...]:
     bound = manual_axes()
     if mesh_resource is None:
         return bound
+    check_mesh_axes(mesh_resource, where="the amax reduction")
     return tuple(a for a in mesh_resource.axes if a in bound)
 
 
@@ -138,6 +146,54 @@ def reduce_amax(amax: jax.Array, reduction: str = "max", mesh_resource: MeshReso
     if not axes:
         return amax
     return lax.pmax(amax, axes) if reduction == "max" else lax.pmean(amax, axes)
+
+
+# ---- the mesh in scope, and the axes a MeshResource names checked against it -----------------
+
+
+def mesh_in_scope(*arrays):
+    """The mesh ops are traced under, or None.
+
+    jax's abstract mesh (``jax.set_mesh``, inside ``shard_map``), else the
+    mesh in the type of the first of ``arrays`` that has one (plain ``jit``
+    on arrays with a ``NamedSharding``).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh
+    for x in arrays:
+        if not isinstance(x, (jax.Array, jax.core.Tracer)):
+            continue
+        typed = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+        if typed is not None and not typed.empty:
+            return typed
+    return None
+
+
+def check_mesh_axes(mesh_resource: MeshResource | None, *arrays, where: str = "te_jax") -> None:
+    """Raises ValueError at trace time when ``mesh_resource`` names an axis the mesh in scope lacks.
+
+    Without a mesh in scope (one device, no ``jax.set_mesh``, operands without
+    a NamedSharding) there is nothing to check against.
+
+    Args:
+      mesh_resource: the MeshResource an op uses (None: nothing to check).
+      arrays: the op's operands, whose types name the mesh under plain ``jit``.
+      where: the op or layer, for the message.
+    """
+    if mesh_resource is None:
+        return
+    mesh = mesh_in_scope(*arrays)
+    if mesh is None:
+        return
+    names = tuple(mesh.axis_names)
+    for field in dataclasses.fields(mesh_resource):
+        for axis in axes_of(getattr(mesh_resource, field.name)):
+            if axis not in names:
+                raise ValueError(
+                    f"te_jax: {where}: MeshResource.{field.name} names the mesh axis {axis!r}, which the mesh in "
+                    f"scope lacks (its axes: {names}); name axes of this mesh in te_jax.MeshResource (None for a "
+                    f"role the mesh does not have)")
 
 
 # ---- what a value's type says about its sharding ----------------------------------------------

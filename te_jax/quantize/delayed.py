@@ -5,13 +5,24 @@ initially zeros and one. Each step:
 
 1. quantize with the stored scale (the kernel returns this step's amax from
    the same pass);
-2. ``history[0] = amax``;
+2. ``history[0] = amax``; an amax that is NaN or Inf (one bad micro-batch)
+   is recorded as 0, so it leaves the scale to the rest of the window instead
+   of freezing it for the window's length (TransformerEngine's history
+   reduction skips NaN too); the step counts as skipped;
 3. ``a = max(history)`` ("max"), ``history[0]`` ("most_recent"), or
    ``amax_compute_algo(history)``;
 4. ``scale = (fp8_max / a) / 2**margin`` (or ``scaling_factor_compute_algo(a,
    scale, fp8_max, margin)``), keeping the old scale when ``a`` is 0 or not
-   finite; the scale is at most 2^126 (te_jax's largest scale, docs/numerics.md);
+   finite, or when ``scaling_factor_compute_algo`` returns a scale that is not
+   finite and positive (counted as skipped); the scale is at most 2^126
+   (te_jax's largest scale, docs/numerics.md);
 5. roll the history by -1 and zero ``history[0]``.
+
+A skipped step (``update_skipped``: a non-finite amax in step 2, a non-finite
+``a`` or a rejected scale in step 4) is reported by the quantization
+statistics as ``skipped_update`` (``te_jax.core.stats``, ``te_jax.inspect``).
+A callable that returns an array of the wrong shape raises a ValueError at
+trace time naming the recipe field and the shape it must return.
 
 ``init_state`` and ``update_state`` are pure; nothing is mutated.
 
@@ -32,22 +43,26 @@ of two of them is the form of one update with the larger amax: that is how a
 tensor quantized twice in a step (a layer applied twice, micro-batches)
 merges. Encoding:
 
-* ``amax_history``: the new history as it is;
+* ``amax_history``: the new history as it is (finite: a non-finite amax is
+  recorded as 0);
 * ``scale``: the new scale *negated* (so max picks the smaller scale, that of
   the larger amax), or ``KEEP_ZERO_AMAX = -inf`` for "amax was 0, keep the
-  old scale", or ``KEEP_NONFINITE_AMAX = +inf`` for "amax was not finite, keep
-  the old scale";
+  old scale", or ``KEEP_NONFINITE_AMAX = +inf`` for "``a`` was not finite or
+  the scale ``scaling_factor_compute_algo`` gave was rejected, keep the old
+  scale";
 * all ``-inf`` (``UNUSED``, the zero of the max-merge): "not used this step",
   keeps the old state (history and scale).
 
 The merge is exact when ``amax_compute_algo`` is non-decreasing in each
 history entry and the scale non-increasing in the amax, as the built-in
-algorithms are.
+algorithms are; a non-finite amax merges as 0 (two uses, one with a NaN
+amax: the update of the other's amax).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -103,10 +118,12 @@ class StateUpdate(NamedTuple):
         return cls(*DelayedState.of(update))
 
 
-def encode_update(new: DelayedState, a: jax.Array) -> StateUpdate:
-    """The update form of the new state ``new``, computed from the amax ``a`` the scale was derived from."""
-    flag = jnp.where(nm.is_finite(a), jnp.float32(KEEP_ZERO_AMAX), jnp.float32(KEEP_NONFINITE_AMAX))
-    ok = (a > 0) & nm.is_finite(a)
+def encode_update(new: DelayedState, a: jax.Array, scale_ok: jax.Array | bool = True) -> StateUpdate:
+    """The update form of the new state ``new``, computed from the amax ``a`` the scale was derived from
+    (``scale_ok``: whether the scale computed from it was accepted)."""
+    finite = nm.is_finite(a) & scale_ok
+    flag = jnp.where(finite, jnp.float32(KEEP_ZERO_AMAX), jnp.float32(KEEP_NONFINITE_AMAX))
+    ok = (a > 0) & finite
     return StateUpdate(new.amax_history, jnp.where(ok, -new.scale, flag))
 
 
@@ -127,25 +144,52 @@ def as_float32(state: State) -> State:
     return jax.tree.map(_f32, state)
 
 
+class _Step(NamedTuple):
+    """One update (steps 2-5): the new state, the amax ``a`` its scale came from, whether the scale computed
+    from ``a`` was accepted, and whether the step counts as skipped (float32 1 or 0, like ``a``)."""
+
+    new: DelayedState
+    a: jax.Array
+    scale_ok: jax.Array
+    skipped: jax.Array
+
+
+def _shaped(value, shape: tuple, field: str, wanted: str):
+    """``value`` as float32 of ``shape``; a ValueError at trace time naming ``field`` when its size differs."""
+    value = jnp.asarray(value)
+    if value.size != math.prod(shape):
+        raise ValueError(f"te_jax: DelayedScaling.{field} (DelayedScalingQuantizer.{field}) returned shape "
+                         f"{value.shape}; it must return {wanted}, shape {shape}")
+    return _f32(value).reshape(shape)
+
+
 def _update(state: State, amax, fp8_max: float, margin: int, amax_compute_algo,
-            scaling_factor_compute_algo) -> tuple[DelayedState, jax.Array]:
+            scaling_factor_compute_algo) -> _Step:
     history, scale = DelayedState.of(state)
-    history = history.at[..., 0].set(jnp.asarray(amax, jnp.float32).reshape(history.shape[:-1]))
+    amax = jnp.asarray(amax, jnp.float32).reshape(history.shape[:-1])
+    amax_ok = nm.is_finite(amax)
+    # A NaN or Inf amax is skipped (recorded as 0); so are those a state written before this rule holds.
+    history = jnp.where(nm.is_finite(history), history, 0).at[..., 0].set(jnp.where(amax_ok, amax, 0))
     if amax_compute_algo == "max":
         a = jnp.max(history, axis=-1, keepdims=True)
     elif amax_compute_algo == "most_recent":
         a = history[..., :1]
     else:
-        a = jnp.asarray(amax_compute_algo(history), jnp.float32).reshape(scale.shape)
+        a = _shaped(amax_compute_algo(history), scale.shape, "amax_compute_algo",
+                    "one amax per history (f32[1] for an f32[L] history)")
+    a_ok = (a > 0) & nm.is_finite(a)
     if scaling_factor_compute_algo is None:
         new = (jnp.float32(fp8_max) / a) / jnp.float32(2.0**margin)
+        scale_ok = jnp.ones(scale.shape, bool)
     else:
-        new = jnp.asarray(scaling_factor_compute_algo(a, scale, fp8_max, margin), jnp.float32).reshape(scale.shape)
+        new = _shaped(scaling_factor_compute_algo(a, scale, fp8_max, margin), scale.shape,
+                      "scaling_factor_compute_algo", "the new scale shaped like its `scale` argument")
+        scale_ok = (new > 0) & nm.is_finite(new)  # NaN, Inf, 0 or negative: keep the old scale (counted)
     new = jnp.where(new <= nm.MAX_SCALE, new, nm.MAX_SCALE)
-    ok = (a > 0) & nm.is_finite(a)
-    new_scale = jnp.where(ok, new, scale)
+    new_scale = jnp.where(a_ok & scale_ok, new, scale)
     new_history = jnp.roll(history, -1, axis=-1).at[..., 0].set(0.0)
-    return DelayedState(new_history, new_scale), a
+    skipped = ~amax_ok[..., None] | ~nm.is_finite(a) | (a_ok & ~scale_ok)
+    return _Step(DelayedState(new_history, new_scale), a, scale_ok, skipped.astype(jnp.float32))
 
 
 def update_state(
@@ -158,13 +202,20 @@ def update_state(
     scaling_factor_compute_algo: Callable | None = None,
 ) -> State:
     """The state after a step whose tensor had amax ``amax`` (steps 2-5 above)."""
-    return _update(state, amax, fp8_max, margin, amax_compute_algo, scaling_factor_compute_algo)[0]._asdict()
+    return _update(state, amax, fp8_max, margin, amax_compute_algo, scaling_factor_compute_algo).new._asdict()
 
 
 def state_gradient(state: State, amax: jax.Array, **config) -> State:
     """``update_state``'s result in the max-mergeable form the training helpers carry as a gradient
     (``encode_update``; stored as a dict, like the state)."""
-    return encode_update(*_update(state, amax, **config))._asdict()
+    step = _update(state, amax, **config)
+    return encode_update(step.new, step.a, step.scale_ok)._asdict()
+
+
+def update_skipped(state: State, amax: jax.Array, **config) -> jax.Array:
+    """Whether ``update_state`` skips this step (f32 1 or 0, shaped like ``state["scale"]``): ``amax`` is NaN or
+    Inf, the amax the history gives is not finite, or ``scaling_factor_compute_algo``'s scale was rejected."""
+    return _update(state, amax, **config).skipped
 
 
 def apply_state_gradient(state: State, grad: State) -> State:
@@ -242,6 +293,10 @@ class DelayedScalingQuantizer:
 
     def state_gradient(self, state: State, amax: jax.Array) -> State:
         return state_gradient(state, amax, **self._config())
+
+    def update_skipped(self, state: State, amax: jax.Array) -> jax.Array:
+        """1 where this step's update is skipped (``te_jax.quantize.delayed.update_skipped``), else 0."""
+        return update_skipped(state, amax, **self._config())
 
     def check_state(self, state: Any) -> None:
         if state is None:

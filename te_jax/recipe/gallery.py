@@ -68,25 +68,31 @@ def load_recipe(path_or_name: str, *, num_layers: int | None = None) -> Recipe:
 
     ``recipe_names()`` lists the names.
 
+    A recipe that places quantization by block position depends on the
+    model's depth: its module defines ``make_qfactory(num_layers)`` (see
+    ``recipes/nvfp4_first_last_bf16.py``), and ``num_layers`` is then
+    required. There is no default depth: a recipe built for the wrong one
+    would quantize the wrong blocks without a word.
+
     Args:
       path_or_name: one of the above.
-      num_layers: the model's depth, for recipes that treat transformer
-        blocks by position: a module that defines ``make_qfactory(num_layers)``
-        gets its factory from it (``recipes/nvfp4_first_last_bf16.py``). Without
-        it such a module's own ``qfactory`` (its default depth) is used; other
-        recipes ignore it.
+      num_layers: the model's depth (number of transformer blocks), for
+        recipes that treat blocks by position: a module that defines
+        ``make_qfactory(num_layers)`` gets its factory from it. Other recipes
+        ignore it.
 
     Raises:
       FileNotFoundError: a path (ending in ``.py`` or holding a ``/``) that is no file.
       ValueError: a name that is none of the above (the message lists the
-        names), a module without ``qfactory``, or a bad ``num_layers``.
+        names), a module without ``qfactory`` (or ``make_qfactory``), a
+        depth-dependent recipe without ``num_layers``, or a bad ``num_layers``.
     """
     if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
                                    or num_layers < 1):
         raise ValueError(f"te_jax: load_recipe(num_layers=...) must be a positive int, got {num_layers!r}")
     text = str(path_or_name)
     if Path(text).is_file():
-        return _from_file(Path(text), num_layers)
+        return _from_file(Path(text), text, num_layers)
     if text.endswith(".py") or "/" in text:
         raise FileNotFoundError(f"te_jax: no recipe file {text!r}")
     builtin = _builtin_by_name().get(text.lower())
@@ -94,7 +100,7 @@ def load_recipe(path_or_name: str, *, num_layers: int | None = None) -> Recipe:
         return builtin()
     for path in (d / f"{text}.py" for d in _gallery_dirs()):
         if path.is_file():
-            return _from_file(path, num_layers)
+            return _from_file(path, text, num_layers)
     try:
         module = importlib.import_module(text)
     except ImportError:
@@ -105,18 +111,24 @@ def load_recipe(path_or_name: str, *, num_layers: int | None = None) -> Recipe:
     return _wrap(module, text, num_layers)
 
 
-def _from_file(path: Path, num_layers: int | None) -> CustomRecipe:
+def _from_file(path: Path, where: str, num_layers: int | None) -> CustomRecipe:
+    """The recipe module at ``path``; ``where`` is the name it was asked for, as errors give it."""
     spec = importlib.util.spec_from_file_location(f"te_jax_recipe_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return _wrap(module, str(path), num_layers)
+    return _wrap(module, where, num_layers)
 
 
 def _wrap(module, where: str, num_layers: int | None) -> CustomRecipe:
     make = getattr(module, "make_qfactory", None)
-    if num_layers is not None and callable(make):
+    if callable(make):  # the recipe depends on the model's depth: never a default one
+        if num_layers is None:
+            raise ValueError(
+                f"te_jax: recipe {where!r} places quantization by transformer block and needs the model's depth: "
+                f"load_recipe({where!r}, num_layers=<the model's number of blocks>)")
         return CustomRecipe(qfactory=make(num_layers))
     qfactory = getattr(module, "qfactory", None)
     if not callable(qfactory):
-        raise ValueError(f"te_jax: recipe module {where!r} must define a function qfactory(role)")
+        raise ValueError(f"te_jax: recipe module {where!r} must define a function qfactory(role) (or, for a recipe "
+                         "that depends on the model's depth, make_qfactory(num_layers))")
     return CustomRecipe(qfactory=qfactory)

@@ -35,6 +35,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from te_jax.recipe.te_fields import check_te_fields
 from te_jax.quantize.delayed import DelayedScalingQuantizer
 from te_jax.quantize.protocols import Quantizer
 from te_jax.quantize.delayed import check_config as check_delayed_config
@@ -174,6 +175,11 @@ class Recipe:
 
     _fast_accumulation_may_be_none = False
 
+    def __new__(cls, *args, **kwargs):
+        # Before the dataclass __init__, whose bare "unexpected keyword argument" would name no fix.
+        check_te_fields(cls.__name__, (f.name for f in dataclasses.fields(cls)), kwargs)
+        return super().__new__(cls)
+
     def __post_init__(self):
         if not (self.fast_accumulation is None and self._fast_accumulation_may_be_none):
             _bool(type(self).__name__, "fast_accumulation", self.fast_accumulation)
@@ -248,7 +254,10 @@ class DelayedScaling(Recipe):
     Attributes:
       margin: the scale is divided by ``2**margin`` (an int >= 0).
       fp8_format: Format.HYBRID (E4M3 forward, E5M2 gradients) or Format.E4M3.
-      amax_history_len: number of steps of amax history (>= 1).
+      amax_history_len: number of steps of amax history (>= 1). An amax that
+        is NaN or Inf (one bad micro-batch) is recorded as 0, so the scale
+        comes from the rest of the history instead of freezing for its
+        length; the statistics count it as ``skipped_update``.
       amax_compute_algo: "max" (over the history), "most_recent", or a
         callable ``f(amax_history f32[L]) -> amax``.
       scaling_factor_compute_algo: None, or a callable
@@ -259,6 +268,9 @@ class DelayedScaling(Recipe):
         recipe (e.g. ``recipe.margin``). As for the default
         ``(fp8_max / amax) / 2**margin``, the old scale is kept where
         ``amax`` is 0 or not finite, and the result is capped at 2^126.
+        A result that is NaN, Inf, 0 or negative also keeps the old scale
+        (the statistics count it as ``skipped_update``); a result that is
+        neither a scalar nor shaped like ``scale`` raises at trace time.
       reduce_amax: reduce amaxes over the autocast MeshResource's mesh axes
         (every manual axis when it gives none) inside shard_map, so every
         device keeps the same state. Under jit with shardings amaxes are

@@ -46,7 +46,8 @@ tensor's state, e.g. ``{"amax_history": f32[L], "scale": f32[1]}`` for
 delayed scaling (stateless recipes create no entries; under ``nn.scan`` every
 leaf gets the scanned axis). ``model.apply(variables, x,
 mutable=["fp8_meta"])`` returns the forward-updated state (for inference and
-calibration); in training the state after forward *and* backward is the
+calibration; a layer called several times in the apply merges its calls by
+max, as training does); in training the state after forward *and* backward is the
 gradient of ``fp8_meta``, in a form whose elementwise max merges two uses of
 one state (a layer applied twice, micro-batches: ``merge_fp8_updates``), and
 ``apply_fp8_update`` turns it into the new state.
@@ -64,10 +65,12 @@ from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT, fp32_max_grad
 from flax.training import train_state
 from jax import lax
 
+from te_jax.core.forward_updates import CotangentMarks, record_forward_updates, warn_never_updated
 from te_jax.core.gemm_quant import FP8StateError, fp8_state_updates
 from te_jax.core.stats import STATS_COLLECTION
 from te_jax.quantize import delayed
 from te_jax.spec.names import FP8_COLLECTION
+from te_jax.train import mix_check
 
 
 __all__ = ["FP8Gradients", "FP8StateError", "TrainState", "accumulate_gradients", "apply_fp8_update", "apply_gradients",
@@ -76,15 +79,27 @@ __all__ = ["FP8Gradients", "FP8StateError", "TrainState", "accumulate_gradients"
 
 # Collections whose gradient is not a gradient but a max-merged result: the fp8 state update, the statistics.
 MAX_MERGED = (FP8_COLLECTION, STATS_COLLECTION)
+# ... and flax's FP8 collection, whose gradient is its new value (te_jax.flax.DotGeneral keeps its state there).
+STATE_COLLECTIONS = (*MAX_MERGED, OVERWRITE_WITH_GRADIENT)
 
 
 def _has_fp8(tree: Any) -> bool:
     """Whether ``tree`` is a variables dict holding fp8_meta or fp8_stats."""
-    return isinstance(tree, Mapping) and any(c in tree for c in MAX_MERGED)
+    return isinstance(tree, Mapping) and any(c in tree.keys() for c in MAX_MERGED)
+
+
+def _has_state(tree: Any) -> bool:
+    """Whether ``tree`` is a variables dict holding a collection no optimizer may see (``STATE_COLLECTIONS``)."""
+    return isinstance(tree, Mapping) and any(c in tree.keys() for c in STATE_COLLECTIONS)
 
 
 def _merged(tree: Mapping) -> list[str]:
-    return [c for c in MAX_MERGED if c in tree]
+    return [c for c in STATE_COLLECTIONS if c in tree.keys()]
+
+
+def _gradients(tree: dict, like: Any) -> dict:
+    """``tree`` as a ``FP8Gradients`` when ``like`` holds fp8_meta or fp8_stats, else a plain dict."""
+    return FP8Gradients(tree) if _has_fp8(like) else dict(tree)
 
 
 class FP8Gradients(dict):
@@ -95,8 +110,17 @@ class FP8Gradients(dict):
     optimizer may see. Being a type of its own, the whole dict cannot be
     mapped against a plain variables dict (an optax update over all the
     variables fails), and flax's ``TrainState.apply_gradients``, which asks
-    for its "_overwrite_with_gradient" entry, gets ``FP8StateError``.
+    for its "_overwrite_with_gradient" entry, gets ``FP8StateError``. Gradients
+    that a tree operation summed, averaged or scaled (``jax.tree.map(jnp.add,
+    acc, g)``; ``te_jax.train.mix_check``) refuse to give their
+    "fp8_meta"/"fp8_stats" and to be applied (``FP8StateError`` naming
+    ``merge_gradients``).
     """
+
+    def __getitem__(self, key):
+        if key in MAX_MERGED and self.__dict__.get("_mixed", False):
+            mix_check.verify(self.mix_check)
+        return super().__getitem__(key)
 
     def __contains__(self, key: object) -> bool:
         if key == OVERWRITE_WITH_GRADIENT:
@@ -110,12 +134,31 @@ class FP8Gradients(dict):
     def __repr__(self) -> str:
         return f"FP8Gradients({dict.__repr__(self)})"
 
+    @property
+    def mix_check(self) -> Any:
+        """The leaf that tree operations mixing gradients break (``te_jax.train.mix_check``)."""
+        return self.__dict__.get("_mix_check", mix_check.zero())
+
+    def with_mix_check(self, check: Any) -> FP8Gradients:
+        """These gradients carrying ``check`` (returns self)."""
+        self._mix_check = check
+        return self
+
+
+def _unflatten_gradients(keys, children) -> FP8Gradients:
+    grads = FP8Gradients(zip(keys, children[:-1])).with_mix_check(children[-1])
+    # Outside jit a tree operation that summed or scaled gradients is seen here; refused when the result is used
+    # (a composite operation, e.g. lax.pmean's sum before its division, may pass through a mixed state).
+    grads._mixed = not mix_check.consistent(children[-1])
+    return grads
+
 
 jax.tree_util.register_pytree_with_keys(
     FP8Gradients,
-    lambda g: (tuple((jax.tree_util.DictKey(k), g[k]) for k in sorted(g)), tuple(sorted(g))),
-    lambda keys, children: FP8Gradients(zip(keys, children)),
-    lambda g: (tuple(g[k] for k in sorted(g)), tuple(sorted(g))),
+    lambda g: ((*((jax.tree_util.DictKey(k), dict.__getitem__(g, k)) for k in sorted(g)),
+                (jax.tree_util.GetAttrKey("mix_check"), g.mix_check)), tuple(sorted(g))),
+    _unflatten_gradients,
+    lambda g: ((*(dict.__getitem__(g, k) for k in sorted(g)), g.mix_check), tuple(sorted(g))),
 )
 
 
@@ -129,7 +172,12 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
     The gradient of ``fp8_meta`` is its update for this step (apply it with
     ``te_jax.train.apply_fp8_update`` or ``TrainState.apply_gradients``), that
     of ``fp8_stats`` the step's quantization statistics; every other leaf gets
-    its ordinary gradient. Uses of one state merge by max, not sum. Called
+    its ordinary gradient. Uses of one state merge by max, not sum. A layer
+    whose output gets no gradient (``jax.lax.stop_gradient``, a frozen
+    encoder) still records its forward roles' update, taken from its forward
+    pass (``te_jax.core.forward_updates``); one that te_jax cannot record
+    there (inside ``nn.remat``, ``scan``, ``vmap`` or ``shard_map`` within
+    ``fun``) and that gets no gradient is named in a warning. Called
     outside jit, the computation is jitted internally, so ``fun``'s outputs
     (and aux) must be arrays.
 
@@ -137,31 +185,47 @@ def value_and_grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Ca
     gradients are a ``FP8Gradients`` dict, and the differentiation runs
     inside ``fp8_state_updates()`` when "fp8_meta" is there. Stateful layers
     whose state is not in the differentiated argument raise ``FP8StateError``.
+    flax's "_overwrite_with_gradient" collection (``te_jax.flax.DotGeneral``'s
+    state) is differentiated in the max-merging dtype too: its gradient, the
+    new value of the collection, merges the uses of a state by max (with it
+    alone, the gradients are a plain dict, which flax's TrainState takes).
     """
     if not isinstance(argnums, int):
         raise ValueError(f"te_jax: value_and_grad differentiates one argument; argnums must be an int, got {argnums!r}")
 
     def wrapped(*args, **kwargs):
         variables = args[argnums]
-        if not _has_fp8(variables):
+        if not _has_state(variables):
             return jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)
 
         def run(variables):
             v = {**variables, **{c: to_max_merging(variables[c]) for c in _merged(variables)}}
+            recorded = [c for c in MAX_MERGED if c in v]
+            traced = []  # what f's trace saw: the recorder and the cotangent marks (te_jax.core.forward_updates)
 
             def f(v):
-                return fun(*args[:argnums], v, *args[argnums + 1:], **kwargs)
+                marks = CotangentMarks({c: v[c] for c in recorded})
+                v = {**v, **marks.tree}
+                # The forward roles' updates, for the layers whose backward never runs
+                with record_forward_updates(marks.tree) as forward:
+                    out = fun(*args[:argnums], v, *args[argnums + 1:], **kwargs)
+                traced.append((forward, marks))
+                out, aux = out if has_aux else (out, None)
+                return out, (aux, forward.updates())
 
-            if has_aux:
-                out, vjp_fn, aux = jax.vjp(f, v, has_aux=True)
-            else:
-                (out, vjp_fn), aux = jax.vjp(f, v), None
+            out, vjp_fn, (aux, forward) = jax.vjp(f, v, has_aux=True)
             if jnp.shape(out) != () or not jnp.issubdtype(jnp.result_type(out), jnp.floating):
                 raise TypeError(f"te_jax: value_and_grad needs a real scalar output, got {jnp.result_type(out)}"
                                 f"{list(jnp.shape(out))}")
             (grads,) = vjp_fn(jnp.ones_like(out))
-            grads = FP8Gradients({**grads, **{c: jax.tree.map(lambda g: lax.convert_element_type(g, jnp.float32),
-                                                              grads[c]) for c in _merged(grads)}})
+            warn_never_updated(*traced[-1], {c: v[c] for c in recorded}, FP8_COLLECTION)
+            grads = {**grads, **{c: jax.tree.map(lambda g: lax.convert_element_type(g, jnp.float32), grads[c])
+                                 for c in _merged(grads)}}
+            # max with what the backward returned: the same forms where it ran, so only the others change
+            grads = _gradients({**grads, **{c: jax.tree.map(jnp.maximum, grads[c], forward[c]) for c in recorded}},
+                               variables)
+            if isinstance(grads, FP8Gradients):
+                grads.with_mix_check(mix_check.of([grads[c] for c in recorded]))
             return out, aux, grads
 
         # Max-merging cotangents only work traced; eager calls run jitted.
@@ -184,11 +248,18 @@ def grad(fun: Callable, argnums: int = 0, has_aux: bool = False) -> Callable:
 
 
 def merge_gradients(a: Any, b: Any) -> Any:
-    """Gradients of two micro-batches: parameters summed, fp8 updates and statistics max-merged."""
-    if not _has_fp8(a):
+    """Gradients of two micro-batches: parameters summed, fp8 updates, statistics and overwrite-with-gradient
+    values max-merged."""
+    if not _has_state(a):
         return jax.tree.map(jnp.add, a, b)
-    return FP8Gradients({k: (merge_fp8_updates if k in MAX_MERGED else lambda x, y: jax.tree.map(jnp.add, x, y))(
-        a[k], b[k]) for k in a})
+    def one(k):
+        return merge_fp8_updates(a[k], b[k]) if k in STATE_COLLECTIONS else jax.tree.map(jnp.add, a[k], b[k])
+
+    merged = _gradients({k: one(k) for k in a}, a)
+    if isinstance(merged, FP8Gradients):
+        checks = [g.mix_check if isinstance(g, FP8Gradients) else mix_check.zero() for g in (a, b)]
+        merged.with_mix_check(mix_check.merge(*checks))
+    return merged
 
 
 def accumulate_gradients(fun: Callable, variables: Any, micro_batches: Any, *, has_aux: bool = False,
@@ -212,9 +283,9 @@ def accumulate_gradients(fun: Callable, variables: Any, micro_batches: Any, *, h
         return (acc[0] + loss, merge_gradients(acc[1], g)), aux
 
     zero = _map_trainable(lambda t: jax.tree.map(jnp.zeros_like, t), variables)
-    if _has_fp8(variables):
+    if _has_state(variables):
         # "unused this step": the identity of the max-merge
-        zero = FP8Gradients(zero, **{c: unused_update(variables[c]) for c in _merged(variables)})
+        zero = _gradients({**zero, **{c: unused_update(variables[c]) for c in _merged(variables)}}, variables)
     (loss, grads), aux = lax.scan(body, (jnp.zeros((), jnp.float32), zero), micro_batches)
     if average:
         loss = loss / n
@@ -223,19 +294,19 @@ def accumulate_gradients(fun: Callable, variables: Any, micro_batches: Any, *, h
 
 
 def _trainable(tree: Any) -> Any:
-    """What the optimizer sees: the variables without fp8_meta and fp8_stats (just the params when that is all)."""
-    if not _has_fp8(tree):
+    """What the optimizer sees: the variables without ``STATE_COLLECTIONS`` (just the params when that is all)."""
+    if not _has_state(tree):
         return tree
-    rest = {k: v for k, v in tree.items() if k not in MAX_MERGED}
+    rest = {k: v for k, v in tree.items() if k not in STATE_COLLECTIONS}
     return rest["params"] if set(rest) == {"params"} else rest
 
 
 def _with_trainable(tree: Any, trainable: Any) -> Any:
-    if not _has_fp8(tree):
+    if not _has_state(tree):
         return trainable
-    rest = {k for k in tree if k not in MAX_MERGED}
+    rest = {k for k in tree if k not in STATE_COLLECTIONS}
     out = {**(trainable if rest != {"params"} else {"params": trainable}), **{c: tree[c] for c in _merged(tree)}}
-    return FP8Gradients(out) if isinstance(tree, FP8Gradients) else out
+    return FP8Gradients(out).with_mix_check(tree.mix_check) if isinstance(tree, FP8Gradients) else out
 
 
 def _map_trainable(fn, tree):
@@ -245,17 +316,32 @@ def _map_trainable(fn, tree):
 def apply_gradients(variables: Any, grads: Any, opt_state: Any, tx: optax.GradientTransformation):
     """One optimizer step on the parameters and the fp8 state update applied.
 
+    "fp8_meta" takes its update (``apply_fp8_update``), "_overwrite_with_gradient"
+    its gradient (its new value), "fp8_stats" stays as it is.
+
+    Gradients that a tree operation summed, averaged or scaled
+    (``te_jax.train.mix_check``) raise ``FP8StateError`` outside jit; inside
+    jit their FP8 state comes out NaN.
+
     Returns:
       ``(new_variables, new_opt_state)``.
     """
-    if _has_fp8(variables) and not _has_fp8(grads):
+    if isinstance(grads, FP8Gradients):
+        mix_check.verify(grads.mix_check)
+    missing = [c for c in (FP8_COLLECTION, OVERWRITE_WITH_GRADIENT) if c in variables.keys()] if _has_state(
+        variables) else []
+    missing = [c for c in missing if not (isinstance(grads, Mapping) and c in grads.keys())]
+    if (_has_state(variables) and not _has_state(grads)) or missing:
         raise FP8StateError(f"te_jax: the variables hold {' and '.join(map(repr, _merged(variables)))} but the "
-                            "gradients do not; compute them with te_jax.train.value_and_grad over the whole "
-                            "variables dict")
+                            f"gradients do not{f' ({missing})' if missing else ''}; compute them with "
+                            "te_jax.train.value_and_grad over the whole variables dict")
     updates, new_opt_state = tx.update(_trainable(grads), opt_state, _trainable(variables))
     new = _with_trainable(variables, optax.apply_updates(_trainable(variables), updates))
     if FP8_COLLECTION in new:
-        new[FP8_COLLECTION] = apply_fp8_update(variables[FP8_COLLECTION], grads[FP8_COLLECTION])
+        new[FP8_COLLECTION] = apply_fp8_gradients(variables[FP8_COLLECTION], grads)
+    if OVERWRITE_WITH_GRADIENT in new:
+        new[OVERWRITE_WITH_GRADIENT] = jax.tree.map(lambda old, g: lax.convert_element_type(g, old.dtype),
+                                                    variables[OVERWRITE_WITH_GRADIENT], grads[OVERWRITE_WITH_GRADIENT])
     return new, new_opt_state
 
 
@@ -264,7 +350,8 @@ class TrainState(train_state.TrainState):
 
     With ``params={"params": ..., "fp8_meta": ...}``, the optimizer sees only
     ``params["params"]`` and ``apply_gradients`` replaces fp8_meta by the
-    state its gradient carries (an "fp8_stats" collection is kept as it is).
+    state its gradient carries (an "fp8_stats" collection is kept as it is,
+    "_overwrite_with_gradient" is overwritten with its gradient).
     Without either it is flax's TrainState (which overwrites flax's own FP8
     collection, "_overwrite_with_gradient", with its gradient).
     """
@@ -306,6 +393,24 @@ def apply_fp8_update(fp8_meta: Any, update: Any) -> Any:
         return jnp.where(new == -jnp.inf, old, new).astype(old.dtype)
 
     return _map_states(one, fp8_meta, update)
+
+
+def apply_fp8_gradients(fp8_meta: Any, grads: Any) -> Any:
+    """The new fp8_meta from the old one and the gradients holding its update, ``grads["fp8_meta"]``.
+
+    ``apply_fp8_update``, checked: gradients that a tree operation mixed
+    (``te_jax.train.mix_check``) raise ``FP8StateError`` outside jit and give
+    a NaN state inside jit. Every step that applies an update goes through
+    here (``apply_gradients``, ``te_jax.nnx.value_and_grad``), so that the
+    Linen and NNX steps compile to the same computation and agree bit for bit.
+    """
+    check = grads.mix_check if isinstance(grads, FP8Gradients) else None
+    if check is not None:
+        mix_check.verify(check)
+    new = apply_fp8_update(fp8_meta, grads[FP8_COLLECTION])
+    if isinstance(check, jax.core.Tracer):
+        new = mix_check.poisoned_unless_held(check, new)
+    return new
 
 
 def merge_fp8_updates(a: Any, b: Any) -> Any:

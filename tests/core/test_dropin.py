@@ -179,9 +179,13 @@ def test_gradients_type_keeps_dict_behaviour():
         _, grads = value_and_grad(_loss)(_init(DELAYED), x, y)
     assert isinstance(grads, FP8Gradients) and isinstance(grads, dict)
     assert set(grads) == {"params", "fp8_meta"} and "fp8_meta" in grads
-    doubled = jax.tree.map(lambda g: 2 * g, grads)
-    assert isinstance(doubled, FP8Gradients)
-    np.testing.assert_array_equal(doubled["params"]["out"]["kernel"], 2 * grads["params"]["out"]["kernel"])
+    same = jax.tree.map(jnp.asarray, grads)  # a tree operation that keeps every gradient whole
+    assert isinstance(same, FP8Gradients) and jax.tree.structure(same) == jax.tree.structure(grads)
+    scaled = jax.tree.map(lambda g: 2 * g, grads)  # would scale the FP8 state update too
+    with pytest.raises(FP8StateError, match="merge_gradients"):
+        scaled["fp8_meta"]
+    doubled = jax.tree.map(lambda g: 2 * g, grads["params"])
+    np.testing.assert_array_equal(doubled["out"]["kernel"], 2 * grads["params"]["out"]["kernel"])
     assert jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(grads)[0][0][0]).startswith("['fp8_meta']")
 
 

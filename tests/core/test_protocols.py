@@ -90,11 +90,16 @@ def test_the_state_and_its_update_form_are_named():
     view = DelayedState.of(st)
     assert delayed.is_state(view) and view._asdict().keys() == st.keys()
     q = te_jax.quantize.DelayedScalingQuantizer(amax_history_len=3)
-    for amax, scale in ((2.0, -224.0), (0.0, delayed.KEEP_ZERO_AMAX), (np.inf, delayed.KEEP_NONFINITE_AMAX)):
-        update = StateUpdate.of(q.state_gradient(st, jnp.float32(amax)))
+    rejects = te_jax.quantize.DelayedScalingQuantizer(amax_history_len=3,
+                                                      scaling_factor_compute_algo=lambda a, s, m, mg: a * jnp.nan)
+    # an Inf amax is skipped (recorded as 0): on a zero history it keeps the scale like amax 0; a scale the
+    # scaling_factor_compute_algo gives that is not finite and positive keeps it and wins merges
+    for q_, amax, scale in ((q, 2.0, -224.0), (q, 0.0, delayed.KEEP_ZERO_AMAX), (q, np.inf, delayed.KEEP_ZERO_AMAX),
+                            (rejects, 2.0, delayed.KEEP_NONFINITE_AMAX)):
+        update = StateUpdate.of(q_.state_gradient(st, jnp.float32(amax)))
         assert float(update.scale[0]) == scale, amax
         new = delayed.decode_update(view, update)
-        assert float(new.scale[0]) == (224.0 if amax == 2.0 else 1.0)
+        assert float(new.scale[0]) == (224.0 if scale == -224.0 else 1.0)
     unused = StateUpdate(jnp.full((3,), -jnp.inf), jnp.full((1,), -jnp.inf))
     kept = delayed.decode_update(DelayedState(jnp.arange(3.0), jnp.full((1,), 7.0)), unused)
     assert np.array_equal(kept.amax_history, [0, 1, 2]) and float(kept.scale[0]) == 7.0

@@ -3,8 +3,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8.
 
 For each mesh ("ep8", "dp2xep4") and recipe ("none", "delayed") it prints one JSON line comparing one jitted
 training step (loss, input and parameter gradients, the FP8 state update) under
-``autocast(mesh_resource=MeshResource(dp_resource="dp", ep_resource="ep"))`` on the mesh with the same step on
-one device, whether every device holds the same FP8 state update, and the collectives in the compiled HLO.
+``autocast(mesh_resource=MeshResource(dp_resource="dp", ep_resource="ep"))`` (no dp on "ep8") on the mesh with the
+same step on one device, whether every device holds the same FP8 state update, and the collectives in the compiled HLO.
 """
 
 from __future__ import annotations
@@ -27,7 +27,11 @@ from moe_multidevice import MESHES, collective_counts, main_over_cases  # noqa: 
 
 T, E, K_TOP, H, F = 64, 8, 2, 32, 32
 RECIPES = {"none": None, "delayed": R.DelayedScaling(amax_history_len=4)}
-MESH_RESOURCE = te_jax.MeshResource(dp_resource="dp", ep_resource="ep")
+
+
+def mesh_resource(axes) -> te_jax.MeshResource:
+    """The roles of ``axes``: the MeshResource names only axes of the mesh (te_jax checks them)."""
+    return te_jax.MeshResource(dp_resource="dp" if "dp" in axes else None, ep_resource="ep")
 
 
 def step_fn(recipe, mesh_resource):
@@ -74,12 +78,12 @@ def run_case(mesh_name: str, recipe_name: str) -> dict:
         variables = jax.jit(layer.init)(jax.random.key(2), x)
     loss_one, grads_one, dx_one = jax.jit(step_one)(variables, x, cotangent)
 
-    _, step_ep = step_fn(recipe, MESH_RESOURCE)
+    _, step_ep = step_fn(recipe, mesh_resource(axes))
     with jax.set_mesh(mesh):
         jitted = jax.jit(step_ep)
         loss_ep, grads_ep, dx_ep = jitted(variables, x, cotangent)
         grad_hlo = jitted.lower(variables, x, cotangent).compile().as_text()
-        forward = jax.jit(lambda v, x: _forward(layer, recipe, v, x))
+        forward = jax.jit(lambda v, x: _forward(layer, recipe, mesh_resource(axes), v, x))
         forward_hlo = forward.lower(variables, x).compile().as_text()
 
     out = {"mesh": mesh_name, "recipe": recipe_name, "loss_rel_diff": rel_diff(loss_ep, loss_one),
@@ -96,8 +100,8 @@ def run_case(mesh_name: str, recipe_name: str) -> dict:
     return out
 
 
-def _forward(layer, recipe, variables, x):
-    with te_jax.autocast(enabled=recipe is not None, recipe=recipe, mesh_resource=MESH_RESOURCE):
+def _forward(layer, recipe, resource, variables, x):
+    with te_jax.autocast(enabled=recipe is not None, recipe=recipe, mesh_resource=resource):
         return layer.apply(variables, x)
 
 

@@ -32,12 +32,17 @@ def _module(name):
     return module
 
 
+DEPTH = {"nvfp4_first_last_bf16": 4}  # the recipes that place quantization by block need the model's depth
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_loads_by_path_and_is_documented(name):
-    rec = R.load_recipe(str(GALLERY / f"{name}.py"))
-    assert isinstance(rec, R.CustomRecipe) and isinstance(R.load_recipe(name), R.CustomRecipe)
+    depth = DEPTH.get(name)
+    rec = R.load_recipe(str(GALLERY / f"{name}.py"), num_layers=depth)
+    assert isinstance(rec, R.CustomRecipe) and isinstance(R.load_recipe(name, num_layers=depth), R.CustomRecipe)
     module = _module(name)
-    assert module.__doc__ and len(module.__doc__) > 200 and callable(module.qfactory)
+    assert module.__doc__ and len(module.__doc__) > 200
+    assert callable(module.make_qfactory) if depth else callable(module.qfactory)
 
 
 def test_current_scaling_ref_is_the_issues_example():
@@ -51,7 +56,7 @@ def test_current_scaling_ref_is_the_issues_example():
 
 def test_nvfp4_first_last_bf16_decides_by_block():
     module = _module("nvfp4_first_last_bf16")
-    assert module.NUM_LAYERS == 12
+    assert not hasattr(module, "qfactory") and not hasattr(module, "NUM_LAYERS")  # no default depth
     q = module.make_qfactory(4)
     for block, quantized in [(0, False), (1, True), (2, True), (3, False)]:
         path = (f"TransformerLayer_{block}", "mlp", "wi")
@@ -61,16 +66,29 @@ def test_nvfp4_first_last_bf16_decides_by_block():
     assert q(R.Role("linear_weight", ("layers_2", "attention", "query"))).block_2d
     assert q(R.Role("linear_grad_output", ("blocks_1", "x"))).stochastic_rounding
     assert q(R.Role("linear_input", ("embed",))) is None and q(R.Role("linear_output", ("layers_1",))) is None
-    assert module.qfactory(R.Role("linear_input", ("TransformerLayer_11",))) is None
-    assert isinstance(module.qfactory(R.Role("linear_input", ("TransformerLayer_10",))), NVFP4Quantizer)
+    with pytest.raises(ValueError, match=r"built for num_layers=4, but the layer at TransformerLayer_4/mlp/wi lies "
+                                         r"in block 4: load it with the model's depth"):
+        q(R.Role("linear_input", ("TransformerLayer_4", "mlp", "wi")))  # a deeper model than the recipe's
+    two = module.make_qfactory(2)  # both blocks are the first or the last: nothing quantized
+    assert all(two(R.Role(r, (f"TransformerLayer_{b}", "mlp", "wi"))) is None for r in R.ROLES for b in (0, 1))
+    assert two(R.Role("linear_input", ("block_0",))) is None
+    for bad in (0, -1, 2.0, True, "3", None):
+        with pytest.raises(ValueError, match="num_layers must be a positive int"):
+            module.make_qfactory(bad)
 
 
-def test_load_recipe_passes_the_depth_to_make_qfactory():
+def test_load_recipe_takes_the_depth_from_the_caller_and_has_no_default():
     rec = R.load_recipe("nvfp4_first_last_bf16", num_layers=18)
     role = lambda block: R.Role("linear_input", (f"TransformerLayer_{block}", "mlp", "wi"))  # noqa: E731
     assert isinstance(rec.quantizer(role(16)), NVFP4Quantizer) and rec.quantizer(role(17)) is None
-    default = R.load_recipe("nvfp4_first_last_bf16")  # the module's own qfactory: NUM_LAYERS = 12
-    assert default.quantizer(role(11)) is None and default.quantizer(role(16)) is None
+    for where in ("nvfp4_first_last_bf16", str(GALLERY / "nvfp4_first_last_bf16.py")):
+        with pytest.raises(ValueError) as err:
+            R.load_recipe(where)
+        assert str(err.value) == (
+            f"te_jax: recipe {where!r} places quantization by transformer block and needs the model's depth: "
+            f"load_recipe({where!r}, num_layers=<the model's number of blocks>)")
+    with pytest.raises(ValueError, match="lies in block 12"):
+        R.load_recipe("nvfp4_first_last_bf16", num_layers=12).quantizer(role(12))
     # recipes without make_qfactory ignore the depth
     mixed = R.load_recipe("mixed_per_layer", num_layers=18)
     attn = R.Role("linear_input", ("TransformerLayer_17", "attention", "query"))
@@ -91,16 +109,38 @@ def test_mixed_per_layer_decides_by_layer():
     assert q(R.Role("linear_input", ("embed",))) is None
 
 
-def _recipe(name):
-    if name == "nvfp4_first_last_bf16":
-        return R.CustomRecipe(_module(name).make_qfactory(3))
-    return R.load_recipe(str(GALLERY / f"{name}.py"))
+def _quantized_paths(model, rec, x) -> set[tuple[str, ...]]:
+    """The module paths whose roles the recipe quantizes when ``model`` is traced under it."""
+    asked = set()
+
+    def qfactory(role):
+        q = rec.quantizer(role)
+        if q is not None:
+            asked.add(role.path)
+        return q
+
+    with te_jax.autocast(recipe=R.CustomRecipe(qfactory)):
+        jax.eval_shape(model.init, jax.random.key(0), x)
+    return asked
+
+
+def test_nvfp4_first_last_bf16_takes_the_depth_of_the_model_it_runs():
+    """On a 2-block model nothing is quantized (both blocks are an end), on 4 blocks the middle two; a recipe
+    built for a shallower model than the one it runs raises instead of quantizing the last block."""
+    x = jnp.zeros((2, 8, 32))
+    for depth, blocks in ((2, set()), (4, {"TransformerLayer_1", "TransformerLayer_2"})):
+        model = Transformer(num_layers=depth, features=32)
+        rec = R.load_recipe("nvfp4_first_last_bf16", num_layers=model.num_layers)
+        assert {path[0] for path in _quantized_paths(model, rec, x)} == blocks
+    with pytest.raises(ValueError, match="built for num_layers=2, but the layer at TransformerLayer_2/"):
+        _quantized_paths(Transformer(num_layers=3, features=32),
+                         R.load_recipe("nvfp4_first_last_bf16", num_layers=2), x)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_trains_a_small_transformer(name):
-    rec = _recipe(name)
     model = Transformer(num_layers=3, features=32)
+    rec = R.load_recipe(str(GALLERY / f"{name}.py"), num_layers=model.num_layers)
     x = jax.random.normal(jax.random.key(0), (2, 16, 32))
     y = jnp.roll(x, 1, axis=-1) * 0.5
     variables = jax.jit(model.init)(jax.random.key(1), x)  # stateless recipes: no fp8_meta to create

@@ -77,21 +77,42 @@ def test_resume_continues_bit_identically(twenty_steps, corpus, tmp_path, capsys
     resumed = train_lib.train(cfg, corpus, return_state=True)
     said = f"delayed: resumed at step {SAVE_AT} from {only_18.absolute() / str(SAVE_AT)}"
     assert said in capsys.readouterr().out and (only_18 / str(SAVE_AT)).is_dir()
-    assert resumed["history"]["step"] == [SAVE_AT + 1, STEPS]
+    # the history (and so the summary's train loss) covers the steps before the checkpoint too
+    assert resumed["history"]["step"] == result["history"]["step"] == list(range(1, STEPS + 1))
+    assert resumed["history"]["eval_step"] == result["history"]["eval_step"]
     a, b = result["state"], resumed["state"]
     assert int(a.step) == int(b.step) == STEPS
     if jax.default_backend() != "cpu":
         # A GPU step is not bitwise reproducible even without a restart (XLA's scatter-add and reductions
         # use atomics), so there the resumed run only has to follow the same trajectory.
-        np.testing.assert_allclose(resumed["history"]["loss"], result["history"]["loss"][SAVE_AT:], rtol=1e-3)
+        np.testing.assert_allclose(resumed["history"]["loss"], result["history"]["loss"], rtol=1e-3)
         return
-    assert resumed["history"]["loss"] == result["history"]["loss"][SAVE_AT:]
+    assert resumed["history"]["loss"] == result["history"]["loss"]
+    assert resumed["final_train_loss"] == result["final_train_loss"]
     same = jax.tree.map(lambda x, y: np.array_equal(np.asarray(x), np.asarray(y)), (a.params, a.opt_state),
                         (b.params, b.opt_state))
     assert all(jax.tree.leaves(same))  # parameters, fp8_meta and the optimizer state
     with pytest.raises(ValueError, match="--recipe"):
         train_lib.train(train_lib.RunConfig(recipe="current", steps=STEPS, ckpt_dir=str(only_18), resume="latest",
                                             **SMALL), corpus)
+
+
+def test_a_step_too_large_for_the_machine_stops_before_training_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    """The 125m preset on a CPU needed a 103 GB allocation and left an empty --ckpt-dir: now the compiled step's
+    memory analysis is checked first (here against 1 MB of "available" RAM, so the tiny preset stands in), the
+    run ends with exit status 2 and a message that says what to do, and no checkpoint folder is made."""
+    from examples.gpt import memory
+
+    monkeypatch.setattr(memory, "_host_available_bytes", lambda: 1 << 20)
+    ckpt = tmp_path / "ckpt"
+    err = _usage_error(["--steps", "2", "--batch", "4", "--seq-len", "64", "--eval-batches", "1", "--data-bytes",
+                        str(1 << 20), "--no-progress", "--ckpt-dir", str(ckpt)], capsys)
+    assert "the tiny preset's train step (--batch 4, --seq-len 64) needs" in err, err
+    assert "XLA's memory analysis" in err and "0.0 GB of RAM available" in err and "--preset tiny" in err, err
+    assert not ckpt.exists()
+    said = memory.out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 103 GB"), "the step")
+    assert isinstance(said, memory.StepTooLarge) and "ran out of memory" in str(said)
+    assert memory.out_of_memory(RuntimeError("INTERNAL: something else"), "the step") is None
 
 
 def test_recipe_from_a_recipes_path(capsys):
@@ -379,10 +400,13 @@ def _commands(text: str, script: str) -> list[list[str]]:
 
 
 def test_readme_python_commands_name_the_venv():
-    """Pasted into a fresh shell after the set-up commands, every Python command finds jax: it runs .venv's."""
+    """Pasted into a fresh shell after the set-up commands, every Python and pip command finds jax: it runs .venv's
+    (a bare `pip install --no-build-isolation -e .` ran the system pip and failed with "No module named 'jax'")."""
     text = (ROOT / "README.md").read_text()
     interpreters = re.findall(r"([\w./-]*python3?)\s+(?:-m\s|examples/|benchmarks/|tools/)", text)
     assert interpreters and set(interpreters) == {".venv/bin/python"}, interpreters
+    pips = re.findall(r"([\w./-]*pip3?)\s+install", text)
+    assert pips and set(pips) == {".venv/bin/pip"}, pips
     assert "tools/demo.sh" in text and "tools/run_tests.sh" in text
 
 
@@ -391,7 +415,8 @@ def test_readme_and_docstring_train_commands_pass_the_flag_checks(monkeypatch):
     monkeypatch.chdir(ROOT)  # the commands are run from the repository root
     commands = _commands((ROOT / "README.md").read_text(), "examples/gpt/train.py")
     commands += _commands(train_lib.__doc__, "examples/gpt/train.py")
-    assert len(commands) >= 12 and ["--mesh", "dp=2,tp=2", "--batch", "8"] in commands
+    assert len(commands) >= 12 and ["--recipe", "delayed", "--mesh", "dp=2,tp=2", "--batch", "8"] in commands
+    assert all("--recipe" in argv for argv in commands if "--mesh" in argv)  # a mesh example shows FP8, not bf16
     parser = train_lib.build_parser()
     for argv in commands:
         args = parser.parse_args(argv)
@@ -415,8 +440,17 @@ def test_readme_transformer_engine_differences_hold():
         assert rec.quantizer("linear_output") is None and rec.quantizer("linear_grad_input") is None
         per_tensor = isinstance(rec, (R.DelayedScaling, R.Float8CurrentScaling))
         assert (rec.fast_accumulation, rec.backward_fast_accumulation) == (per_tensor, False)
-        with pytest.raises(TypeError):
+        with pytest.raises(TypeError, match=f"te_jax: {type(rec).__name__} has no fp8_dpa= .*no FP8 attention"):
             type(rec)(fp8_dpa=False)
+        with pytest.raises(TypeError, match="has no fp8_mha= .*no FP8 attention"):
+            type(rec)(fp8_mha=True)
+    for field, says in (("interval", "after every step"), ("override_linear_precision", "CustomRecipe"),
+                        ("fp8_gemm_dgrad", "backward_fast_accumulation"), ("fp8_quant_fwd_inp", "use_power_2_scales")):
+        with pytest.raises(TypeError, match=f"te_jax: DelayedScaling has no {field}= .*{says}"):
+            R.DelayedScaling(**{field: None})
+    with pytest.raises(TypeError, match="te_jax: MXFP8BlockScaling has no margin= "):
+        R.MXFP8BlockScaling(margin=0)
+    assert R.DelayedScaling(margin=1).margin == 1  # a field te_jax has is never refused
     assert {f.name for f in dataclasses.fields(te_jax.MeshResource)} == {"dp_resource", "tp_resource",
                                                                           "fsdp_resource", "sp_resource",
                                                                           "ep_resource"}

@@ -1,10 +1,13 @@
-"""The import graph follows the floors: spec < ops < quantize < recipe < core < moe < train < flax, nnx < inspect.
+"""The import graph follows the floors: spec < ops < quantize < recipe < core < moe < train < flax, nnx < inspect,
+and the integrations qwix < maxtext on top of flax and nnx.
 
 A module under ``te_jax/<floor>/`` imports only from its own floor or lower
 floors: top-level, function-local, class-level, relative and ``if
 TYPE_CHECKING:`` imports all count, and so does ``importlib.import_module``
 with a constant name. ``flax`` and ``nnx`` share a floor and never import each
 other; ``inspect`` is a leaf (only the root ``__init__`` imports it, lazily);
+the integrations (``qwix``, ``maxtext``: optional dependencies) are leaves too:
+nothing imports them, not even the root, except ``maxtext`` importing ``qwix``;
 ``spec`` imports nothing of te_jax outside itself; ``ops`` imports neither
 Flax nor Optax. The root ``__init__`` is the curated public face and may
 import anything; ``_compat`` imports nothing of te_jax statically; the
@@ -35,7 +38,8 @@ PACKAGE = ROOT / "te_jax"
 
 # Floor name -> height. flax and nnx share a floor.
 FLOORS = {"spec": 0, "ops": 1, "quantize": 2, "recipe": 3, "core": 4, "moe": 5, "train": 6, "flax": 7, "nnx": 7,
-          "inspect": 8}
+          "inspect": 8, "qwix": 8, "maxtext": 9}
+INTEGRATIONS = ("qwix", "maxtext")  # optional dependencies: leaves nothing imports (maxtext may use qwix)
 EXTENSIONS = ("_te_jax_cpu", "_te_jax_cuda")  # compiled modules, loaded by te_jax.ops.ffi only
 FFI_LOADER = "te_jax.ops.ffi"
 OPS_MAY_NOT_IMPORT = ("flax", "optax")
@@ -154,6 +158,8 @@ def violations(path: pathlib.Path, moved: dict[str, str] | None = None) -> list[
         if here == "root":
             if there == "inspect" and imp.top:
                 say("the root imports te_jax.inspect only lazily (on attribute access)")
+            if there in INTEGRATIONS:
+                say(f"te_jax.{there} needs an optional dependency: the root does not import it")
             continue
         if here == "compat":
             say("te_jax._compat imports nothing of te_jax statically")
@@ -172,6 +178,8 @@ def violations(path: pathlib.Path, moved: dict[str, str] | None = None) -> list[
             say("te_jax/spec imports nothing of te_jax outside spec")
         elif there == "inspect" and here != "inspect":
             say("te_jax.inspect is a leaf: nothing imports it")
+        elif there in INTEGRATIONS and here != there and (here, there) != ("maxtext", "qwix"):
+            say(f"te_jax.{there} is an integration (an optional dependency): nothing imports it")
         elif {here, there} == {"flax", "nnx"}:
             say("flax and nnx share a floor and do not import each other")
         elif FLOORS[there] > FLOORS[here]:
@@ -296,9 +304,16 @@ print(json.dumps(sorted(sys.modules)))
 """
 
 
+# The library an integration floor needs (its tests skip where it is not installed).
+INTEGRATION_LIBRARY = {"qwix": "qwix", "maxtext": "MaxText"}
+
+
 @pytest.mark.parametrize("floor", list(FLOORS))
 def test_a_floor_loads_only_its_floor_and_lower(floor):
     import te_jax  # noqa: PLC0415
+
+    if floor in INTEGRATION_LIBRARY:
+        pytest.importorskip(INTEGRATION_LIBRARY[floor], reason=f"te_jax.{floor} needs its optional library")
 
     site = pathlib.Path(te_jax.__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", _UNDER_BARE_ROOT, f"te_jax.{floor}"], capture_output=True, text=True,
@@ -309,7 +324,8 @@ def test_a_floor_loads_only_its_floor_and_lower(floor):
     floors = {floor_of(m) for m in ours}
     allowed = {f for f, height in FLOORS.items() if height < FLOORS[floor]} | {floor, "extension"}
     allowed -= {"inspect"} - {floor}
-    allowed -= {"flax", "nnx"} - {floor}
+    if floor not in INTEGRATIONS:  # the integrations sit on both module systems
+        allowed -= {"flax", "nnx"} - {floor}
     bad = sorted(m for m in ours if floor_of(m) not in allowed)
     assert not bad, f"importing te_jax.{floor} loaded {bad}"
     if floor in ("spec", "ops"):

@@ -46,8 +46,9 @@ def test_max_fails_when_more_files_are_entered():
     assert "more than --max 1" in out.stderr
 
 
-# The floor plan's budget: the DelayedScaling LayerNormMLP step enters at most this many te_jax files.
-FILE_BUDGET = 20
+# The floor plan's budget: the DelayedScaling LayerNormMLP step enters at most this many te_jax files (24 today:
+# the forward-update recorder, the dtype rule, the sharding types and the gradient mix check joined the path).
+FILE_BUDGET = 25
 
 
 def test_the_layernorm_mlp_step_enters_at_most_the_budgeted_files():

@@ -40,7 +40,7 @@ from te_jax.ops.grouped.cuda import (bf16_kernel_emulates, check_cuda, cuda_kern
                                      grouped_workspace_bytes)
 from te_jax.ops.grouped.layout import GroupedLayout, cut_sizes, span_lengths
 from te_jax.ops.grouped.reference import emulate, emulation_operands
-from te_jax.ops.primitive import CustomCallPrimitive, Partitioned
+from te_jax.ops.partitioned import CustomCallPrimitive, Partitioned
 from te_jax.ops.sharding import AxisClaims
 from te_jax.spec.modes import ScalingMode
 

@@ -75,12 +75,25 @@ def _run(lay: GroupedLayout, args: tuple, group_sizes, bias, out_dtype, backend)
     out_dtype = check_out_dtype(out_dtype)
     num_groups = group_sizes.shape[0]
     a, b = args[lay.roles.index("a")], args[lay.roles.index("b")]
-    bias = check_bias(bias, lay.group_axis, num_groups, lay.out_shape(a.shape, b.shape, num_groups)[-1], out_dtype)
+    out_shape = lay.out_shape(a.shape, b.shape, num_groups)
+    bias = check_bias(bias, lay.group_axis, num_groups, out_shape[-1], out_dtype)
+    if 0 in (*out_shape, a.shape[-1] if lay.group_axis == 0 else a.shape[lay.span_axis]):
+        return _empty_product(out_shape, group_sizes, bias, out_dtype)
     if resolve_backend(backend) == "reference":
         da, db = dequantize(lay, args, group_sizes)
         return reference(da, db, group_sizes, lay.group_axis, lay.align, bias, out_dtype)
     lay = dataclasses.replace(lay, out_dtype=out_dtype, has_bias=bias is not None)
     return call(lay, *args, group_sizes, jnp.zeros((0,), out_dtype) if bias is None else bias)
+
+
+def _empty_product(out_shape, group_sizes, bias, out_dtype) -> jax.Array:
+    """A grouped product with an empty output or contraction, as the kernels define it: zeros, plus each group's
+    bias in its rows (group_axis 0). No kernel runs (the handlers take no empty operands)."""
+    out = jnp.zeros(out_shape, jnp.float32)
+    if bias is not None and out.size:
+        group, _, member = grouped_positions(group_sizes, out_shape[0])
+        out = jnp.where(member[:, None], bias.astype(jnp.float32)[group], 0.0)
+    return out.astype(out_dtype)
 
 
 def _layout_args(group_sizes, a, b, group_axis, align, mode: modes.ModeSpec):

@@ -19,7 +19,7 @@ from te_jax.spec.modes import ScalingMode
 
 __all__ = ["GROUP_ALIGN", "GroupedLayout", "check_bias", "check_group_sizes", "check_layout", "group_value",
            "cut_sizes", "grouped_positions", "in_spans", "materialized", "regroup_rows", "regroup_sources",
-           "span_lengths"]
+           "span_lengths", "valid_group_sizes"]
 
 # The span alignment of group_axis=1 each mode's CUDA kernels need (a block never straddles two groups).
 GROUP_ALIGN = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMode.MXFP8: 32, ScalingMode.NVFP4: 16}
@@ -42,6 +42,23 @@ def span_lengths(group_sizes: jax.Array, align: int = 1) -> jax.Array:
     """Each group's span, ``roundup(m_g, align)`` (negative sizes count as zero): int32 ``[G]``."""
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     return (sizes + (align - 1)) // align * align
+
+
+def valid_group_sizes(group_sizes: jax.Array, rows: int, align: int = 1) -> jax.Array:
+    """The group sizes every grouped path computes with: ``group_sizes`` with the rows past ``rows`` cut.
+
+    Group g starts at ``s_g = sum_{h<g} roundup(max(m_h, 0), align)`` and keeps
+    ``clip(rows - s_g, 0, max(m_g, 0))`` rows: a negative size counts as 0,
+    a group reaching past ``rows`` keeps the rows up to it and the groups after
+    it are empty. Sizes that fit (non-negative, ``sum <= rows``) come back
+    unchanged. The sums saturate at ``rows``, so no size (not even int32's
+    largest) can wrap them around. int32 ``[G]``.
+    """
+    sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, rows)
+    spans = (sizes + (align - 1)) // align * align
+    ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, rows), spans)  # sum_{h<=g}, saturated at rows
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return jnp.minimum(sizes, rows - starts)
 
 
 def cut_sizes(sizes: jax.Array, extent) -> jax.Array:
@@ -90,6 +107,8 @@ def regroup_sources(group_sizes: jax.Array, rows: int, source_align: int, target
 def regroup_rows(t: jax.Array, group_sizes: jax.Array, rows: int, source_align: int, target_align: int) -> jax.Array:
     """``t``'s group rows moved from the ``source_align`` layout to ``rows`` rows of the ``target_align`` one, zero
     rows elsewhere (``regroup_sources``): one gather."""
+    if t.shape[0] == 0:  # no row to move
+        return jnp.zeros((rows, *t.shape[1:]), t.dtype)
     source, member = regroup_sources(group_sizes, rows, source_align, target_align, t.shape[0])
     return jnp.where(member[:, None], t[source], jnp.zeros((), t.dtype))
 

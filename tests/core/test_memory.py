@@ -1,0 +1,161 @@
+"""What the functional ops keep for their backward (issue 41): ``recompute_norm_act`` and the remat policies.
+
+``recompute_norm_act=True`` must give the same bits as the plain op (forward and gradients) while keeping
+neither the norm's output nor the activation's (FP8 copies under a recipe, the compute dtype without); the
+policies keep what their names say.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+from qtest_util import assert_same_bits
+
+import te_jax
+from te_jax import recipe as R
+from te_jax.core import (MLPQuantizers, NORM_ACT_OUTPUT, PRE_ACTIVATION, QUANTIZED, DenseQuantizers,
+                         offload_fp8_policy, recompute_norm_act_policy, save_fp8_and_pre_activation_policy,
+                         save_fp8_policy, save_nothing_policy)
+
+M, H, F = 128, 128, 256  # Float8 block scaling: blocks of 128 tile both norm and activation outputs
+RECIPES = {"bf16": None, "current": R.Float8CurrentScaling(), "block": R.Float8BlockScaling()}
+
+
+def _inputs(seed: int, dtype=jnp.bfloat16):
+    k = jax.random.split(jax.random.key(seed), 5)
+    x = (jax.random.normal(k[0], (M, H)) * 3).astype(dtype)
+    gamma = (1 + 0.1 * jax.random.normal(k[1], (H,))).astype(dtype)
+    beta = (0.1 * jax.random.normal(k[2], (H,))).astype(dtype)
+    w1 = (jax.random.normal(k[3], (H, F)) * H**-0.5).astype(dtype)
+    w2 = (jax.random.normal(k[4], (F, H)) * F**-0.5).astype(dtype)
+    return x, gamma, beta, w1, w2
+
+
+def _mlp(recipe, recompute: bool):
+    q = None if recipe is None else MLPQuantizers.from_recipe(recipe)
+
+    def loss(x, gamma, beta, w1, w2):
+        y, _ = te_jax.layernorm_mlp(x, gamma, beta, w1, None, w2, activation="gelu", quantizers=q,
+                                    recompute_norm_act=recompute)
+        return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
+    return loss
+
+
+def _layernorm_dense(recipe, recompute: bool):
+    q = None if recipe is None else DenseQuantizers.from_recipe(recipe)
+
+    def loss(x, gamma, beta, w1, w2):
+        del w2
+        y, _ = te_jax.layernorm_dense(x, gamma, beta, w1, quantizers=q, recompute_norm_act=recompute)
+        return jnp.sum(y.astype(jnp.float32) * jnp.sin(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
+    return loss
+
+
+def _saved_bytes(loss, args) -> int:
+    """Bytes of what ``loss``'s backward keeps that is not one of its arguments (activations)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    return sum(a.size * a.dtype.itemsize for a, src in saved_residuals(loss, *args) if "from the argument" not in src)
+
+
+@pytest.mark.parametrize("op", ["mlp", "layernorm_dense"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_recompute_norm_act_same_bits_and_keeps_less(op, recipe):
+    make = _mlp if op == "mlp" else _layernorm_dense
+    args = _inputs(1)
+    args = (args[0].at[3].set(0), *args[1:])  # a zero row: rsigma of a constant row
+    plain, recomputed = make(RECIPES[recipe], False), make(RECIPES[recipe], True)
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4)))  # noqa: E731
+    (l0, g0), (l1, g1) = grad(plain)(*args), grad(recomputed)(*args)
+    assert np.isfinite(float(l0))
+    assert_same_bits(l1, l0, "loss")
+    for name, a, b in zip(("x", "gamma", "beta", "w1", "w2"), g1, g0):
+        assert_same_bits(a, b, f"d{name}")
+    # What is no longer kept: the norm's output [M, H] (and the activation's [M, F]), 1 byte an element as FP8
+    # (plus block scales), 2 bytes in bf16.
+    dropped = (M * H + (M * F if op == "mlp" else 0)) * (2 if recipe == "bf16" else 1)
+    kept, kept_recomputed = _saved_bytes(plain, args), _saved_bytes(recomputed, args)
+    assert kept - kept_recomputed >= dropped, (kept, kept_recomputed, dropped)
+
+
+def test_recompute_norm_act_on_empty_and_rank_3_inputs():
+    q = MLPQuantizers.from_recipe(R.Float8CurrentScaling())
+    x, gamma, beta, w1, w2 = _inputs(2)
+    for xs in (x[:0], x.reshape(4, M // 4, H)):
+        f = lambda x, w1: te_jax.layernorm_mlp(x, gamma, beta, w1, None, w2, quantizers=q,  # noqa: E731
+                                               recompute_norm_act=True)[0].astype(jnp.float32).sum()
+        g = lambda x, w1: te_jax.layernorm_mlp(x, gamma, beta, w1, None, w2, quantizers=q)[0]  # noqa: E731
+        val, (dx, dw1) = jax.value_and_grad(f, argnums=(0, 1))(xs, w1)
+        assert dx.shape == xs.shape and dw1.shape == w1.shape
+        assert_same_bits(val, g(xs, w1).astype(jnp.float32).sum(), "loss")
+
+
+def _named_residuals(policy, fn, *args) -> set[str]:
+    """The checkpoint names of what ``jax.checkpoint(fn, policy=policy)`` keeps for its backward."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    return {src.split("named '")[1].split("'")[0] for _, src in saved_residuals(jax.checkpoint(fn, policy=policy),
+                                                                              *args) if "named '" in src}
+
+
+def test_policies_keep_what_their_names_say():
+    def block(x):
+        q = checkpoint_name(x * 2, QUANTIZED)
+        ln = checkpoint_name(jnp.sin(q), NORM_ACT_OUTPUT)
+        pre = checkpoint_name(jnp.cos(ln) * x, PRE_ACTIVATION)
+        return jnp.sum(jnp.tanh(pre) * ln)
+
+    x = jnp.linspace(-2, 2, 16)
+    assert _named_residuals(save_fp8_policy, block, x) == {QUANTIZED, NORM_ACT_OUTPUT}
+    assert _named_residuals(save_fp8_and_pre_activation_policy, block, x) == {QUANTIZED, NORM_ACT_OUTPUT,
+                                                                              PRE_ACTIVATION}
+    assert _named_residuals(recompute_norm_act_policy, block, x) == {QUANTIZED, PRE_ACTIVATION}
+    assert _named_residuals(save_nothing_policy, block, x) == set()
+    offload = offload_fp8_policy()
+    assert offload is not offload_fp8_policy("pinned_host") and callable(offload)
+
+
+def test_transformer_layer_recompute_norm_act_same_bits_and_keeps_less():
+    """te_jax.flax.TransformerLayer passes the option to both norms (attention's qkv, the MLP) and the MLP's
+    activation: the same loss and gradients, three fewer FP8 copies kept."""
+    import flax.linen as nn
+
+    from te_jax import flax as tf
+
+    def layer(recompute: bool) -> nn.Module:
+        return tf.TransformerLayer(num_attention_heads=4, num_gqa_groups=2, intermediate_dim=256,
+                                   dtype=jnp.bfloat16, recompute_norm_act=recompute)
+
+    x = jax.random.normal(jax.random.key(7), (2, 64, 128), jnp.float32).astype(jnp.bfloat16)
+    recipe = R.Float8CurrentScaling()
+    with te_jax.autocast(recipe=recipe):
+        v = jax.jit(layer(False).init)(jax.random.key(0), x)
+
+    def loss_of(recompute: bool):
+        def loss(v, x):
+            with te_jax.autocast(recipe=recipe):
+                return jnp.sum(layer(recompute).apply(v, x).astype(jnp.float32) ** 2)
+        return loss
+
+    (l0, g0), (l1, g1) = (jax.jit(jax.value_and_grad(loss_of(r), argnums=(0, 1)))(v, x) for r in (False, True))
+    assert np.isfinite(float(l0))
+    assert_same_bits(l1, l0, "loss")
+    jax.tree.map(lambda a, b: assert_same_bits(a, b, "gradient"), g1, g0)
+    tokens = x.shape[0] * x.shape[1]
+    dropped = tokens * (128 + 128 + 256)  # both norms' FP8 outputs and the activation's, 1 byte an element
+    kept = _saved_bytes(loss_of(False), (v, x)) - _saved_bytes(loss_of(True), (v, x))
+    assert kept >= dropped, (kept, dropped)
+
+
+def test_recompute_norm_act_with_a_custom_dot_general_raises():
+    x, gamma, beta, w1, w2 = _inputs(3)
+    with pytest.raises(ValueError, match=r"^te_jax: layernorm_mlp: recompute_norm_act=True cannot be combined"):
+        te_jax.layernorm_mlp(x, gamma, beta, w1, None, w2, dot_generals=(jax.lax.dot_general,) * 2,
+                             recompute_norm_act=True)
+    with pytest.raises(ValueError, match=r"^te_jax: layernorm_dense: recompute_norm_act=True cannot be combined"):
+        te_jax.layernorm_dense(x, gamma, beta, w1, dot_general=jax.lax.dot_general, recompute_norm_act=True)
+    y, _ = te_jax.layernorm_dense(x, gamma, beta, w1, dot_general=jax.lax.dot_general)  # without the option: fine
+    assert y.shape == (M, F)

@@ -1,0 +1,89 @@
+"""Issue 41's CPU ratio: te_jax's train step needs no more temporary memory than the same model with flax's layers.
+
+examples/gpt's train step (model, optimizer, step functions: benchmarks/memory_variants.py's ``gpt_built``) of
+the tiny preset, compiled on abstract inputs (nothing is allocated) with te_jax's blocks (autocast off, and per
+recipe) and with ``LinenBlock`` (flax.linen's own layers, bf16); XLA's memory analysis of each compiled step
+gives its temporaries. Attention is bench_memory's stand-in (what cuDNN keeps for its backward) in both, so that
+XLA:CPU's ``[B, N, T, T]`` attention scores do not drown the layers' own memory. These are CPU figures, not a
+GPU's: the GPU table is benchmarks/README.md's "Memory".
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+for _path in (ROOT, ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.append(str(_path))
+
+import memory_variants  # noqa: E402
+from examples.gpt.config import RunConfig  # noqa: E402
+
+# The tiny preset (2 blocks, H=128, F=512) at 2048 tokens: activations outweigh the parameters and their
+# optimizer state, which are the same in every variant.
+SHAPE = dict(preset="tiny", batch=16, seq_len=128)
+RECIPES = ("bf16", "delayed", "current", "block", "mxfp8")  # bf16: te_jax's layers, autocast off
+
+
+def step_memory(recipe: str) -> tuple[int, int]:
+    """(temporaries, arguments) in bytes of the tiny preset's compiled train step under ``recipe``."""
+    cfg = RunConfig(recipe=recipe, progress=False, **SHAPE)
+    with memory_variants.attention("standin"):
+        built = memory_variants.gpt_built(cfg, True)
+        analysis = built.jitted(f"memory_ratio_{recipe}").lower(*built.args).compile().memory_analysis()
+    return analysis.temp_size_in_bytes, analysis.argument_size_in_bytes
+
+
+@pytest.fixture(scope="module")
+def flax_linen() -> tuple[int, int]:
+    return step_memory("flax")
+
+
+@pytest.fixture(scope="module")
+def te_bf16() -> tuple[int, int]:
+    return step_memory("bf16")
+
+
+def test_te_jax_without_autocast_needs_no_more_than_flax_linen(te_bf16, flax_linen):
+    (temp, arguments), (base_temp, base_arguments) = te_bf16, flax_linen
+    assert 0 < temp <= base_temp, (f"te_jax's bf16 train step needs {temp / 2**20:.2f} MiB of temporaries, "
+                                   f"flax.linen's {base_temp / 2**20:.2f} MiB (bench_memory.py --analysis-only "
+                                   f"--sections gpt --per-block --breakdown shows where)")
+    assert arguments == base_arguments  # the same parameters and optimizer state
+
+
+@pytest.mark.parametrize("recipe", RECIPES[1:])
+def test_each_recipe_needs_less_than_flax_linen_and_te_jax_bf16(recipe, flax_linen, te_bf16):
+    """The issue's target (at most 0.85x flax.linen's bf16 step), and FP8 copies kept instead of the bf16
+    inputs, never both: at most 0.75x te_jax's own bf16 step (0.63x when this test was written)."""
+    temp, arguments = step_memory(recipe)
+    assert 0 < temp <= 0.85 * flax_linen[0], (recipe, temp, flax_linen[0])
+    assert temp <= 0.75 * te_bf16[0], (f"te_jax's {recipe} train step needs {temp / 2**20:.2f} MiB of "
+                                       f"temporaries, {temp / te_bf16[0]:.2f}x its bf16 step's")
+    # The train state: the same parameters and optimizer state, plus a delayed recipe's FP8 state (a few
+    # float32 scalars and amax histories per GEMM).
+    assert arguments <= flax_linen[1] * 1.05
+
+
+def test_example_trains_with_the_memory_options_and_reports_memory(capsys):
+    """examples/gpt/train.py trains te_jax's blocks under --remat fp8 with --recompute-norm-act (the flax.linen
+    peer, --recipe flax, is compiled above), and its table has the step's memory (on a CPU: "step GiB")."""
+    from examples.gpt import train as train_lib
+
+    common = ["--steps", "2", "--batch", "4", "--seq-len", "64", "--eval-batches", "1", "--data-bytes",
+              str(1 << 20), "--no-progress"]
+    (r,) = train_lib.main(["--recipe", "delayed", "--remat", "fp8", "--recompute-norm-act", *common])
+    assert (r["recipe"], r["remat"], r["recompute_norm_act"]) == ("delayed", "fp8", True)
+    assert r["tokens_per_s"] > 0 and r["step_memory_gib"] > 0 and r["final_train_loss"] < 10
+    table = capsys.readouterr().out.split("\n\n")[-1]
+    assert "step GiB" in table.splitlines()[0], table
+    for argv in (["--remat", "everything"], ["--recipe", "flax", "--recompute-norm-act"],
+                 ["--recipe", "flax-fp8", "--recompute-norm-act"]):
+        with pytest.raises(SystemExit):
+            train_lib.main([*argv, *common])
+    err = capsys.readouterr().err
+    assert "--remat" in err and "--recipe flax does not use" in err and "--recipe flax-fp8 does not use" in err
