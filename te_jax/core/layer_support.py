@@ -135,8 +135,8 @@ def rotary_embedding(x: jax.Array, positions: jax.Array, base: float = 10000.0) 
     if d % 2:
         raise ValueError(f"te_jax: rotary embeddings need an even head dimension, got {d}")
     inv_freq = 1.0 / (base ** (jnp.arange(0, d // 2, dtype=jnp.float32) * (2.0 / d)))
-    angles = jnp.asarray(positions, jnp.float32)[..., None] * inv_freq  # [.., T, D/2]
-    angles = jnp.broadcast_to(angles, (*x.shape[:2], d // 2))[:, :, None, :]
+    # [T, 1, D/2] (or [B, T, 1, D/2]): broadcast against x's batch and heads, never materialized per example
+    angles = (jnp.asarray(positions, jnp.float32)[..., None] * inv_freq)[..., None, :]
     sin, cos = jnp.sin(angles), jnp.cos(angles)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
