@@ -47,6 +47,12 @@ def same_bits(got, want) -> bool:
     return got.shape == want.shape and got.dtype == want.dtype and not _bit_mismatch(got, want).any()
 
 
+def tree_same_bits(got, want) -> bool:
+    """Equal tree structures and ``same_bits`` leaf by leaf."""
+    return jax.tree.structure(got) == jax.tree.structure(want) and all(
+        same_bits(u, v) for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
 def assert_same_bits(got, want, what: str = "") -> None:
     """Equal shapes, dtypes and bits; NaN matches NaN whatever its payload."""
     got, want = np.asarray(got), np.asarray(want)

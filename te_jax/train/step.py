@@ -328,9 +328,8 @@ def apply_gradients(variables: Any, grads: Any, opt_state: Any, tx: optax.Gradie
     """
     if isinstance(grads, FP8Gradients):
         mix_check.verify(grads.mix_check)
-    missing = [c for c in (FP8_COLLECTION, OVERWRITE_WITH_GRADIENT) if c in variables.keys()] if _has_state(
-        variables) else []
-    missing = [c for c in missing if not (isinstance(grads, Mapping) and c in grads.keys())]
+    missing = [c for c in (FP8_COLLECTION, OVERWRITE_WITH_GRADIENT)
+               if c in variables.keys() and not (isinstance(grads, Mapping) and c in grads.keys())]
     if (_has_state(variables) and not _has_state(grads)) or missing:
         raise FP8StateError(f"te_jax: the variables hold {' and '.join(map(repr, _merged(variables)))} but the "
                             f"gradients do not{f' ({missing})' if missing else ''}; compute them with "

@@ -22,16 +22,11 @@ from te_jax import recipe as R
 from te_jax.train import FP8StateError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qtest_util import run_on_fake_devices, same_bits  # noqa: E402
+from qtest_util import run_on_fake_devices, tree_same_bits  # noqa: E402
 
 DELAYED = R.DelayedScaling(amax_history_len=4)
 RECIPES = {"delayed": DELAYED, "current": R.Float8CurrentScaling(), "block": R.Float8BlockScaling(),
            "mxfp8": R.MXFP8BlockScaling(), "nvfp4": R.NVFP4BlockScaling()}
-
-
-def bits_equal(a, b) -> bool:
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        same_bits(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def normal(seed: int, shape, scale: float = 1.0):
@@ -72,8 +67,8 @@ def mse_step(recipe, y):
 def test_linear_is_flax_nnx(kw):
     x = normal(0, (3, 5, 12), 3.0)
     ref, ours = nnx.Linear(12, 7, rngs=nnx.Rngs(4), **kw), te_nnx.Linear(12, 7, rngs=nnx.Rngs(4), **kw)
-    assert bits_equal(pure(nnx.state(ours)), pure(nnx.state(ref)))
-    assert bits_equal(ours(x), ref(x))
+    assert tree_same_bits(pure(nnx.state(ours)), pure(nnx.state(ref)))
+    assert tree_same_bits(ours(x), ref(x))
 
 
 @pytest.mark.parametrize("args,kw,shape", [
@@ -86,8 +81,8 @@ def test_linear_is_flax_nnx(kw):
 def test_linear_general_is_flax_nnx(args, kw, shape):
     x = normal(1, shape)
     ref, ours = nnx.LinearGeneral(*args, rngs=nnx.Rngs(2), **kw), te_nnx.LinearGeneral(*args, rngs=nnx.Rngs(2), **kw)
-    assert bits_equal(pure(nnx.state(ours)), pure(nnx.state(ref)))
-    assert bits_equal(ours(x), ref(x))
+    assert tree_same_bits(pure(nnx.state(ours)), pure(nnx.state(ref)))
+    assert tree_same_bits(ours(x), ref(x))
 
 
 @pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm"])
@@ -99,8 +94,8 @@ def test_norms_are_flax_nnx(name, kw, masked):
     x = normal(2, (4, 6, 16), 2.0) + 5.0
     mask = jax.random.bernoulli(jax.random.key(3), 0.7, x.shape) if masked else None
     ref, ours = getattr(nnx, name)(16, rngs=nnx.Rngs(0), **kw), getattr(te_nnx, name)(16, rngs=nnx.Rngs(0), **kw)
-    assert bits_equal(pure(nnx.state(ours)), pure(nnx.state(ref)))
-    assert bits_equal(ours(x, mask=mask), ref(x, mask=mask))
+    assert tree_same_bits(pure(nnx.state(ours)), pure(nnx.state(ref)))
+    assert tree_same_bits(ours(x, mask=mask), ref(x, mask=mask))
 
 
 def test_norm_under_autocast_is_the_fused_kernel_within_float32_ulps():
@@ -121,7 +116,7 @@ def test_layernorm_linear_is_flax_nnx_norm_then_linear():
     x = normal(3, (2, 5, 16), 2.0)
     norm, lin = _nnx_norm_linear(16, 8, nnx.Rngs(0))
     ours = te_nnx.LayerNormLinear(16, 8, rngs=nnx.Rngs(0))
-    assert bits_equal(pure(nnx.state(ours)), {"scale": pure(nnx.state(norm))["scale"],
+    assert tree_same_bits(pure(nnx.state(ours)), {"scale": pure(nnx.state(norm))["scale"],
                                               "ln_bias": pure(nnx.state(norm))["bias"], **pure(nnx.state(lin))})
     np.testing.assert_allclose(ours(x), lin(norm(x)), rtol=2e-6, atol=2e-6)
 
@@ -136,7 +131,7 @@ def test_layernorm_mlp_is_flax_nnx_layers(activation):
     wo = nnx.Linear(24, 16, rngs=rngs)
     want = {"scale": norm.scale[...], "ln_bias": norm.bias[...], "wi_kernel": wi.kernel[...], "wi_bias": wi.bias[...],
             "wo_kernel": wo.kernel[...], "wo_bias": wo.bias[...]}
-    assert bits_equal(pure(nnx.state(ours)), want)
+    assert tree_same_bits(pure(nnx.state(ours)), want)
     h = wi(norm(x))
     h = jax.nn.silu(h[..., 0, :]) * h[..., 1, :] if activation == "swiglu" else jax.nn.gelu(h)
     np.testing.assert_allclose(ours(x), wo(h), rtol=2e-5, atol=2e-5)
@@ -155,7 +150,7 @@ def test_transformer_layer_is_the_linen_layer():
     linen = te_flax.TransformerLayer(num_attention_heads=4, **kw)
     shapes = jax.tree.map(jnp.shape, linen.init(jax.random.key(0), x)["params"])
     assert jax.tree.map(jnp.shape, params) == shapes
-    assert bits_equal(ours(x), linen.apply({"params": params}, x))
+    assert tree_same_bits(ours(x), linen.apply({"params": params}, x))
 
 
 # ---- every recipe on every layer ------------------------------------------------------------------------
@@ -228,7 +223,7 @@ def test_state_step_by_step_equals_the_linen_layers(which):
             model = te_nnx.TransformerLayer(32, 4, num_gqa_groups=2, intermediate_dim=64, rngs=nnx.Rngs(0))
             linen = te_flax.TransformerLayer(num_attention_heads=4, num_gqa_groups=2, intermediate_dim=64)
         fp8_meta = linen.init(jax.random.key(0), x)["fp8_meta"]
-    assert bits_equal(linen_layout(pure(nnx.state(model, te_nnx.FP8Meta))), fp8_meta)
+    assert tree_same_bits(linen_layout(pure(nnx.state(model, te_nnx.FP8Meta))), fp8_meta)
     state = te_jax.train.TrainState.create(
         apply_fn=linen.apply, params={"params": pure(nnx.state(model, nnx.Param)), "fp8_meta": fp8_meta},
         tx=optax.sgd(0.1))
@@ -246,9 +241,9 @@ def test_state_step_by_step_equals_the_linen_layers(which):
         xi = x * (1.0 + i)
         loss = step(model, optimizer, xi)
         state, linen_loss = linen_step(state, xi)
-        assert bits_equal(loss, linen_loss)
-        assert bits_equal(linen_layout(pure(nnx.state(model, te_nnx.FP8Meta))), state.params["fp8_meta"])
-        assert bits_equal(pure(nnx.state(model, nnx.Param)), state.params["params"])
+        assert tree_same_bits(loss, linen_loss)
+        assert tree_same_bits(linen_layout(pure(nnx.state(model, te_nnx.FP8Meta))), state.params["fp8_meta"])
+        assert tree_same_bits(pure(nnx.state(model, nnx.Param)), state.params["params"])
 
 
 def test_optimizer_never_touches_the_fp8_state():
@@ -260,7 +255,7 @@ def test_optimizer_never_touches_the_fp8_state():
     assert len(jax.tree.leaves(optimizer.opt_state)) == 2 * n_params + 1  # adam: mu, nu, count
     before = pure(nnx.state(model, te_nnx.FP8Meta))
     optimizer.update(model, jax.tree.map(jnp.ones_like, nnx.state(model, nnx.Param)))
-    assert bits_equal(pure(nnx.state(model, te_nnx.FP8Meta)), before)
+    assert tree_same_bits(pure(nnx.state(model, te_nnx.FP8Meta)), before)
 
 
 def test_plain_nnx_grad_over_delayed_state_is_refused():
@@ -283,7 +278,7 @@ def test_a_call_reads_the_state_and_leaves_it():
         model = te_nnx.Linear(16, 8, rngs=nnx.Rngs(0))
         before = pure(nnx.state(model))
         model(normal(0, (4, 16)))
-    assert bits_equal(pure(nnx.state(model)), before)
+    assert tree_same_bits(pure(nnx.state(model)), before)
 
 
 def test_a_layer_called_twice_merges_its_amaxes_by_max():
@@ -305,7 +300,7 @@ def test_a_layer_called_twice_merges_its_amaxes_by_max():
     alone = run(once, lambda m: jnp.sum(m(large)))
     amax = float(jnp.max(jnp.abs(large)))
     assert float(got["linear_input"]["amax_history"][-1]) == amax
-    assert bits_equal(got["linear_weight"], alone["linear_weight"])  # one weight, one amax
+    assert tree_same_bits(got["linear_weight"], alone["linear_weight"])  # one weight, one amax
     assert float(got["linear_grad_output"]["amax_history"][-1]) >= float(
         alone["linear_grad_output"]["amax_history"][-1])
 
@@ -371,7 +366,7 @@ def test_stochastic_rounding_keys_come_from_the_quantize_stream():
         with te_jax.autocast(recipe=rec):
             model = te_nnx.Linear(64, 64, rngs=nnx.Rngs(0, quantize=seed))
         grads.append(_nvfp4_grad(model, x, rec))
-    assert bits_equal(grads[0], grads[1]) and not bits_equal(grads[0], grads[2])
+    assert tree_same_bits(grads[0], grads[1]) and not tree_same_bits(grads[0], grads[2])
     with te_jax.autocast(recipe=rec):
         keyless = te_nnx.Linear(64, 64, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="key"):
@@ -385,7 +380,7 @@ def _nvfp4_grad(model, x, rec):
             return te_nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
 
     first = grad(model)
-    assert not bits_equal(grad(model), first)  # the stream's count moved: a new key per step
+    assert not tree_same_bits(grad(model), first)  # the stream's count moved: a new key per step
     return first
 
 
@@ -428,7 +423,7 @@ def test_orbax_round_trip_continues_bit_identically(tmp_path):
     nnx.update((fresh, fresh_opt), checkpointer.restore(tmp_path / "ckpt", abstract))
     for _ in range(2):
         step(fresh, fresh_opt, x)
-    assert bits_equal(pure(nnx.state(fresh)), pure(nnx.state(model)))
+    assert tree_same_bits(pure(nnx.state(fresh)), pure(nnx.state(model)))
 
 
 def test_eight_devices_data_and_tensor_parallel():

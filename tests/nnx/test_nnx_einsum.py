@@ -15,16 +15,11 @@ from flax import nnx
 import te_jax
 from te_jax import nnx as te_nnx
 from te_jax import recipe as R
-from qtest_util import same_bits
+from qtest_util import tree_same_bits
 
 DELAYED = R.DelayedScaling(amax_history_len=4)
 RECIPES = {"delayed": DELAYED, "current": R.Float8CurrentScaling(), "block": R.Float8BlockScaling(),
            "mxfp8": R.MXFP8BlockScaling(), "nvfp4": R.NVFP4BlockScaling()}
-
-
-def bits_equal(a, b) -> bool:
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        same_bits(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def normal(seed: int, shape, scale: float = 1.0):
@@ -51,9 +46,9 @@ def test_einsum_is_flax_nnx(case):
     x = normal(0, shape, 2.0)
     ref = nnx.Einsum(equation, kernel_shape, bias_shape, rngs=nnx.Rngs(4), **kw)
     ours = te_nnx.Einsum(equation, kernel_shape, bias_shape, rngs=nnx.Rngs(4), **kw)
-    assert bits_equal(pure(nnx.state(ours)), pure(nnx.state(ref)))
+    assert tree_same_bits(pure(nnx.state(ours)), pure(nnx.state(ref)))
     assert ours.einsum_str == ref.einsum_str and ours.kernel.get_metadata() == ref.kernel.get_metadata()
-    assert bits_equal(ours(x), ref(x))
+    assert tree_same_bits(ours(x), ref(x))
 
 
 def test_einsum_takes_flax_metadata_and_a_call_time_equation():
@@ -62,7 +57,7 @@ def test_einsum_takes_flax_metadata_and_a_call_time_equation():
     ours = te_nnx.Einsum("btd,dnh->btnh", (16, 2, 8), (2, 8), rngs=nnx.Rngs(1), **kw)
     assert ours.kernel.get_metadata()["tag"] == "query"
     x = normal(1, (2, 3, 16))
-    assert bits_equal(ours(x, "btd,dnh->bnth"), ref(x, "btd,dnh->bnth"))
+    assert tree_same_bits(ours(x, "btd,dnh->bnth"), ref(x, "btd,dnh->bnth"))
     with te_jax.autocast(recipe=R.Float8CurrentScaling()):
         got = ours(x, "btd,dnh->bnth")
     assert got.shape == (2, 2, 3, 8) and float(jnp.max(jnp.abs(got - ref(x, "btd,dnh->bnth")))) < 0.2
@@ -78,7 +73,7 @@ def test_a_custom_einsum_op_is_honoured_outside_autocast_only():
     ours = te_nnx.Einsum("bd,df->bf", (4, 4), einsum_op=lambda *a, **k: 2 * jnp.einsum(*a, **k), rngs=nnx.Rngs(0))
     ref = nnx.Einsum("bd,df->bf", (4, 4), einsum_op=lambda *a, **k: 2 * jnp.einsum(*a, **k), rngs=nnx.Rngs(0))
     x = normal(2, (3, 4))
-    assert bits_equal(ours(x), ref(x))
+    assert tree_same_bits(ours(x), ref(x))
     with te_jax.autocast(recipe=DELAYED), pytest.raises(ValueError, match="custom einsum_op"):
         ours(x)
 
@@ -112,7 +107,7 @@ def test_delayed_state_steps_exactly_as_te_jax_nnx_linear():
     with te_jax.autocast(recipe=DELAYED):
         einsum = te_nnx.Einsum("btd,df->btf", (32, 24), rngs=nnx.Rngs(0))
         linear = te_nnx.Linear(32, 24, use_bias=False, rngs=nnx.Rngs(0))
-    assert bits_equal(pure(nnx.state(einsum)), pure(nnx.state(linear)))
+    assert tree_same_bits(pure(nnx.state(einsum)), pure(nnx.state(linear)))
 
     @nnx.jit
     def step(model, optimizer, x):
@@ -125,8 +120,8 @@ def test_delayed_state_steps_exactly_as_te_jax_nnx_linear():
     for i in range(3):
         xi = x * (1.0 + i)
         losses = [step(m, o, xi) for m, o in zip((einsum, linear), opts)]
-        assert bits_equal(losses[0], losses[1])
-        assert bits_equal(pure(nnx.state(einsum)), pure(nnx.state(linear)))
+        assert tree_same_bits(losses[0], losses[1])
+        assert tree_same_bits(pure(nnx.state(einsum)), pure(nnx.state(linear)))
 
 
 def test_batch_axes_keep_one_weight_history_per_batch_element():

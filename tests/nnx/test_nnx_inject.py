@@ -20,18 +20,13 @@ from flax import nnx
 import te_jax
 from te_jax import nnx as te_nnx
 from te_jax import recipe as R
-from qtest_util import same_bits
+from qtest_util import tree_same_bits
 
 DELAYED = R.DelayedScaling(amax_history_len=4)
 CURRENT = R.Float8CurrentScaling()
 RECIPES = {"delayed": DELAYED, "current": CURRENT, "block": R.Float8BlockScaling(),
            "mxfp8": R.MXFP8BlockScaling(), "nvfp4": R.NVFP4BlockScaling()}
 H = 128  # the block recipes quantize 128-wide blocks
-
-
-def bits_equal(a, b) -> bool:
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        same_bits(u, v) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def normal(seed: int, shape, scale: float = 1.0):
@@ -67,7 +62,7 @@ def test_inject_gives_each_flax_product_its_own_te_jax_op_and_names_it():
                         "attn/key/dot_general", "attn/value/dot_general", "attn/out/dot_general"}
     assert len({id(op) for op in ops.values()}) == len(ops)
     assert all(op.path == tuple(name.split("/")) for name, op in ops.items())
-    assert bits_equal(pure(nnx.state(model, nnx.Param)), params)  # no parameter added or changed
+    assert tree_same_bits(pure(nnx.state(model, nnx.Param)), params)  # no parameter added or changed
     assert not nnx.state(model, te_nnx.FP8Meta)  # built outside autocast: flax's variables only
     te_nnx.inject(model)  # again: every op kept
     assert all(model.linear.dot_general is ops["linear/dot_general"] for _ in [0])
@@ -94,7 +89,7 @@ def test_injected_layers_are_flax_to_the_bit_without_quantization(recipe):
     with te_jax.autocast(enabled=recipe is not None, recipe=off):
         got = run(model, general, bf16)
     want = run(reference, general_ref, bf16_ref)
-    assert bits_equal(got, want)
+    assert tree_same_bits(got, want)
     assert got[2].dtype == jnp.float32
 
 
@@ -160,7 +155,7 @@ def test_delayed_state_steps_exactly_as_te_jax_nnx_linear():
         meta = pure(nnx.state(model, te_nnx.FP8Meta))
         return {k: (v["dot_general"] if injected else v)["fp8_meta"] for k, v in meta.items()}
 
-    assert bits_equal(state_of(injected, True), state_of(layers, False))
+    assert tree_same_bits(state_of(injected, True), state_of(layers, False))
 
     @nnx.jit
     def step(model, optimizer, x):
@@ -173,9 +168,9 @@ def test_delayed_state_steps_exactly_as_te_jax_nnx_linear():
     for i in range(3):
         xi = x * (1.0 + 2.0 * i)
         losses = [step(m, o, xi) for m, o in zip((injected, layers), opts)]
-        assert bits_equal(losses[0], losses[1])
-        assert bits_equal(state_of(injected, True), state_of(layers, False))
-        assert bits_equal(pure(nnx.state(injected, nnx.Param)), pure(nnx.state(layers, nnx.Param)))
+        assert tree_same_bits(losses[0], losses[1])
+        assert tree_same_bits(state_of(injected, True), state_of(layers, False))
+        assert tree_same_bits(pure(nnx.state(injected, nnx.Param)), pure(nnx.state(layers, nnx.Param)))
     assert float(state_of(injected, True)["a"]["linear_input"]["amax_history"][-1]) == float(jnp.max(jnp.abs(x * 5)))
 
 

@@ -17,7 +17,8 @@ from te_jax import flax as te_flax
 from te_jax import nnx as te_nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_nnx import DELAYED, bits_equal, normal, pure  # noqa: E402
+from qtest_util import tree_same_bits  # noqa: E402
+from test_nnx import DELAYED, normal, pure  # noqa: E402
 
 E, K_TOP, H, F = 4, 2, 32, 32
 
@@ -53,7 +54,7 @@ def test_output_without_autocast_is_the_linen_layers(kw):
     assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, linen.init(jax.random.key(0), x)["params"])
     y = model(x)
     assert y.dtype == kw.get("dtype", jnp.float32)
-    assert bits_equal(y, linen.apply({"params": params}, x))
+    assert tree_same_bits(y, linen.apply({"params": params}, x))
 
 
 def test_aux_loss_is_sown_as_the_linen_layers():
@@ -61,10 +62,10 @@ def test_aux_loss_is_sown_as_the_linen_layers():
     model, linen = _pair(aux_loss_coeff=0.01)
     y, intermediates = nnx.capture(model, nnx.Intermediate)(x)
     want_y, mutated = linen.apply({"params": pure(nnx.state(model, nnx.Param))}, x, mutable=["intermediates"])
-    assert bits_equal(y, want_y)
+    assert tree_same_bits(y, want_y)
     aux = intermediates["aux_loss"].get_value()  # one entry per call
     assert len(aux) == 1 and aux[0].shape == () and float(aux[0]) > 0.0
-    assert bits_equal(aux, mutated["intermediates"]["aux_loss"])
+    assert tree_same_bits(aux, mutated["intermediates"]["aux_loss"])
 
 
 def test_delayed_scaling_steps_equal_the_linen_layers():
@@ -74,7 +75,7 @@ def test_delayed_scaling_steps_equal_the_linen_layers():
     with te_jax.autocast(recipe=DELAYED):
         model, linen = _pair(**kw)
         fp8_meta = linen.init(jax.random.key(0), x)["fp8_meta"]
-    assert bits_equal(fp8_linen_layout(pure(nnx.state(model, te_nnx.FP8Meta))), fp8_meta)
+    assert tree_same_bits(fp8_linen_layout(pure(nnx.state(model, te_nnx.FP8Meta))), fp8_meta)
     state = te_jax.train.TrainState.create(
         apply_fn=linen.apply, params={"params": pure(nnx.state(model, nnx.Param)), "fp8_meta": fp8_meta},
         tx=optax.sgd(0.1))
@@ -105,9 +106,9 @@ def test_delayed_scaling_steps_equal_the_linen_layers():
         xi = x * (1.0 + i)
         loss = nnx_step(model, optimizer, xi)
         state, want_loss = linen_step(state, xi)
-        assert bits_equal(loss, want_loss)
-        assert bits_equal(fp8_linen_layout(pure(nnx.state(model, te_nnx.FP8Meta))), state.params["fp8_meta"])
-        assert bits_equal(pure(nnx.state(model, nnx.Param)), state.params["params"])
+        assert tree_same_bits(loss, want_loss)
+        assert tree_same_bits(fp8_linen_layout(pure(nnx.state(model, te_nnx.FP8Meta))), state.params["fp8_meta"])
+        assert tree_same_bits(pure(nnx.state(model, nnx.Param)), state.params["params"])
 
 
 def test_errors_name_the_layer():
