@@ -39,6 +39,10 @@ RECIPES = {
 FLAX_FP8 = {"flax fp8 (Fp8DotGeneral)": "direct", "flax fp8 (Fp8DotGeneralOp, qdq)": "qdq"}
 FLAX_FP8_COLLECTION = nn.fp8_ops.OVERWRITE_WITH_GRADIENT  # flax's FP8 state; its "gradient" is the new state
 NNX_RECIPES = {"te nnx delayed": R.DelayedScaling(), "te nnx current": R.Float8CurrentScaling()}
+# LayerNormMLP with recompute_norm_act=True: the speed cost of the memory option
+RECOMPUTE_RECIPES = {"te delayed, recompute_norm_act": R.DelayedScaling(),
+                     "te current, recompute_norm_act": R.Float8CurrentScaling(),
+                     "te block, recompute_norm_act": R.Float8BlockScaling()}
 
 
 def _dot_cls(kind):
@@ -67,10 +71,10 @@ class FlaxLayer(nn.Module):
         return x
 
 
-def te_layer(section: str, h: int, n: int, bias: bool) -> nn.Module:
+def te_layer(section: str, h: int, n: int, bias: bool, recompute_norm_act: bool = False) -> nn.Module:
     kw = dict(use_bias=bias, dtype=BF16, param_dtype=BF16)
     if section == "mlp":
-        return tf.LayerNormMLP(intermediate_dim=n, activation="gelu", **kw)
+        return tf.LayerNormMLP(intermediate_dim=n, activation="gelu", recompute_norm_act=recompute_norm_act, **kw)
     if section == "lndense":
         return tf.LayerNormDenseGeneral(n, **kw)
     return tf.DenseGeneral(n, **kw)
@@ -170,11 +174,12 @@ class CompiledStep:
 
 
 def _variants(section: str, only: str) -> list[tuple[str, str, object]]:
-    """The section's variants as (name, "flax" or "te", flax FP8 kind or recipe), those matching ``only``."""
+    """The section's variants as (name, "flax", "te", "te-recompute" or "nnx", flax FP8 kind or recipe), those matching ``only``."""
     variants = [("bf16 flax", "flax", None), *((name, "flax", kind) for name, kind in FLAX_FP8.items()),
                 *((name, "te", r) for name, r in RECIPES.items()
                   if section == "mlp" or name.startswith(("te delayed", "te current")) or name == "te block"),
-                *((name, "nnx", r) for name, r in NNX_RECIPES.items() if section == "mlp")]
+                *((name, "nnx", r) for name, r in NNX_RECIPES.items() if section == "mlp"),
+                *((name, "te-recompute", r) for name, r in RECOMPUTE_RECIPES.items() if section == "mlp")]
     return selected(variants, only)
 
 
@@ -202,7 +207,7 @@ def _build_step(row: dict, section: str, h: int, n: int, impl: str, arg, sets, a
             model = te_jax.nnx.LayerNormMLP(h, n, activation="gelu", use_bias=args.bias, dtype=BF16,
                                             param_dtype=BF16, rngs=nnx.Rngs(1))
     else:
-        model, recipe = te_layer(section, h, n, args.bias), arg
+        model, recipe = te_layer(section, h, n, args.bias, recompute_norm_act=impl == "te-recompute"), arg
         with te_jax.autocast(recipe=recipe):
             variables = jax.jit(model.init)(jax.random.key(1), x0)
     if impl == "nnx":

@@ -108,11 +108,24 @@ def _attention_standin(q, k, v, *args, **kwargs):
     return _kept_like_cudnn(q, k, v)
 
 
+@contextlib.contextmanager
 def attention(kind: str):
-    """A context in which ``jax.nn.dot_product_attention`` is the stand-in ("standin") or itself ("native")."""
+    """A context in which ``jax.nn.dot_product_attention`` is the stand-in ("standin") or itself ("native").
+
+    With the stand-in, te_jax's attention layers choose "cudnn" as they would on a GPU (their output projection
+    then keeps no FP8 copy of the attention output that cuDNN keeps).
+    """
     if kind == "native":
-        return contextlib.nullcontext()
-    return mock.patch.object(jax.nn, "dot_product_attention", _attention_standin)
+        yield
+        return
+    import te_jax.flax.transformer as linen_transformer
+    import te_jax.nnx.transformer as nnx_transformer
+
+    cudnn = lambda q, mask=None: "cudnn"  # noqa: E731
+    with mock.patch.object(jax.nn, "dot_product_attention", _attention_standin), \
+            mock.patch.object(linen_transformer, "choose_attention_implementation", cudnn), \
+            mock.patch.object(nnx_transformer, "choose_attention_implementation", cudnn):
+        yield
 
 
 # ---- the sections ----------------------------------------------------------------------------------------

@@ -289,14 +289,18 @@ def as_norm(norm_type: str | None, zero_centered_gamma: bool, epsilon: float, ga
     return NormSpec(norm_type, bool(zero_centered_gamma), float(epsilon))
 
 
-def norm_input(norm: NormSpec | None, g: GemmQuant, x, gamma, beta, dtype, training: bool):
+def norm_input(norm: NormSpec | None, g: GemmQuant, x, gamma, beta, dtype, training: bool,
+               input_name: str | None = None):
     """The GEMM input ``[M, H]``: ``norm(x)`` written by the "input" quantizer inside the norm kernel.
 
     Returns ``(ln, (mean, rsigma))``; ln is a ScaledTensor (rowwise, and
     columnwise when ``training``) or, without an input quantizer, an array in ``dtype``.
+    A norm's output is named ``NORM_ACT_OUTPUT``; without a norm, x's quantized
+    copy is named ``input_name`` (default ``QUANTIZED``).
     """
     if norm is None:
-        ln = g.quantize("input", x, rowwise=True, colwise=training) if g.has("input") else x.astype(dtype)
+        ln = g.quantize("input", x, rowwise=True, colwise=training, name=input_name) if g.has("input") \
+            else x.astype(dtype)
         return ln, (None, None)
 
     def fn(qz, st, key):

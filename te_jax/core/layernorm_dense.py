@@ -50,7 +50,8 @@ from te_jax.core import (NORM_STATS, PRE_ACTIVATION, QUANTIZED, DenseQuantizers,
                           given_stats, high_precision_state, keep, mesh_resource_or_autocast, raw_key,
                           save_fp8_policy, state_cotangent, state_leaves, updated_state, vary_of)
 from te_jax.core.dense import dense
-from te_jax.core.gemm_quant import NormSpec, as_norm, check_recompute, norm_backward, norm_input, recomputing_norm_act
+from te_jax.core.gemm_quant import (NORM_ACT_OUTPUT, NormSpec, as_norm, check_recompute, norm_backward, norm_input,
+                                    recomputing_norm_act)
 from te_jax.core.unquantized import check_dtypes, normalize
 from te_jax.recipe.autocast import with_plan_mesh
 from te_jax.core.stats import Sample, as_sample, stats_cotangent, stats_input, stats_leaves
@@ -72,6 +73,7 @@ class _LayerNormDensePlan(Plan):
     dtype: Any  # the kernel's dtype: the compute and output dtype
     x_dtype: Any
     bias_dtype: Any  # None: no bias
+    recompute: bool = False  # recompute_norm_act: the backward recomputes the GEMM input's quantized copy
 
 
 def layernorm_dense(
@@ -111,6 +113,9 @@ def layernorm_dense(
         ``lax.dot_general`` (e.g. a flax ``Fp8DotGeneral`` instance); only without quantizers.
       recompute_norm_act: with a norm, the backward does not keep the norm's output (its FP8 copy under
         a recipe) but recomputes it from the input, which it keeps anyway (``te_jax.layernorm_mlp``).
+        Without a norm, under a recipe, the backward keeps x instead of its FP8 copy and quantizes it
+        again (the same bits): less memory only where x is kept for another backward anyway, e.g. an
+        attention output that cuDNN's attention keeps (``te_jax.flax.SelfAttention`` does this).
         Not with ``dot_general``.
 
     Returns:
@@ -134,13 +139,12 @@ def layernorm_dense(
     if x.size == 0 and q.any:  # no row, or H = 0: the norm's output is empty, and dense's GEMMs take that
         return dense(jnp.zeros(x.shape, dtype), kernel, bias, quantizers=q, state=state, key=key,
                      mesh_resource=mesh_resource, inspect=inspect)
-    recompute = recompute_norm_act and norm is not None
     if not q.any:
         def high_precision(x, gamma, beta, kernel):
             ln = normalize(norm, x, gamma, beta, dtype) if x.size else jnp.zeros(x.shape, dtype)
             return typed_dot(ln, kernel, (((ln.ndim - 1,), (0,)), ((), ())), precision=precision, dot=dot_general)
 
-        y = recomputing_norm_act(high_precision, recompute)(x, gamma, beta, kernel)
+        y = recomputing_norm_act(high_precision, recompute_norm_act and norm is not None)(x, gamma, beta, kernel)
         if bias is not None:
             y = y + bias.astype(y.dtype)
         return y, high_precision_state(state, inspect)
@@ -151,9 +155,9 @@ def layernorm_dense(
     mesh_resource = mesh_resource_or_autocast(mesh_resource, x, where=where)
     plan = _LayerNormDensePlan(mesh_resource, state_leaves(inner), stats_leaves(qstats),
                                vary_of(x2, gamma, beta, k2, b2), inspect, q, norm, dtype, x.dtype,
-                               None if bias is None else bias.dtype)
-    y, new_inner, fwd_stats = (_recomputing_vjp if recompute else _vjp)(plan, x2, gamma, beta, k2, b2, inner,
-                                                                        raw_key(key), qstats)
+                               None if bias is None else bias.dtype, recompute_norm_act)
+    y, new_inner, fwd_stats = (_recomputing_vjp if recompute_norm_act else _vjp)(plan, x2, gamma, beta, k2, b2,
+                                                                                 inner, raw_key(key), qstats)
     # Typed as jax types norm(x) @ kernel + bias (Explicit meshes).
     y = retype(reshape(y, (*lead, *features)),
                product_type(x, range(x.ndim - 1), kernel, range(1, kernel.ndim), bias))
@@ -177,7 +181,8 @@ class _Residuals(NamedTuple):
 
 def _forward(plan: _LayerNormDensePlan, x, gamma, beta, kernel, bias, state, key, training: bool):
     g = GemmQuant(plan.q, state, key, plan.mesh_resource, plan.inspect)
-    ln, stats = norm_input(plan.norm, g, x, gamma, beta, kernel.dtype, training)
+    ln, stats = norm_input(plan.norm, g, x, gamma, beta, kernel.dtype, training,
+                           NORM_ACT_OUTPUT if plan.recompute else None)
     kq = g.quantize("weight", kernel, rowwise=training, colwise=True, flatten_axis=1)
     y = g.gemm(ln, kq, ((1,), (0,)), out_dtype=kernel.dtype, bias=bias, fast_accum=plan.q.fast_accum)
     y = to_varying(g.qdq("output", y), plan.all_vary)
@@ -215,4 +220,4 @@ def _bwd(plan: _LayerNormDensePlan, res: _Residuals, cts):
 
 _vjp = jax.custom_vjp(_primal, nondiff_argnums=(0,))
 _vjp.defvjp(_fwd, with_plan_mesh(_bwd))
-_recomputing_vjp = recomputing_norm_act(_vjp, True, static_argnums=(0,))  # recompute_norm_act=True, with a norm
+_recomputing_vjp = recomputing_norm_act(_vjp, True, static_argnums=(0,))  # recompute_norm_act=True

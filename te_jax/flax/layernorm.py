@@ -119,7 +119,8 @@ class LayerNormDenseGeneral(nn.Module):
       dot_general_cls: as ``flax.linen.DenseGeneral``'s (e.g. ``nn.Fp8DirectDotGeneralOp``), for the
         unquantized path only: under a te_jax recipe the quantized GEMMs replace it.
       recompute_norm_act: with the norm, the backward recomputes its output (FP8 copy) from the input it
-        keeps, instead of keeping it (``te_jax.layernorm_dense``).
+        keeps, instead of keeping it; without, it keeps x and quantizes it again, which saves memory only
+        where x is kept anyway (an attention output under cuDNN: ``SelfAttention``) (``te_jax.layernorm_dense``).
     """
 
     features: int | Sequence[int]

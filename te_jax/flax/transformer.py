@@ -73,13 +73,15 @@ class SelfAttention(nn.Module):
             q, k = rotary_embedding(q, positions, self.rotary_base), rotary_embedding(k, positions, self.rotary_base)
         if ax:  # attention sees whole sequences, its heads split like the projections' (sequence parallel too)
             q, k, v = (nn.with_logical_constraint(t, ("batch", None, "heads", "kv")) for t in (q, k, v))
-        o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal,
-                                         implementation=self.implementation or choose_attention_implementation(q, mask))
+        implementation = self.implementation or choose_attention_implementation(q, mask)
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation=implementation)
         if ax:
             o = nn.with_logical_constraint(o, ("batch", None, "heads", "kv"))
+        # cuDNN's attention keeps o for its own backward: the projection keeps no FP8 copy of it beside that.
+        out_common = common | dict(recompute_norm_act=implementation == "cudnn")
         return LayerNormDenseGeneral(features=h, axis=(-2, -1), enable_layernorm=False, name="out",
                                      kernel_axes=("heads", "kv", "embed") if ax else (),
-                                     bias_axes=("embed",) if ax else (), **common)(o)
+                                     bias_axes=("embed",) if ax else (), **out_common)(o)
 
 
 class TransformerLayer(nn.Module):

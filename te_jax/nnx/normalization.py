@@ -204,6 +204,8 @@ class LayerNormLinear(Layer):
       use_bias, kernel_init, bias_init, dtype, param_dtype, precision: as ``flax.nnx.LinearGeneral``.
       kernel_axes, bias_axes, scale_axes, ln_bias_axes: logical axis names
         of the parameters (their ``out_sharding``; ``nnx.get_partition_spec``).
+      recompute_norm_act: the backward recomputes the GEMM input's FP8 copy (the norm's output; without
+        a norm, x's) instead of keeping it (``te_jax.layernorm_dense``); ``__call__`` may override it.
       rngs: ``params`` draws the parameters; a "quantize" stream gives stochastic-rounding keys.
       path: the module path the recipe's roles carry (see ``te_jax.nnx.Linear``).
     """
@@ -215,7 +217,8 @@ class LayerNormLinear(Layer):
                  kernel_init=default_kernel_init, bias_init=default_bias_init, dtype: Dtype | None = None,
                  param_dtype: Dtype = jnp.float32, precision: Any = None, kernel_axes: Sequence[str | None] = (),
                  bias_axes: Sequence[str | None] = (), scale_axes: Sequence[str | None] = (),
-                 ln_bias_axes: Sequence[str | None] = (), rngs: nnx.Rngs, path: str | Sequence[str] | None = None):
+                 ln_bias_axes: Sequence[str | None] = (), recompute_norm_act: bool = False, rngs: nnx.Rngs,
+                 path: str | Sequence[str] | None = None):
         self.set_path(path)
         check_dtypes(where(self), dtype, param_dtype)
         in_shape = (in_features,) if isinstance(in_features, (int, np.integer)) else tuple(in_features)
@@ -241,13 +244,14 @@ class LayerNormLinear(Layer):
         self.enable_layernorm, self.layernorm_type = enable_layernorm, layernorm_type
         self.zero_centered_gamma, self.epsilon = zero_centered_gamma, epsilon
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+        self.recompute_norm_act = recompute_norm_act
         init_fp8(self, rngs)
 
     def fp8_quantizers(self, recipe) -> DenseQuantizers:
         return DenseQuantizers.from_recipe(recipe, self.path or ())
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """``[..., *in_features] -> [..., *out_features]``."""
+    def __call__(self, x: jax.Array, *, recompute_norm_act: bool | None = None) -> jax.Array:
+        """``[..., *in_features] -> [..., *out_features]``; ``recompute_norm_act`` None: the layer's."""
         x = canonical_input(x)
         check_dtypes(where(self), x=x)
         n_in = len(self.in_features)
@@ -273,4 +277,5 @@ class LayerNormLinear(Layer):
         quantizers = call_quantizers(self)
         return run_op(self, quantizers, functools.partial(
             layernorm_dense, x, gamma, beta, kernel, bias, norm_type=kind, zero_centered_gamma=zcg,
-            epsilon=self.epsilon, quantizers=quantizers, precision=self.precision))
+            epsilon=self.epsilon, quantizers=quantizers, precision=self.precision,
+            recompute_norm_act=self.recompute_norm_act if recompute_norm_act is None else recompute_norm_act))

@@ -70,11 +70,12 @@ class SelfAttention(Layer):
             q, k = rotary_embedding(q, positions, self.rotary_base), rotary_embedding(k, positions, self.rotary_base)
         if self.logical_axes:  # attention sees whole sequences, its heads split like the projections'
             q, k, v = (nn.with_logical_constraint(t, _HEADS) for t in (q, k, v))
-        o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal,
-                                         implementation=self.implementation or choose_attention_implementation(q, mask))
+        implementation = self.implementation or choose_attention_implementation(q, mask)
+        o = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=self.causal, implementation=implementation)
         if self.logical_axes:
             o = nn.with_logical_constraint(o, _HEADS)
-        return self.out(o)
+        # cuDNN's attention keeps o for its own backward: the projection keeps no FP8 copy of it beside that.
+        return self.out(o, recompute_norm_act=implementation == "cudnn")
 
 
 class TransformerLayer(Layer):

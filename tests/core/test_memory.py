@@ -54,11 +54,13 @@ def _layernorm_dense(recipe, recompute: bool):
     return loss
 
 
-def _saved_bytes(loss, args) -> int:
-    """Bytes of what ``loss``'s backward keeps that is not one of its arguments (activations)."""
+def _saved_bytes(loss, args, itemsize: int | None = None) -> int:
+    """Bytes of what ``loss``'s backward keeps that is not one of its arguments (activations), of residuals
+    with ``itemsize`` bytes an element only when given."""
     from jax._src.ad_checkpoint import saved_residuals
 
-    return sum(a.size * a.dtype.itemsize for a, src in saved_residuals(loss, *args) if "from the argument" not in src)
+    return sum(a.size * a.dtype.itemsize for a, src in saved_residuals(loss, *args)
+               if "from the argument" not in src and itemsize in (None, a.dtype.itemsize))
 
 
 @pytest.mark.parametrize("op", ["mlp", "layernorm_dense"])
@@ -159,3 +161,102 @@ def test_recompute_norm_act_with_a_custom_dot_general_raises():
         te_jax.layernorm_dense(x, gamma, beta, w1, dot_general=jax.lax.dot_general, recompute_norm_act=True)
     y, _ = te_jax.layernorm_dense(x, gamma, beta, w1, dot_general=jax.lax.dot_general)  # without the option: fine
     assert y.shape == (M, F)
+
+
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_recompute_without_norm_keeps_the_input_not_its_fp8_copy(recipe):
+    """layernorm_dense without a norm: recompute_norm_act keeps x and quantizes it again in the backward (the same
+    bits), so where x's producer keeps x anyway (exp keeps its output here, as cuDNN's attention keeps its
+    output), the FP8 copy [M, H] is no longer kept beside it."""
+    q = DenseQuantizers.from_recipe(RECIPES[recipe])
+
+    def loss_of(recompute: bool):
+        def loss(x, w):
+            y, _ = te_jax.layernorm_dense(jnp.exp(x), None, None, w, norm_type=None, quantizers=q,
+                                          recompute_norm_act=recompute)
+            return jnp.sum(y.astype(jnp.float32) * jnp.sin(jnp.arange(y.size, dtype=jnp.float32).reshape(y.shape)))
+        return loss
+
+    x, _, _, w, _ = _inputs(4)
+    x = x.at[5].set(0).at[6, :7].set(-30.0)  # exp: a row of ones and values that round to zero in FP8
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))  # noqa: E731
+    (l0, g0), (l1, g1) = grad(loss_of(False))(x, w), grad(loss_of(True))(x, w)
+    assert np.isfinite(float(l0))
+    assert_same_bits(l1, l0, "loss")
+    for name, a, b in zip(("x", "w"), g1, g0):
+        assert_same_bits(a, b, f"d{name}")
+    kept, kept_recomputed = _saved_bytes(loss_of(False), (x, w)), _saved_bytes(loss_of(True), (x, w))
+    assert kept - kept_recomputed >= M * H, (kept, kept_recomputed)
+
+
+def _keeps_its_output(q, k, v, *args, **kwargs):
+    """Attention's memory under cuDNN (its backward keeps q, k, v and the output), not its values."""
+    @jax.custom_vjp
+    def attend(q, k, v):
+        return (q * jnp.repeat(k + v, q.shape[2] // k.shape[2], axis=2)).astype(q.dtype)
+
+    def fwd(q, k, v):
+        o = attend(q, k, v)
+        return o, (q, k, v, o)
+
+    def bwd(res, do):
+        q, k, v, o = res
+        s = (do.astype(jnp.float32) * o.astype(jnp.float32)).astype(q.dtype)
+        g = q.shape[2] // k.shape[2]
+        dkv = s.reshape(*s.shape[:2], k.shape[2], g, s.shape[-1]).sum(3)
+        return s * q, dkv * k, dkv * v
+
+    attend.defvjp(fwd, bwd)
+    return attend(q, k, v)
+
+
+@pytest.mark.parametrize("api", ["linen", "nnx"])
+def test_attention_output_projection_keeps_no_fp8_copy_beside_cudnn_output(api, monkeypatch):
+    """Under cuDNN's attention (which keeps its output) SelfAttention's output projection keeps no FP8 copy of that
+    output: the same loss and gradients as under "xla", tokens x heads x head_dim bytes less kept."""
+    import flax.linen as nn
+    from flax import nnx
+
+    from te_jax import flax as tf
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", _keeps_its_output)
+    x = jax.random.normal(jax.random.key(8), (2, 64, 128), jnp.float32).astype(jnp.bfloat16)
+    recipe = R.Float8CurrentScaling()
+    heads, head_dim = 4, 32
+    if api == "linen":
+        def attn(implementation: str) -> nn.Module:
+            return tf.SelfAttention(heads, 2, head_dim, implementation=implementation, dtype=jnp.bfloat16)
+
+        with te_jax.autocast(recipe=recipe):
+            v = jax.jit(attn("xla").init)(jax.random.key(0), x)
+
+        def loss_of(implementation: str):
+            def loss(v, x):
+                with te_jax.autocast(recipe=recipe):
+                    return jnp.sum(attn(implementation).apply(v, x).astype(jnp.float32) ** 2)
+            return loss
+    else:
+        def build(implementation: str):
+            return te_jax.nnx.SelfAttention(128, heads, 2, head_dim, implementation=implementation,
+                                            dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+
+        graphdef, v = nnx.split(build("xla"))
+
+        def loss_of(implementation: str):
+            gd = nnx.split(build(implementation))[0]
+
+            def loss(v, x):
+                with te_jax.autocast(recipe=recipe):
+                    return jnp.sum(nnx.merge(gd, v)(x).astype(jnp.float32) ** 2)
+            return loss
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))  # noqa: E731
+    (l0, g0), (l1, g1) = grad(loss_of("xla"))(v, x), grad(loss_of("cudnn"))(v, x)
+    assert np.isfinite(float(l0))
+    assert_same_bits(l1, l0, "loss")
+    jax.tree.map(lambda a, b: assert_same_bits(a, b, "gradient"), g1, g0)
+    # The projection keeps a reshape of o instead, which XLA keeps in o's buffer (a bitcast) but autodiff's
+    # residual list counts apart: count the FP8 residuals only.
+    dropped = x.shape[0] * x.shape[1] * heads * head_dim  # the attention output's FP8 copy, 1 byte an element
+    kept = _saved_bytes(loss_of("xla"), (v, x), itemsize=1) - _saved_bytes(loss_of("cudnn"), (v, x), itemsize=1)
+    assert kept >= dropped, (kept, dropped)
