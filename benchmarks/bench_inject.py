@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: an installed te_jax wins
 
 import te_jax  # noqa: E402
 from benchmarks.timing import time_interleaved  # noqa: E402

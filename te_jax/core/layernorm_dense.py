@@ -125,7 +125,7 @@ def layernorm_dense(
     q = as_quantizers(quantizers)
     inspect = as_sample(inspect)
     check_no_dot_general(where, dot_general, q.any)
-    check_recompute(where, recompute_norm_act, dot_general)
+    check_recompute(where, recompute_norm_act and norm_type is not None, dot_general)  # no norm: no copy to drop
     norm = as_norm(norm_type, zero_centered_gamma, epsilon, gamma, beta, where)
     check_dtypes(where, q.any, x=x, gamma=gamma, beta=beta, kernel=kernel, bias=bias)
     if x.ndim < 1 or kernel.ndim < 2 or x.shape[-1] != kernel.shape[0]:

@@ -161,6 +161,12 @@ def test_recompute_norm_act_with_a_custom_dot_general_raises():
         te_jax.layernorm_dense(x, gamma, beta, w1, dot_general=jax.lax.dot_general, recompute_norm_act=True)
     y, _ = te_jax.layernorm_dense(x, gamma, beta, w1, dot_general=jax.lax.dot_general)  # without the option: fine
     assert y.shape == (M, F)
+    # Without a norm the unquantized product keeps no copy to drop: the option is accepted (SelfAttention's
+    # output projection under cuDNN with flax's FP8 as its dot_general).
+    y0, _ = te_jax.layernorm_dense(x, None, None, w1, norm_type=None, dot_general=jax.lax.dot_general)
+    y1, _ = te_jax.layernorm_dense(x, None, None, w1, norm_type=None, dot_general=jax.lax.dot_general,
+                                   recompute_norm_act=True)
+    assert_same_bits(y1, y0, "y")
 
 
 @pytest.mark.parametrize("recipe", ["current", "block"])
@@ -260,3 +266,21 @@ def test_attention_output_projection_keeps_no_fp8_copy_beside_cudnn_output(api, 
     dropped = x.shape[0] * x.shape[1] * heads * head_dim  # the attention output's FP8 copy, 1 byte an element
     kept = _saved_bytes(loss_of("xla"), (v, x), itemsize=1) - _saved_bytes(loss_of("cudnn"), (v, x), itemsize=1)
     assert kept >= dropped, (kept, dropped)
+
+
+def test_attention_under_cudnn_takes_flax_fp8_as_its_dot_general(monkeypatch):
+    """The GPT example's flax-fp8 baseline: SelfAttention with flax's FP8 dot_general under cuDNN's attention
+    (te_jax's autocast off) runs, and computes what it computes under "xla"."""
+    import flax.linen as nn
+
+    from te_jax import flax as tf
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", _keeps_its_output)
+    x = jax.random.normal(jax.random.key(9), (2, 32, 64), jnp.float32).astype(jnp.bfloat16)
+
+    def attn(implementation: str) -> nn.Module:
+        return tf.SelfAttention(4, 2, 16, implementation=implementation, dtype=jnp.bfloat16,
+                                dot_general_cls=nn.Fp8DirectDotGeneralOp)
+
+    v = attn("xla").init(jax.random.key(0), x)
+    assert_same_bits(attn("cudnn").apply(v, x), attn("xla").apply(v, x), "y")
