@@ -34,14 +34,20 @@ keep float32 copies of their saved inputs, which inflates the bf16 variants (not
 ``--per-block`` (gpt) compiles each variant at 2 and 4 blocks and reports the temporaries per block and the
 estimate at the preset's depth; ``--layers N`` compiles at N blocks. ``--breakdown`` lists, per variant, the
 largest values live at the peak of the compiled step, grouped by the op that made them (from XLA's buffer
-assignment) and the largest saved residuals by source.
+assignment) and the largest saved residuals by source. ``--largest-batch GIB`` (gpt, with ``--analysis-only``)
+adds the largest batch whose compiled step (arguments + temporaries + outputs - aliased) fits GIB, the figure
+examples/gpt/train.py's memory check compares with the device's limit (``0``: that limit, on a GPU):
+
+    python benchmarks/bench_memory.py --analysis-only --sections gpt --presets 1.3b --recipes delayed,block \
+        --options none --remat "" --largest-batch 0
 
 The variants are built in memory_variants.py, measured and tabulated in memory_analysis.py; results and their
 commands: benchmarks/README.md, "Memory".
 
 Usage: python benchmarks/bench_memory.py [--analysis-only] [--sections mlp,moe,gpt] [--presets 125m,1.3b,moe-1b]
        [--recipes delayed,current,mxfp8,block] [--options none,recompute_norm_act] [--remat fp8,nothing]
-       [--per-block | --layers N] [--steps 3] [--only REGEX] [--breakdown] [--out r.json] [--md r.md]
+       [--per-block | --layers N] [--steps 3] [--only REGEX] [--breakdown] [--largest-batch GIB] [--out r.json]
+       [--md r.md]
 """
 
 from __future__ import annotations
@@ -61,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # memory_variants, mem
 
 import jax  # noqa: E402
 
-from memory_analysis import add_per_block, analyze, live_at_peak, markdown, measure  # noqa: E402
+from memory_analysis import add_per_block, analyze, largest_batch, live_at_peak, markdown, measure  # noqa: E402
 from memory_variants import PRESETS, RECIPES, SECTIONS, Variant  # noqa: E402
 
 CPU_BARRIER_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
@@ -108,10 +114,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900, help="measured runs: seconds per variant")
     p.add_argument("--only", default="", help="regex over 'section | case | variant'")
     p.add_argument("--breakdown", action="store_true", help="the largest values live at the peak, and residuals")
+    p.add_argument("--largest-batch", type=float, metavar="GIB",
+                   help="gpt, with --analysis-only: also the largest batch whose compiled step fits GIB (0: the "
+                        "device's allocator limit, a GPU's), searched by compiling at a few batch sizes")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out")
     p.add_argument("--md")
     return p
+
+
+def largest_batch_limit_gib(args) -> float | None:
+    """``--largest-batch``'s limit in GiB: as given, or (0) the device's allocator limit."""
+    if args.largest_batch is None:
+        return None
+    if not args.analysis_only:
+        raise SystemExit("bench_memory: --largest-batch searches by compiling: give --analysis-only")
+    if args.largest_batch > 0:
+        return args.largest_batch
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    if not limit:
+        raise SystemExit("bench_memory: --largest-batch 0 takes the device's allocator limit, and this device "
+                         f"({jax.default_backend()}) reports none: give the GiB")
+    return limit / 2**30
+
+
+def gpt_preset_batch(case: str) -> int:
+    """The batch of the GPT preset a case names ("GPT 1.3b @ 4 blocks" -> 16)."""
+    from examples.gpt.presets import PRESETS as GPT_PRESETS
+
+    return GPT_PRESETS[case.split()[1]].batch
 
 
 def gpu_plugin_installed() -> bool:
@@ -136,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     measured = not args.analysis_only  # then the variants run in child processes: this one leaves the device alone
     platform = "measured" if measured else jax.default_backend()
     att = args.attention if args.attention != "auto" else ("standin" if platform == "cpu" else "native")
+    limit_gib = largest_batch_limit_gib(args)
     rows = []
     for v in variants:
         row = {"section": v.section, "case": v.case, "variant": v.name}
@@ -147,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(analyze(v, att, args.breakdown))
                 if dump_dir:
                     row["live_at_peak"] = live_at_peak(dump_dir, row["module"])
+                if args.largest_batch is not None and v.at_batch is not None:
+                    row.update(largest_batch(v, limit_gib, att, start=args.batch or gpt_preset_batch(v.case)))
         except Exception as err:  # noqa: BLE001  (one variant's failure is its row; the others still run)
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}" if str(err) else repr(err)
             traceback.print_exc()

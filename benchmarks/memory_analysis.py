@@ -71,6 +71,44 @@ def analyze(variant: Variant, attention_kind: str, breakdown: bool) -> dict:
     return row
 
 
+def compiled_total_gib(variant: Variant) -> float:
+    """The compiled step's arguments + temporaries + outputs - aliased, in GiB (abstract inputs, as ``analyze``)."""
+    built = variant.build(True)
+    return memory_row(built.jitted(module_name(variant)).lower(*built.args).compile())["total_gib"]
+
+
+def largest_batch(variant: Variant, limit_gib: float, attention_kind: str, start: int,
+                  max_compiles: int = 8) -> dict:
+    """The largest batch (sequences) whose compiled step fits ``limit_gib`` by XLA's memory analysis (what
+    examples/gpt/train.py's memory check compares with the device's limit), from a line through the totals at
+    ``start`` and ``start + 8`` checked by compiling at the batch it predicts and the next one.
+
+    Returns ``{"largest_batch": b, "largest_batch_gib": total at b, "largest_batch_compiles": n}``, b = 0
+    when not even batch 1 fits; or ``{"largest_batch_error": why}`` after ``max_compiles`` compiles.
+    """
+    totals: dict[int, float] = {}
+
+    def total(b: int) -> float:
+        if b not in totals:
+            with attention(attention_kind):
+                totals[b] = compiled_total_gib(variant.at_batch(b))
+        return totals[b]
+
+    lo, hi = start, start + 8
+    slope = (total(hi) - total(lo)) / (hi - lo)
+    b = max(1, int(lo + (limit_gib - total(lo)) / slope)) if slope > 0 else hi
+    while len(totals) < max_compiles:
+        if total(b) > limit_gib:
+            if b == 1:
+                return {"largest_batch": 0, "largest_batch_compiles": len(totals)}
+            b -= 1
+        elif total(b + 1) <= limit_gib:
+            b += 1
+        else:
+            return {"largest_batch": b, "largest_batch_gib": totals[b], "largest_batch_compiles": len(totals)}
+    return {"largest_batch_error": f"no answer in {max_compiles} compiles: {sorted(totals.items())}"}
+
+
 def measure(variant: Variant, steps: int) -> dict:
     """Initializes ``variant`` on the device, compiles, runs ``steps`` steps and reads the device's peak."""
     device = jax.local_devices()[0]
@@ -154,7 +192,9 @@ def markdown(rows: list[dict], analysis_only: bool, platform: str) -> str:
     measured = not analysis_only
     head = ["section", "case", "variant", "temp GiB", "vs baseline", "args GiB", "out GiB", "aliased GiB",
             "total GiB", "residuals GiB"] + (["per block GiB", "est. at preset depth"] if any(
-                "per_block_gib" in r for r in rows) else []) + (["peak GiB (measured)"] if measured else [])
+                "per_block_gib" in r for r in rows) else []) + (["peak GiB (measured)"] if measured else []) + (
+                ["largest batch (GiB)"] if any("largest_batch" in r or "largest_batch_error" in r for r in rows)
+                else [])
     title = ("XLA's memory analysis of the compiled step on the CPU (abstract inputs; see the script's doc for what "
              "differs from a GPU)" if platform == "cpu" else f"{platform}: compiled memory analysis"
              + (" and the measured peak" if measured else ""))
@@ -175,6 +215,9 @@ def markdown(rows: list[dict], analysis_only: bool, platform: str) -> str:
             cells.append(r.get("error", "")[:60] or _cell(r, "peak_gib"))
         elif r.get("error"):
             cells[3] = r["error"][:60]
+        if "largest batch (GiB)" in head:
+            cells.append(f"{r['largest_batch']} ({r.get('largest_batch_gib', 0):.2f})" if "largest_batch" in r
+                         else r.get("largest_batch_error", "")[:60])
         lines.append("| " + " | ".join(cells) + " |")
     for r in rows:
         if r.get("live_at_peak") or r.get("top_residuals"):

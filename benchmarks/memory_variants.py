@@ -62,6 +62,7 @@ class Variant:
     case: str
     name: str
     build: Callable[[bool], Built]  # abstract -> Built
+    at_batch: Callable[[int], Variant] | None = None  # gpt: the same variant at another batch size
 
     @property
     def key(self) -> str:
@@ -316,17 +317,23 @@ def gpt_variants(args) -> list[Variant]:
             for label, recipe, remat, rc in runs:
                 cfg = RunConfig(preset=preset, recipe=recipe, remat=remat, recompute_norm_act=rc,
                                 batch=args.batch, seq_len=args.seq_len, progress=False)
-
-                def build(a, cfg=cfg, depth=depth):
-                    if depth:
-                        from examples.gpt import presets as presets_lib
-                        p = presets_lib.PRESETS[cfg.preset]
-                        with mock.patch.dict(presets_lib.PRESETS, {cfg.preset: dataclasses.replace(
-                                p, model=dataclasses.replace(p.model, layers=depth))}):
-                            return gpt_built(cfg, a)
-                    return gpt_built(cfg, a)
-                out.append(Variant("gpt", case, label, build))
+                out.append(_gpt_variant(case, label, cfg, depth))
     return out
+
+
+def _gpt_variant(case: str, label: str, cfg, depth: int) -> Variant:
+    """The GPT train step of ``cfg`` at ``depth`` blocks (0: the preset's), which can be rebuilt at another batch."""
+    def build(a):
+        if depth:
+            from examples.gpt import presets as presets_lib
+            p = presets_lib.PRESETS[cfg.preset]
+            with mock.patch.dict(presets_lib.PRESETS, {cfg.preset: dataclasses.replace(
+                    p, model=dataclasses.replace(p.model, layers=depth))}):
+                return gpt_built(cfg, a)
+        return gpt_built(cfg, a)
+
+    return Variant("gpt", case, label, build,
+                   lambda batch: _gpt_variant(case, label, dataclasses.replace(cfg, batch=batch), depth))
 
 
 def recipe_names(args) -> list[str]:

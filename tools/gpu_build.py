@@ -82,6 +82,14 @@ def overlay_python(site: pathlib.Path, root: pathlib.Path = ROOT) -> int:
     return len(sources)
 
 
+def install_extras(wheels: list[pathlib.Path], site: pathlib.Path, log: pathlib.Path, python: str) -> None:
+    """Adds ``wheels`` (without their dependencies, e.g. an optional extra's package such as qwix) to ``site``."""
+    if wheels:
+        step(f"install {', '.join(w.name for w in wheels)} into {site}",
+             [python, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(site), *map(str, wheels)],
+             log)
+
+
 def install(wheel: pathlib.Path, site: pathlib.Path, log: pathlib.Path, python: str) -> None:
     """Installs ``wheel`` (without dependencies) into ``site`` and checks that jobs import it, CUDA module included."""
     shutil.rmtree(site, ignore_errors=True)

@@ -48,7 +48,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpu_jobs  # noqa: E402  (a sibling module of this script)
 import gpu_summary  # noqa: E402
 import xla_dump  # noqa: E402
-from gpu_build import cutlass_build_flags, cutlass_source, install, overlay_python, step  # noqa: E402
+from gpu_build import cutlass_build_flags, cutlass_source, install, install_extras, overlay_python, step  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # examples/gpt/presets.py, for time estimates only
@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead of --baseline-wheel: the baseline is the wheel this run uses with DIR's te_jax/*.py "
                         "and recipes/*.py over it (e.g. `git archive OLD te_jax recipes` unpacked): a before/after "
                         "comparison of a change that leaves csrc/ alone")
+    p.add_argument("--extra-wheel", type=pathlib.Path, action="append", default=[],
+                   help="also install this wheel (no dependencies) where te_jax is installed, for the jobs: an "
+                        "optional extra's package such as .cache/gpuwheels/qwix-*.whl (repeatable)")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --baseline-wheel: base/new pairs per benchmark (base, new, base, new, ...)")
     p.add_argument("--tests", nargs="?", const="", metavar="PYTEST_ARGS",
@@ -358,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"build: {'use ' + str(args.wheel) if args.wheel else 'pip wheel ' + ' '.join(BUILD_FLAGS)}"
               + ("" if args.wheel else f", CUTLASS from {cutlass_source(args) or 'the build Python'}"))
         print(f"install: new -> {layout.site('new')}"
-              + (f", base {args.baseline_wheel} -> {layout.site('base')}" if args.baseline_wheel else ""))
+              + (f", base {args.baseline_wheel} -> {layout.site('base')}" if args.baseline_wheel else "")
+              + (f"; with {', '.join(map(str, args.extra_wheel))}" if args.extra_wheel else ""))
         for job in jobs:
             shared = f" (shared by up to {job.share} jobs)" if job.share > 1 else ""
             print(f"job {job.name}: {job.gpus_needed} GPU{shared}, ~{job.estimate_s:.0f} s, in {job.cwd}, "
@@ -381,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         (wheel,) = wheel_dir.glob("te_jax-*.whl")
         shutil.copy(wheel, layout.out / wheel.name)
     install(wheel, layout.site("new"), build_log, python)
+    install_extras(args.extra_wheel, layout.site("new"), build_log, python)
     if args.python_from_checkout:
         print(f"gpu_check: {overlay_python(layout.site('new'))} Python files of te_jax/ from the checkout over "
               f"{wheel.name}", flush=True)
@@ -388,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
         install(args.baseline_wheel.resolve(), layout.site("base"), build_log, python)
     elif args.baseline_python:
         install(wheel, layout.site("base"), build_log, python)
+    if has_baseline(args):
+        install_extras(args.extra_wheel, layout.site("base"), build_log, python)
         print(f"gpu_check: baseline {wheel.name} with {overlay_python(layout.site('base'), args.baseline_python)} "
               f"Python files from {args.baseline_python}", flush=True)
 

@@ -7,6 +7,7 @@ import json
 import pathlib
 import re
 import shlex
+import sys
 
 import pytest
 
@@ -258,3 +259,28 @@ def test_python_from_checkout_replaces_the_installed_python_only(tmp_path):
     assert all((installed / "gallery" / r.name).read_text() == r.read_text() for r in gallery)
     assert not (installed / "gone.py").exists() and not (installed / "gallery" / "gone_recipe.py").exists()
     assert (installed / "_te_jax_cuda.so").read_text() == "compiled"
+
+
+def test_extra_wheels_join_the_jobs_site(tmp_path, capsys):
+    """--extra-wheel: the wheel is installed (no dependencies) beside te_jax in the jobs' folder."""
+    import zipfile
+
+    import gpu_build
+
+    wheel = tmp_path / "extra_pkg-0.1-py3-none-any.whl"
+    files = {"extra_pkg/__init__.py": "VALUE = 7\n",
+             "extra_pkg-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: extra_pkg\nVersion: 0.1\n",
+             "extra_pkg-0.1.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                              "Tag: py3-none-any\n"}
+    record = "".join(f"{name},,\n" for name in files) + "extra_pkg-0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in {**files, "extra_pkg-0.1.dist-info/RECORD": record}.items():
+            z.writestr(name, text)
+    site = tmp_path / "site"
+    site.mkdir()
+    gpu_build.install_extras([wheel], site, tmp_path / "log", sys.executable)
+    assert (site / "extra_pkg" / "__init__.py").read_text() == "VALUE = 7\n"
+    gpu_build.install_extras([], site, tmp_path / "log", sys.executable)  # nothing to add: nothing runs
+    assert gpu_check.main(["--bench", "layers", "--extra-wheel", str(wheel), "--out", str(tmp_path / "o"),
+                           "--dry-run"]) == 0
+    assert f"with {wheel}" in capsys.readouterr().out

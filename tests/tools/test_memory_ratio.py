@@ -87,3 +87,20 @@ def test_example_trains_with_the_memory_options_and_reports_memory(capsys):
             train_lib.main([*argv, *common])
     err = capsys.readouterr().err
     assert "--remat" in err and "--recipe flax does not use" in err and "--recipe flax-fp8 does not use" in err
+
+
+@pytest.mark.parametrize("per_seq, fixed, limit, want", [(0.5, 2.0, 10.0, 16), (0.5, 2.0, 10.2, 16),
+                                                         (0.5, 2.0, 1.0, 0), (0.25, 0.0, 100.0, 400)])
+def test_largest_batch_search_finds_the_boundary(monkeypatch, per_seq, fixed, limit, want):
+    """bench_memory's --largest-batch: the largest batch whose compiled total fits, from any starting batch,
+    for steps whose total is linear in the batch plus a wobble (XLA's buffer assignment is not exactly linear)."""
+    import memory_analysis
+
+    # at_batch gives the batch itself, which the patched compiled_total_gib takes for a variant
+    monkeypatch.setattr(memory_analysis, "compiled_total_gib",
+                        lambda batch: fixed + per_seq * batch + (0.01 if batch % 3 == 0 else 0.0))
+    variant = memory_variants.Variant("gpt", "GPT tiny", "fake", lambda abstract: None, lambda batch: batch)
+    row = memory_analysis.largest_batch(variant, limit, "native", start=16, max_compiles=12)
+    assert row["largest_batch"] == want, row
+    if want:
+        assert row["largest_batch_gib"] <= limit
