@@ -17,9 +17,11 @@ imports it only when ``register`` runs), whose ``dot_general_cls`` and ``einsum`
 te_jax's quantized GEMMs under the chosen recipe: every ``DenseGeneral``
 MaxText gives its quantization object (attention projections, MLP, MoE
 router; not the logits projection, as with MaxText's ``fp8``) and, with
-``sparse_matmul=False``, the MoE experts' einsums. MaxText's ``sparse_matmul`` MoE path (ragged_dot / megablox
-/ tokamax) quantizes only through Qwix (``use_qwix_quantization``) and is not
-covered here. A leaf of te_jax: nothing in te_jax imports it.
+``sparse_matmul=False``, the MoE experts' einsums. In MaxText's dropless path
+(``sparse_matmul=True, megablox=False``) the experts' ``ragged_dot`` calls run on
+``te_jax.ragged_dot`` under the recipe (``te_jax.maxtext.experts``; stateless
+recipes); megablox and tokamax experts are refused at config time. A leaf of
+te_jax: nothing in te_jax imports it.
 """
 
 from te_jax.maxtext.ops import QUANTIZATION_PREFIX, DotGeneralOp, EinsumOp, builtin_quantizations

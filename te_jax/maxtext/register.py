@@ -12,6 +12,12 @@ things, once per process, before MaxText reads its config:
 2. ``configure_quantization`` returns ``TeJaxQuantization(name, recipe)`` for
    them and calls MaxText's own function for every other name.
 
+It also routes the MoE layer's dropless experts (``sparse_matmul=True``) to
+``te_jax.ragged_dot`` under the chosen recipe (``te_jax.maxtext.experts``); with
+``megablox`` or ``use_tokamax_gmm``, which never reach ``ragged_dot``,
+``configure_quantization`` refuses a te_jax name for an MoE model instead of
+leaving its experts in bfloat16.
+
 Everything else is MaxText's: its train step, its "_overwrite_with_gradient"
 handling, its MoE layer. ``configure_quantization`` also refuses a stateful
 recipe (delayed scaling) together with ``gradient_accumulation_steps > 1``, as
@@ -37,17 +43,17 @@ _WHERE = "te_jax.maxtext.register"
 def _maxtext():
     try:
         from maxtext.configs import types  # pylint: disable=import-outside-toplevel
-        from maxtext.layers import quantizations  # pylint: disable=import-outside-toplevel
+        from maxtext.layers import moe, quantizations  # pylint: disable=import-outside-toplevel
     except ImportError as err:
         raise ImportError(f"te_jax: {_WHERE}: MaxText is not importable ({err}); install maxtext (Python >= 3.12: "
                           "pip install maxtext==0.2.5 and the packages its train step imports, docs/integrations.md)"
                           ) from err
-    return types, quantizations
+    return types, quantizations, moe
 
 
 def registered() -> dict[str, Recipe]:
     """The names ``register`` added so far and their recipes (empty before the first call)."""
-    _, quantizations = _maxtext()
+    _, quantizations, _ = _maxtext()
     configure = quantizations.configure_quantization
     return dict(getattr(configure, "te_jax_recipes", {}))
 
@@ -69,7 +75,8 @@ def register(recipes: Mapping[str, Recipe] | None = None) -> dict[str, Recipe]:
       ValueError: a name without the prefix, or a value that is not a te_jax recipe.
       ImportError: MaxText is not importable.
     """
-    types, quantizations = _maxtext()
+    types, quantizations, moe = _maxtext()
+    from te_jax.maxtext.experts import route_sparse_experts  # pylint: disable=import-outside-toplevel
     from te_jax.maxtext.quantization import TeJaxQuantization  # pylint: disable=import-outside-toplevel  # MaxText's
 
     new = builtin_quantizations() if recipes is None else dict(recipes)
@@ -84,6 +91,7 @@ def register(recipes: Mapping[str, Recipe] | None = None) -> dict[str, Recipe]:
     _accept_names(types, tuple(table))
     original = getattr(quantizations.configure_quantization, "te_jax_original", quantizations.configure_quantization)
     quantizations.configure_quantization = _configure_quantization(original, table, TeJaxQuantization)
+    route_sparse_experts(moe, TeJaxQuantization)
     return dict(table)
 
 
@@ -108,6 +116,12 @@ def _configure_quantization(original, table: dict[str, Recipe], quantization_cla
                              f"for quant mode {quant_mode_str!r} (its serve/convert modes are AQT's). Use another "
                              "quantization for serving")
         experts = int(getattr(config, "num_experts", 1) or 1)
+        if experts > 1 and getattr(config, "sparse_matmul", False) and (
+                getattr(config, "megablox", False) or getattr(config, "use_tokamax_gmm", False)):
+            raise ValueError(
+                f"te_jax: MaxText quantization={name!r}: the MoE experts' megablox/tokamax kernels take no te_jax "
+                "recipe, so the experts would stay in bfloat16: set megablox=False and use_tokamax_gmm=False (the "
+                "experts then run on te_jax.ragged_dot), or sparse_matmul=False (the experts' einsums)")
         quant = quantization_class(name, table[name], num_experts=experts if experts > 1 else None)
         accumulation = int(getattr(config, "gradient_accumulation_steps", 1) or 1)
         if quant.stateful and accumulation > 1:

@@ -12,10 +12,12 @@ With the Python 3.12 environment of docs/integrations.md ("MaxText"):
 The training tests run MaxText's own train loop (``train.train_loop``, its
 jitted NNX train step, synthetic data: one fixed batch, so the loss falls
 steadily) on a tiny llama-style dense decoder and a tiny mixtral MoE decoder
-(``sparse_matmul=False``: the experts' einsums), 30 steps each, in bfloat16,
+(``sparse_matmul=False``: the experts' einsums; and ``sparse_matmul=True,
+megablox=False``: the experts on ``ragged_dot``), 30 steps each, in bfloat16,
 under MaxText's own ``quantization=fp8`` (the measure of FP8 noise) and under
-te_jax's current, delayed and block recipes: 10 runs, about 6 minutes on two
-CPU cores (``-k "not trains"``: the rest, about 1.5 minutes).
+te_jax's current, delayed and block recipes (delayed refused in the dropless
+path): 14 runs, about 8 minutes on two CPU cores (``-k "not trains"``: the
+rest, about 1.5 minutes).
 """
 
 from __future__ import annotations
@@ -183,6 +185,7 @@ def test_configure_quantization_answers_te_jax_names_only(tmp_path):
     from maxtext.layers import quantizations  # pylint: disable=import-outside-toplevel
     from te_jax.maxtext.quantization import TeJaxQuantization  # pylint: disable=import-outside-toplevel
 
+    te_jax.maxtext.register()  # before the calls below look configure_quantization up (before _config runs)
     quant = quantizations.configure_quantization(_config(tmp_path, quantization="te_jax_delayed"))
     assert isinstance(quant, TeJaxQuantization) and isinstance(quant.recipe, R.DelayedScaling)
     assert quant.quant_mode == "train" and not quant.needs_apply_rngs and quant.quantize_dtype is None
@@ -199,6 +202,15 @@ def test_configure_quantization_answers_te_jax_names_only(tmp_path):
     assert isinstance(stateless.recipe, R.Float8CurrentScaling)
     with pytest.raises(ValueError, match="te_jax: .*training only"):
         quantizations.configure_quantization(_config(tmp_path, quantization="te_jax_current"), quant_mode_str="serve")
+    # MoE experts on megablox or tokamax kernels (MaxText's defaults) would stay bf16: refused, naming the fix
+    moe = {**MODELS["moe"], "sparse_matmul": True}
+    for kernels in (dict(megablox=True), dict(megablox=False, use_tokamax_gmm=True)):
+        with pytest.raises(ValueError, match=r"te_jax: .*stay in bfloat16: set megablox=False and use_tokamax_gmm"):
+            quantizations.configure_quantization(_config(tmp_path, quantization="te_jax_current", **moe, **kernels))
+    dropless = quantizations.configure_quantization(_config(tmp_path, quantization="te_jax_current", **moe,
+                                                            megablox=False))
+    assert isinstance(dropless, TeJaxQuantization)
+    assert quantizations.configure_quantization(_config(tmp_path, quantization="fp8", **moe)) is not None  # MaxText's
 
 
 # ---- MaxText: training ---------------------------------------------------------------------------------------
@@ -211,6 +223,9 @@ MODELS = {
     "dense": {},  # MaxText's default decoder: llama2-style
     "moe": dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, base_mlp_dim=128,
                 base_moe_mlp_dim=128, sparse_matmul=False),
+    # MaxText's dropless path: the experts on ragged_dot (te_jax.ragged_dot under a te_jax recipe)
+    "moe_sparse": dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, base_mlp_dim=128,
+                       base_moe_mlp_dim=128, sparse_matmul=True, megablox=False),
 }
 _LOSSES: dict[tuple[str, str], list[float]] = {}
 
@@ -247,12 +262,23 @@ def _owg_leaves(state) -> dict[str, jax.Array]:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", list(RECIPES))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_maxtext_trains_under_te_jax_recipes(tmp_path_factory, model, recipe):
+def test_maxtext_trains_under_te_jax_recipes(tmp_path_factory, monkeypatch, model, recipe):
     """Loss within FP8 noise of bfloat16 at every step; quantization visibly on; delayed state stepped.
 
     FP8 noise is measured, not guessed: MaxText's own ``quantization=fp8`` on the same model and batch
     departs from bfloat16 by ``fp8_gap`` at most; te_jax may depart by at most 1.5x that (plus 0.02).
+    In MaxText's dropless path the experts run on ``te_jax.ragged_dot`` (counted), and delayed scaling,
+    which has nowhere to keep its state there, is refused when tracing.
     """
+    import te_jax.maxtext.experts as experts
+
+    routed = []
+    monkeypatch.setattr(experts, "te_ragged_dot", lambda *a, **k: routed.append(k) or te_jax.ragged_dot(*a, **k))
+    if model == "moe_sparse" and recipe == "delayed":
+        with pytest.raises(ValueError, match=r"te_jax: MaxText quantization='te_jax_delayed' keeps FP8 state .* "
+                                             r"sparse_matmul=False"):
+            _train(tmp_path_factory, model, "te_jax_delayed")
+        return
     reference = _reference_losses(tmp_path_factory, model, "")
     fp8 = _reference_losses(tmp_path_factory, model, "fp8")
     losses, state = _train(tmp_path_factory, model, "te_jax_" + recipe)
@@ -268,6 +294,8 @@ def test_maxtext_trains_under_te_jax_recipes(tmp_path_factory, model, recipe):
     assert np.all(gap <= 1.5 * fp8_gap + 0.02), f"beyond FP8 noise ({fp8_gap:.4f}): {gap.round(4).tolist()}"
     assert np.all(gap <= 0.05 + 0.1 * np.asarray(reference)), f"beyond FP8 noise: {gap.round(4).tolist()}"
     assert gap.max() > 0, "the same losses as bfloat16: te_jax did not quantize"
+    # wi_0, wi_1 and wo each trace one te_jax.ragged_dot (the decoder layers scanned) in the dropless path only
+    assert len(routed) == (3 if model == "moe_sparse" else 0), len(routed)
     histories = _owg_leaves(state)
     if recipe != "delayed":
         assert not histories, "a stateless recipe keeps no FP8 state"
