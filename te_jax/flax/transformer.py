@@ -32,7 +32,12 @@ Dtype = Any
 
 
 class SelfAttention(nn.Module):
-    """Pre-norm self-attention: fused QKV projection (with the norm), attention, output projection."""
+    """Pre-norm self-attention: fused QKV projection (with the norm), attention, output projection.
+
+    Under cuDNN's attention, which keeps its output for its own backward, the output projection keeps
+    that output instead of an FP8 copy of it and quantizes it again in the backward (the same bits;
+    ``te_jax.layernorm_dense``'s ``recompute_norm_act`` without a norm).
+    """
 
     num_heads: int
     num_kv_heads: int

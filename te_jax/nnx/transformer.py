@@ -35,6 +35,9 @@ _HEADS = ("batch", None, "heads", "kv")  # the logical axes of q, k, v and the a
 class SelfAttention(Layer):
     """Pre-norm self-attention: fused QKV projection (with the norm), attention, output projection.
 
+    Under cuDNN's attention the output projection keeps no FP8 copy of the attention output beside the
+    output cuDNN keeps, as ``te_jax.flax.SelfAttention``'s does.
+
     Sub-layers "qkv" (``LayerNormLinear``, kernel ``[H, KV, N/KV + 2, D]``)
     and "out" (``LayerNormLinear`` without a norm, kernel ``[N, D, H]``), as
     ``te_jax.flax.SelfAttention``'s.
