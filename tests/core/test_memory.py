@@ -216,10 +216,11 @@ def _keeps_its_output(q, k, v, *args, **kwargs):
     return attend(q, k, v)
 
 
-@pytest.mark.parametrize("api", ["linen", "nnx"])
-def test_attention_output_projection_keeps_no_fp8_copy_beside_cudnn_output(api, monkeypatch):
+@pytest.mark.parametrize("api, recipe", [("linen", "current"), ("linen", "delayed"), ("nnx", "current")])
+def test_attention_output_projection_keeps_no_fp8_copy_beside_cudnn_output(api, recipe, monkeypatch):
     """Under cuDNN's attention (which keeps its output) SelfAttention's output projection keeps no FP8 copy of that
-    output: the same loss and gradients as under "xla", tokens x heads x head_dim bytes less kept."""
+    output: the same loss and gradients (delayed scaling's state update too) as under "xla", tokens x heads x
+    head_dim bytes less kept."""
     import flax.linen as nn
     from flax import nnx
 
@@ -227,7 +228,7 @@ def test_attention_output_projection_keeps_no_fp8_copy_beside_cudnn_output(api, 
 
     monkeypatch.setattr(jax.nn, "dot_product_attention", _keeps_its_output)
     x = jax.random.normal(jax.random.key(8), (2, 64, 128), jnp.float32).astype(jnp.bfloat16)
-    recipe = R.Float8CurrentScaling()
+    recipe = {"current": R.Float8CurrentScaling(), "delayed": R.DelayedScaling()}[recipe]
     heads, head_dim = 4, 32
     if api == "linen":
         def attn(implementation: str) -> nn.Module:
@@ -257,7 +258,8 @@ def test_attention_output_projection_keeps_no_fp8_copy_beside_cudnn_output(api, 
             return loss
 
     grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1)))  # noqa: E731
-    (l0, g0), (l1, g1) = grad(loss_of("xla"))(v, x), grad(loss_of("cudnn"))(v, x)
+    with te_jax.train.fp8_state_updates():  # delayed scaling: the gradient of its state is the state update
+        (l0, g0), (l1, g1) = grad(loss_of("xla"))(v, x), grad(loss_of("cudnn"))(v, x)
     assert np.isfinite(float(l0))
     assert_same_bits(l1, l0, "loss")
     jax.tree.map(lambda a, b: assert_same_bits(a, b, "gradient"), g1, g0)
