@@ -8,7 +8,7 @@ inside ``RoutedMoE.sparse_matmul``, which takes no quantization object.
 1. ``RoutedMoE.sparse_matmul`` runs under ``te_jax.autocast(recipe=...)`` when
    the layer's quantization is te_jax's (``TeJaxQuantization``), and refuses a
    stateful recipe (delayed scaling: the ragged dots have nowhere to keep an
-   amax history there);
+   amax history there) and stochastic rounding (no key reaches them);
 2. the module's name ``jax`` becomes a view of jax whose ``lax.ragged_dot`` is
    ``te_jax.ragged_dot`` under a te_jax autocast and ``jax.lax.ragged_dot``
    (looked up at each call) otherwise, so every other caller computes exactly
@@ -66,6 +66,11 @@ def route_sparse_experts(moe: types.ModuleType, quantization_class: type) -> Non
                 "ragged_dot in MaxText's sparse_matmul path has nowhere to keep: choose a stateless recipe "
                 "(te_jax_current, te_jax_block, te_jax_mxfp8), or sparse_matmul=False (the experts' einsums keep "
                 "delayed state)")
+        if quant.needs_apply_rngs:
+            raise ValueError(
+                f"te_jax: MaxText quantization={quant.name!r} rounds gradients stochastically, which needs a key "
+                "that MaxText's sparse_matmul path does not pass to the experts' ragged_dot: register the recipe "
+                "with disable_stochastic_rounding=True (te_jax.maxtext.register({...})), or set sparse_matmul=False")
         with autocast(recipe=quant.recipe):
             return original(self, *args, **kwargs)
 

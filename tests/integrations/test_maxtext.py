@@ -278,6 +278,9 @@ def test_maxtext_trains_under_te_jax_recipes(tmp_path_factory, monkeypatch, mode
         with pytest.raises(ValueError, match=r"te_jax: MaxText quantization='te_jax_delayed' keeps FP8 state .* "
                                              r"sparse_matmul=False"):
             _train(tmp_path_factory, model, "te_jax_delayed")
+        with pytest.raises(ValueError, match=r"te_jax: MaxText quantization='te_jax_nvfp4' rounds gradients "
+                                             r"stochastically.*disable_stochastic_rounding=True"):
+            _train(tmp_path_factory, model, "te_jax_nvfp4")
         return
     reference = _reference_losses(tmp_path_factory, model, "")
     fp8 = _reference_losses(tmp_path_factory, model, "fp8")
