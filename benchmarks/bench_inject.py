@@ -19,7 +19,6 @@ turns in one process (``benchmarks.timing.time_interleaved``):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import optax
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: an installed te_jax wins
 
 import te_jax  # noqa: E402
-from benchmarks.timing import time_interleaved  # noqa: E402
+from benchmarks.timing import time_interleaved, write_results  # noqa: E402
 from te_jax import recipe as R  # noqa: E402
 from te_jax.core import MLPQuantizers  # noqa: E402
 from te_jax.core.grouped_mlp import grouped_mlp  # noqa: E402
@@ -159,10 +158,7 @@ def main(argv=None) -> int:
         md += [_table(title, seconds, pairs), ""]
     text = "\n".join(md)
     print(text)
-    if args.out:
-        Path(args.out).write_text(json.dumps(out, indent=1))
-    if args.md:
-        Path(args.md).write_text(text)
+    write_results(args.out, args.md, out, text)
     return 0
 
 

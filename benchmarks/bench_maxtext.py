@@ -49,12 +49,13 @@ unpacks it next to ``--workdir`` and puts it at the end of ``sys.path``::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import sys
 import time
+
+from timing import write_results
 
 # What MaxText 0.2.5's train step imports and the GPU image (docs: the device's KINDS.md) does not hold: the
 # distributions of the modules loaded by a CPU training run (dense, MoE; bf16, fp8, te_jax), less the image's.
@@ -275,12 +276,7 @@ def main(argv=None) -> int:
                 rounds=args.rounds, steps_per_round=args.steps_per_round, warmup=args.warmup,
                 sequential=args.sequential, command=" ".join(sys.argv),
                 device_peak_gib=None if device_peak is None else device_peak / GIB)
-    if args.out:
-        with open(args.out, "w", encoding="utf8") as f:
-            json.dump(dict(meta=meta, results=results), f, indent=1)
-    if args.md:
-        with open(args.md, "w", encoding="utf8") as f:
-            f.write(table + "\n")
+    write_results(args.out, args.md, dict(meta=meta, results=results), table + "\n")
     return 0
 
 

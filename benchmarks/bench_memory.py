@@ -69,6 +69,7 @@ import jax  # noqa: E402
 
 from memory_analysis import add_per_block, analyze, largest_batch, live_at_peak, markdown, measure  # noqa: E402
 from memory_variants import PRESETS, RECIPES, SECTIONS, Variant  # noqa: E402
+from timing import write_results  # noqa: E402
 
 CPU_BARRIER_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
 
@@ -195,10 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     result = {"platform": platform, "attention": att, "analysis_only": args.analysis_only,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    if args.md:
-        Path(args.md).write_text(md)
+    write_results(args.out, args.md, result, md)
     return 0
 
 

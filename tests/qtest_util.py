@@ -24,6 +24,18 @@ BUILTIN_RECIPES = {
 }
 
 
+def normal(seed: int, shape, scale: float = 1.0) -> jax.Array:
+    """Standard normal float32 values (times ``scale``) from ``jax.random.key(seed)``."""
+    return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
+def pure(state) -> dict:
+    """An NNX state as a plain nested dict of arrays (``nnx.to_pure_dict``)."""
+    from flax import nnx
+
+    return nnx.to_pure_dict(state)
+
+
 def on_cpu(fn, *args, **kwargs):
     """Runs ``fn`` jitted on the CPU: the reference is always evaluated there."""
     args = jax.device_put(args, CPU)

@@ -10,6 +10,8 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
+from qtest_util import same_bits
+
 import te_jax
 from te_jax import recipe as R
 from te_jax.core import DenseQuantizers
@@ -54,10 +56,6 @@ def _on_cpu():
         yield
 
 
-def _bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    width = np.dtype(f"u{a.dtype.itemsize}")
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(width), b.view(width))
 
 
 def _rel(a, b) -> float:
@@ -99,7 +97,7 @@ def test_outside_autocast_is_lax_bit_for_bit(sizes):
     gs = jnp.asarray(SIZES[sizes], jnp.int32)
     got = _fwd_bwd(lambda x, w: te_jax.ragged_dot(x, w, gs), x, w, c)
     want = _fwd_bwd(lambda x, w: lax.ragged_dot(x, w, gs), x, w, c)
-    assert all(_bits(u, v) for u, v in zip(got, want))
+    assert all(same_bits(u, v) for u, v in zip(got, want))
     assert te_jax.core.ragged_dot is te_jax.ragged_dot
 
 
@@ -111,9 +109,9 @@ def test_outside_autocast_dtypes_and_arguments_are_lax(dtype, preferred, precisi
     gs = jnp.asarray(SIZES["zeros"], jnp.uint8)  # any integer dtype, as lax
     got = _fwd_bwd(lambda x, w: te_jax.ragged_dot(x, w, gs, precision, preferred), x, w, c)
     want = _fwd_bwd(lambda x, w: lax.ragged_dot(x, w, gs, precision, preferred), x, w, c)
-    assert all(_bits(u, v) for u, v in zip(got, want))
+    assert all(same_bits(u, v) for u, v in zip(got, want))
     with te_jax.autocast(enabled=False, recipe=R.Float8CurrentScaling()):  # a disabled autocast: lax too
-        assert _bits(te_jax.ragged_dot(x, w, gs), lax.ragged_dot(x, w, gs))
+        assert same_bits(te_jax.ragged_dot(x, w, gs), lax.ragged_dot(x, w, gs))
 
 
 @pytest.mark.parametrize("m,k,n,g", [(0, K, N, G), (M, K, N, 1), (M, 0, N, G), (M, K, 0, G)])
@@ -122,7 +120,7 @@ def test_outside_autocast_degenerate_shapes_are_lax(m, k, n, g):
     gs = jnp.full((g,), m // g, jnp.int32)
     got = _fwd_bwd(lambda x, w: te_jax.ragged_dot(x, w, gs), x, w, c)
     want = _fwd_bwd(lambda x, w: lax.ragged_dot(x, w, gs), x, w, c)
-    assert all(_bits(u, v) for u, v in zip(got, want))
+    assert all(same_bits(u, v) for u, v in zip(got, want))
 
 
 # ---- under a recipe: te_jax's grouped GEMMs ---------------------------------------------------------------
@@ -157,7 +155,7 @@ def test_recipe_runs_grouped_dense_bit_for_bit():
     q = DenseQuantizers.from_recipe(R.MXFP8BlockScaling())
     got = _fwd_bwd(_under(R.MXFP8BlockScaling(), lambda x, w: te_jax.ragged_dot(x, w, gs)), x, w, c)
     want = _fwd_bwd(lambda x, w: grouped_dense(x, w, cut, quantizers=q)[0], x, w, c)
-    assert all(_bits(u, v) for u, v in zip(got, want))
+    assert all(same_bits(u, v) for u, v in zip(got, want))
     hlo = jax.jit(_under(R.MXFP8BlockScaling(), lambda x, w: te_jax.ragged_dot(x, w, gs))).lower(x, w).as_text()
     assert "te_jax_grouped_gemm" in hlo and "ragged_dot" not in hlo
 
@@ -199,7 +197,7 @@ def test_wider_preferred_dtype_takes_the_float32_accumulation():
         wide = jax.jit(lambda x, w: te_jax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32))(x, w)
         narrow = jax.jit(lambda x, w: te_jax.ragged_dot(x, w, gs))(x, w)
     assert wide.dtype == jnp.float32 and narrow.dtype == jnp.bfloat16
-    assert not _bits(wide, narrow.astype(jnp.float32))  # float32 values that bfloat16 cannot hold
+    assert not same_bits(wide, narrow.astype(jnp.float32))  # float32 values that bfloat16 cannot hold
     np.testing.assert_allclose(wide, narrow.astype(jnp.float32), rtol=2**-7, atol=1e-2)
 
 
@@ -225,7 +223,7 @@ def test_out_sharding_under_a_recipe():
     gs = jnp.asarray(SIZES["zeros"], jnp.int32)
     with jax.set_mesh(mesh):
         want = lax.ragged_dot(x, w, gs, out_sharding=P("x", None))
-        assert _bits(te_jax.ragged_dot(x, w, gs, out_sharding=P("x", None)), want)
+        assert same_bits(te_jax.ragged_dot(x, w, gs, out_sharding=P("x", None)), want)
         with te_jax.autocast(recipe=R.Float8CurrentScaling()):
             got = jax.jit(lambda x, w: te_jax.ragged_dot(x, w, gs, out_sharding=P("x", None)))(x, w)
     assert got.sharding.spec == want.sharding.spec and _rel(got, want) < 0.06
@@ -277,8 +275,8 @@ def test_stochastic_rounding_needs_a_key():
             te_jax.ragged_dot(x, w, gs)
     rounded = [_fwd_bwd(_under(R.NVFP4BlockScaling(), lambda x, w: te_jax.ragged_dot(x, w, gs, key=key)), x, w, c)
                for key in (jax.random.key(0), jax.random.key(0), jax.random.key(1))]
-    assert all(_bits(u, v) for u, v in zip(rounded[0], rounded[1]))  # the key decides the rounding
-    assert _bits(rounded[0][0], rounded[2][0]) and not _bits(rounded[0][2], rounded[2][2])
+    assert all(same_bits(u, v) for u, v in zip(rounded[0], rounded[1]))  # the key decides the rounding
+    assert same_bits(rounded[0][0], rounded[2][0]) and not same_bits(rounded[0][2], rounded[2][2])
     off = R.NVFP4BlockScaling(disable_stochastic_rounding=True)
     with te_jax.autocast(recipe=off):
         jax.eval_shape(lambda x, w: te_jax.ragged_dot(x, w, gs), x, w)
@@ -326,7 +324,7 @@ def test_moe_ffn_with_te_jax_swapped_in(name):
     with te_jax.autocast(enabled=recipe is not None, recipe=recipe):
         got_loss, got = jax.jit(jax.value_and_grad(lambda p: loss(p, te_jax.ragged_dot)))((wi, wo))
     if recipe is None:
-        assert _bits(got_loss, want_loss) and all(_bits(u, v) for u, v in zip(got, want))
+        assert same_bits(got_loss, want_loss) and all(same_bits(u, v) for u, v in zip(got, want))
     else:
         assert all(1e-4 < _rel(u, v) < 0.15 for u, v in zip(got, want)), [_rel(u, v) for u, v in zip(got, want)]
 
@@ -340,4 +338,4 @@ def test_negative_sizes_stay_in_bounds_under_a_recipe():
                    x, w, c)
     want = _fwd_bwd(_under(rec, lambda x, w: te_jax.ragged_dot(x, w, jnp.asarray([20, 0, 25, 10], jnp.int32))),
                     x, w, c)
-    assert all(_bits(u, v) for u, v in zip(got, want))
+    assert all(same_bits(u, v) for u, v in zip(got, want))

@@ -13,6 +13,8 @@ import pytest
 from flax.training import train_state as flax_train_state
 from jax import lax
 
+from qtest_util import same_bits
+
 import te_jax
 from te_jax import recipe as R
 from te_jax.quantize import CurrentScalingQuantizer, overwrite
@@ -46,9 +48,6 @@ def _on_cpu():
         yield
 
 
-def _bits(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    return a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 def _rel(a, b) -> float:
@@ -73,7 +72,7 @@ def test_outside_autocast_is_lax_ragged_dot():
     assert set(variables) == {"params"}  # no state without a recipe
     want = jax.value_and_grad(lambda v: _loss(ExpertFFN(te=False), v, x, target, gs))(variables)
     got = jax.value_and_grad(lambda v: _loss(ExpertFFN(), v, x, target, gs))(variables)
-    assert all(_bits(u, v) for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    assert all(same_bits(u, v) for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
 
 
 @pytest.mark.parametrize("use_te_train", [True, False], ids=["te_jax.train", "flax"])

@@ -12,10 +12,6 @@ autocast), every gradient the type of its primal.
 
 from __future__ import annotations
 
-import json
-import time
-import traceback
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -30,6 +26,8 @@ from te_jax import recipe as R
 from te_jax.core import DenseQuantizers
 from te_jax.core.dot_general import dot_general, einsum
 from te_jax.core.ragged_dot import ragged_dot_with_state
+
+from explicit_types_multidevice import report  # a sibling script: one JSON line per case
 
 E = AxisType.Explicit
 RECIPES = {"current": R.Float8CurrentScaling(), "mxfp8": R.MXFP8BlockScaling(), "delayed": R.DelayedScaling()}
@@ -52,17 +50,6 @@ def unlike_primals(f, args, wrt) -> list[str]:
     primals = jax.tree_util.tree_leaves_with_path(tuple(args[i] for i in wrt))
     return [f"{jax.tree_util.keystr(p)}: {spec(g)} vs {spec(jax.typeof(x))}"
             for (p, x), g in zip(primals, grads.jaxpr.out_avals) if spec(g) != spec(jax.typeof(x))]
-
-
-def report(case: str, fn) -> None:
-    start = time.perf_counter()
-    try:
-        got, want = fn()
-        print(json.dumps(dict(case=case, got=got, want=want, seconds=round(time.perf_counter() - start, 2))),
-              flush=True)
-    except Exception as err:  # noqa: BLE001 (a case's failure is its result)
-        tail = traceback.format_exc().splitlines()[-3:]
-        print(json.dumps(dict(case=case, error=f"{type(err).__name__}: {str(err)[:600]}", where=tail)), flush=True)
 
 
 def main() -> None:

@@ -22,19 +22,10 @@ from te_jax import recipe as R
 from te_jax.train import FP8StateError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qtest_util import run_on_fake_devices, tree_same_bits  # noqa: E402
+from qtest_util import BUILTIN_RECIPES, normal, pure, run_on_fake_devices, tree_same_bits  # noqa: E402
 
-DELAYED = R.DelayedScaling(amax_history_len=4)
-RECIPES = {"delayed": DELAYED, "current": R.Float8CurrentScaling(), "block": R.Float8BlockScaling(),
-           "mxfp8": R.MXFP8BlockScaling(), "nvfp4": R.NVFP4BlockScaling()}
-
-
-def normal(seed: int, shape, scale: float = 1.0):
-    return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-
-
-def pure(state) -> dict:
-    return nnx.to_pure_dict(state)
+DELAYED = BUILTIN_RECIPES["delayed"]
+RECIPES = BUILTIN_RECIPES
 
 
 def linen_layout(tree):

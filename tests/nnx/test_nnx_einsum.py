@@ -5,7 +5,6 @@ batch axes with one weight history per batch element; flax's checks as te_jax er
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -15,19 +14,10 @@ from flax import nnx
 import te_jax
 from te_jax import nnx as te_nnx
 from te_jax import recipe as R
-from qtest_util import tree_same_bits
+from qtest_util import BUILTIN_RECIPES, normal, pure, tree_same_bits
 
-DELAYED = R.DelayedScaling(amax_history_len=4)
-RECIPES = {"delayed": DELAYED, "current": R.Float8CurrentScaling(), "block": R.Float8BlockScaling(),
-           "mxfp8": R.MXFP8BlockScaling(), "nvfp4": R.NVFP4BlockScaling()}
-
-
-def normal(seed: int, shape, scale: float = 1.0):
-    return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-
-
-def pure(state) -> dict:
-    return nnx.to_pure_dict(state)
+DELAYED = BUILTIN_RECIPES["delayed"]
+RECIPES = BUILTIN_RECIPES
 
 
 CASES = [  # (equation, kernel_shape, bias_shape, input shape, extra kwargs)

@@ -20,21 +20,12 @@ from flax import nnx
 import te_jax
 from te_jax import nnx as te_nnx
 from te_jax import recipe as R
-from qtest_util import tree_same_bits
+from qtest_util import BUILTIN_RECIPES, normal, pure, tree_same_bits
 
-DELAYED = R.DelayedScaling(amax_history_len=4)
+DELAYED = BUILTIN_RECIPES["delayed"]
 CURRENT = R.Float8CurrentScaling()
-RECIPES = {"delayed": DELAYED, "current": CURRENT, "block": R.Float8BlockScaling(),
-           "mxfp8": R.MXFP8BlockScaling(), "nvfp4": R.NVFP4BlockScaling()}
+RECIPES = BUILTIN_RECIPES
 H = 128  # the block recipes quantize 128-wide blocks
-
-
-def normal(seed: int, shape, scale: float = 1.0):
-    return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
-
-
-def pure(state) -> dict:
-    return nnx.to_pure_dict(state)
 
 
 class FlaxModel(nnx.Module):

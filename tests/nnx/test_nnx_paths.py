@@ -13,21 +13,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from qtest_util import BUILTIN_RECIPES, normal
+
 import te_jax
 from te_jax import nnx as te_nnx
 from te_jax import recipe as R
 
-DELAYED = R.DelayedScaling(amax_history_len=4)
+DELAYED = BUILTIN_RECIPES["delayed"]
 CURRENT = R.Float8CurrentScaling()
 
 
 def by_path(pattern: str, quantizing: R.Recipe) -> R.CustomRecipe:
     """``quantizing``'s quantizers for the layers whose path matches ``pattern``, high precision elsewhere."""
     return R.CustomRecipe(lambda role: quantizing.quantizer(role) if re.search(pattern, role.path_str) else None)
-
-
-def normal(seed: int, shape, scale: float = 1.0):
-    return scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
 class Block(nnx.Module):

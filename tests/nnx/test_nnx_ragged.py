@@ -13,6 +13,8 @@ from flax import nnx
 from flax.nnx.nn import initializers
 from jax import lax
 
+from qtest_util import tree_same_bits
+
 import te_jax
 from te_jax import nnx as te_nnx
 from te_jax import recipe as R
@@ -63,11 +65,6 @@ def _pure(state) -> dict:
     return nnx.to_pure_dict(state)
 
 
-def _bits(a, b) -> bool:
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        np.asarray(u).dtype == np.asarray(v).dtype and np.array_equal(np.asarray(u), np.asarray(v), equal_nan=True)
-        for u, v in zip(la, lb))
 
 
 def _fp8_linen_layout(tree):
@@ -89,7 +86,7 @@ def test_outside_autocast_is_lax_ragged_dot():
     x, _, gs = _data()
     model, reference = ExpertFFN(nnx.Rngs(0)), ExpertFFN(nnx.Rngs(0), te=False)
     assert model.wi_dot.fp8_meta is None and not jax.tree.leaves(nnx.state(model, te_nnx.FP8Meta))
-    assert _bits(model(x, gs), reference(x, gs))
+    assert tree_same_bits(model(x, gs), reference(x, gs))
 
 
 def test_delayed_state_steps_equal_the_linen_module():
@@ -99,7 +96,7 @@ def test_delayed_state_steps_equal_the_linen_module():
         linen_vars = jax.jit(LinenFFN().init)(jax.random.key(0), x, gs)
     meta = _pure(nnx.state(model, te_nnx.FP8Meta))
     assert meta["wi_dot"]["fp8_meta"]["linear_weight"]["amax_history"].shape == (G, 4)
-    assert _bits(_fp8_linen_layout(meta), _delayed(linen_vars[OVERWRITE_COLLECTION]))
+    assert tree_same_bits(_fp8_linen_layout(meta), _delayed(linen_vars[OVERWRITE_COLLECTION]))
     state = te_jax.train.TrainState.create(
         apply_fn=LinenFFN().apply, tx=optax.sgd(0.1),
         params={"params": {"wi": model.wi[...], "wo": model.wo[...]},
@@ -125,10 +122,11 @@ def test_delayed_state_steps_equal_the_linen_module():
         loss = nnx_step(model, optimizer)
         state, want = linen_step(state)
         meta = _pure(nnx.state(model, te_nnx.FP8Meta))
-        assert _bits(loss, want) and _bits(_fp8_linen_layout(meta), _delayed(state.params[OVERWRITE_COLLECTION]))
+        assert tree_same_bits(loss, want)
+        assert tree_same_bits(_fp8_linen_layout(meta), _delayed(state.params[OVERWRITE_COLLECTION]))
         history = meta["wi_dot"]["fp8_meta"]["linear_weight"]["amax_history"]
         np.testing.assert_array_equal(history[:, -1], jnp.max(jnp.abs(wi), axis=(1, 2)))  # per expert, this step
-    assert _bits(model.wo[...], state.params["params"]["wo"])
+    assert tree_same_bits(model.wo[...], state.params["params"]["wo"])
 
 
 def test_recipe_path_and_errors():

@@ -6,12 +6,12 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx
 from flax.training import train_state as flax_train_state
 from jax import lax
+from qtest_util import tree_same_bits
 
 qwix = pytest.importorskip("qwix", reason="the Qwix provider needs the optional extra te_jax[qwix]")
 
@@ -54,15 +54,13 @@ def _provider(*rules):
     return te_jax.qwix.Provider(list(rules) or [te_jax.qwix.Rule(module_path=".*")])
 
 
-def _bits_equal(a, b):
-    return all(np.array_equal(np.asarray(u), np.asarray(v)) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
 def test_outside_autocast_is_flax_bit_for_bit():
     x, gs, key = _data()
     variables = Block().init(key, x, gs)
     model = qwix.quantize_model(Block(), _provider())
-    assert _bits_equal(model.apply(variables, x, gs), Block().apply(variables, x, gs))
+    assert tree_same_bits(model.apply(variables, x, gs), Block().apply(variables, x, gs))
 
 
 @pytest.mark.parametrize("recipe", [R.Float8CurrentScaling(), R.MXFP8BlockScaling()], ids=["current", "mxfp8"])
@@ -77,8 +75,8 @@ def test_stateless_recipe_equals_the_injected_modules(recipe):
         want = jax.jit(Block(injected=True).apply)(variables, x, gs)
         grads = jax.jit(jax.grad(lambda v: jnp.sum(model.apply(v, x, gs) ** 2)))(variables)
         want_grads = jax.jit(jax.grad(lambda v: jnp.sum(Block(injected=True).apply(v, x, gs) ** 2)))(variables)
-    assert _bits_equal(got, want)
-    assert _bits_equal(grads, want_grads)
+    assert tree_same_bits(got, want)
+    assert tree_same_bits(grads, want_grads)
     plain = Block().apply(variables, x, gs)
     rel = float(jnp.linalg.norm(got - plain) / jnp.linalg.norm(plain))
     assert 1e-4 < rel < 0.1, rel
@@ -108,8 +106,8 @@ def test_rules_choose_per_module():
                             else None)
     with te_jax.autocast(recipe=chosen):
         want = jax.jit(Block(injected=True).apply)(variables, x, gs)
-    assert _bits_equal(got, want)
-    assert not _bits_equal(got, Block().apply(variables, x, gs))
+    assert tree_same_bits(got, want)
+    assert not tree_same_bits(got, Block().apply(variables, x, gs))
 
 
 def test_delayed_state_steps_with_flax_train_state():
@@ -146,7 +144,7 @@ def test_delayed_state_steps_with_flax_train_state():
         assert float(loss) == float(ref_loss)
         got = decode(state.params[OWG]["Dense_0"]["dot_general0"])
         want = decode(ref.params[OWG]["Dense_0"]["DotGeneral_0"])
-        assert _bits_equal(got, want)
+        assert tree_same_bits(got, want)
         assert float(got["linear_input"]["amax_history"][-1]) > 0
 
 
@@ -166,7 +164,7 @@ def test_nnx_model():
     plain = NnxBlock(nnx.Rngs(0))
     want = plain(x)
     model = qwix.quantize_model(NnxBlock(nnx.Rngs(0)), _provider(), x)
-    assert _bits_equal(model(x), want)  # outside autocast: flax's result
+    assert tree_same_bits(model(x), want)  # outside autocast: flax's result
     with te_jax.autocast(recipe=R.Float8CurrentScaling()):
         got = model(x)
     rel = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
@@ -192,5 +190,5 @@ def test_nnx_delayed_state_steps_with_te_jax_nnx():
         assert float(step(model)) == float(step(ref))
     got = model.up.te_jax_dot_general0.fp8_meta.get_value()
     want = ref.up.dot_general.fp8_meta.get_value()
-    assert _bits_equal(got, want)
+    assert tree_same_bits(got, want)
     assert float(got["linear_input"]["amax_history"][-1]) > 0
