@@ -118,10 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--largest-batch", type=float, metavar="GIB",
                    help="gpt, with --analysis-only: also the largest batch whose compiled step fits GIB (0: the "
                         "device's allocator limit, a GPU's), searched by compiling at a few batch sizes")
+    p.add_argument("--no-xla-remat", action="store_true",
+                   help="with --analysis-only on a GPU: compile as if the device had 100x its memory, so XLA's "
+                        "own rematerialization (which trades speed to fit the device) leaves the step as written: "
+                        "what each variant needs, comparable across variants")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out")
     p.add_argument("--md")
     return p
+
+
+NO_REMAT_SLOP_FACTOR = 10_000
 
 
 def largest_batch_limit_gib(args) -> float | None:
@@ -154,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     dump_dir = None
+    if args.no_xla_remat and not args.analysis_only:
+        raise SystemExit("bench_memory: --no-xla-remat changes the compiled step: give --analysis-only")
     if args.analysis_only:  # before jax starts its backend: XLA reads the flags once
         flags = [] if gpu_plugin_installed() else [CPU_BARRIER_FLAG]
+        if args.no_xla_remat:  # XLA:GPU rematerializes down to (device memory - I/O) x this factor / 100
+            flags.append(f"--xla_gpu_memory_limit_slop_factor={NO_REMAT_SLOP_FACTOR}")
         if args.breakdown:  # XLA's buffer assignment of every step, read by live_at_peak (a GPU's too)
             dump_dir = tempfile.mkdtemp(prefix="bench_memory_")
             flags += [f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=step_"]
@@ -181,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 if dump_dir:
                     row["live_at_peak"] = live_at_peak(dump_dir, row["module"])
                 if args.largest_batch is not None and v.at_batch is not None:
-                    row.update(largest_batch(v, limit_gib, att, start=args.batch or gpt_preset_batch(v.case)))
+                    start = args.batch or gpt_preset_batch(v.case)
+                    row.update(largest_batch(v, limit_gib, att, start=start, known={start: row["total_gib"]}))
         except Exception as err:  # noqa: BLE001  (one variant's failure is its row; the others still run)
             row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}" if str(err) else repr(err)
             traceback.print_exc()

@@ -78,20 +78,22 @@ def compiled_total_gib(variant: Variant) -> float:
 
 
 def largest_batch(variant: Variant, limit_gib: float, attention_kind: str, start: int,
-                  max_compiles: int = 8) -> dict:
+                  max_compiles: int = 8, known: dict[int, float] | None = None) -> dict:
     """The largest batch (sequences) whose compiled step fits ``limit_gib`` by XLA's memory analysis (what
     examples/gpt/train.py's memory check compares with the device's limit), from a line through the totals at
     ``start`` and ``start + 8`` checked by compiling at the batch it predicts and the next one.
 
     Returns ``{"largest_batch": b, "largest_batch_gib": total at b, "largest_batch_compiles": n}``, b = 0
     when not even batch 1 fits; or ``{"largest_batch_error": why}`` after ``max_compiles`` compiles.
+    ``known`` holds totals already compiled (batch -> GiB), e.g. the analysis at ``start``.
     """
-    totals: dict[int, float] = {}
+    totals: dict[int, float] = dict(known or {})
 
     def total(b: int) -> float:
         if b not in totals:
             with attention(attention_kind):
                 totals[b] = compiled_total_gib(variant.at_batch(b))
+            print(f"    batch {b}: {totals[b]:.3f} GiB (limit {limit_gib:.3f})", flush=True)
         return totals[b]
 
     lo, hi = start, start + 8
