@@ -41,13 +41,16 @@ examples/gpt/train.py's memory check compares with the device's limit (``0``: th
     python benchmarks/bench_memory.py --analysis-only --sections gpt --presets 1.3b --recipes delayed,block \
         --options none --remat "" --largest-batch 0
 
+``--no-xla-remat`` (GPU) compiles without XLA's rematerialization down to the device's memory, so a step
+near or over the limit reports what it needs rather than what XLA squeezed it to.
+
 The variants are built in memory_variants.py, measured and tabulated in memory_analysis.py; results and their
 commands: benchmarks/README.md, "Memory".
 
 Usage: python benchmarks/bench_memory.py [--analysis-only] [--sections mlp,moe,gpt] [--presets 125m,1.3b,moe-1b]
        [--recipes delayed,current,mxfp8,block] [--options none,recompute_norm_act] [--remat fp8,nothing]
-       [--per-block | --layers N] [--steps 3] [--only REGEX] [--breakdown] [--largest-batch GIB] [--out r.json]
-       [--md r.md]
+       [--per-block | --layers N] [--steps 3] [--only REGEX] [--breakdown] [--largest-batch GIB] [--no-xla-remat]
+       [--out r.json] [--md r.md]
 """
 
 from __future__ import annotations
