@@ -42,7 +42,9 @@ examples/gpt/train.py's memory check compares with the device's limit (``0``: th
         --options none --remat "" --largest-batch 0
 
 ``--no-xla-remat`` (GPU) compiles without XLA's rematerialization down to the device's memory, so a step
-near or over the limit reports what it needs rather than what XLA squeezed it to.
+near or over the limit reports what it needs rather than what XLA squeezed it to. ``--jobs N`` analyses N
+variants at a time, each in a child process (the 1.3b step compiles in 30-60 s on a GPU machine and a
+largest-batch search takes several compiles; compiles running side by side autotune side by side too).
 
 The variants are built in memory_variants.py, measured and tabulated in memory_analysis.py; results and their
 commands: benchmarks/README.md, "Memory".
@@ -50,7 +52,7 @@ commands: benchmarks/README.md, "Memory".
 Usage: python benchmarks/bench_memory.py [--analysis-only] [--sections mlp,moe,gpt] [--presets 125m,1.3b,moe-1b]
        [--recipes delayed,current,mxfp8,block] [--options none,recompute_norm_act] [--remat fp8,nothing]
        [--per-block | --layers N] [--steps 3] [--only REGEX] [--breakdown] [--largest-batch GIB] [--no-xla-remat]
-       [--out r.json] [--md r.md]
+       [--jobs N] [--out r.json] [--md r.md]
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -89,6 +92,60 @@ def measure_isolated(variant: Variant, argv: list[str], timeout: float) -> dict:
             return json.loads(line)
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
     return {"error": f"exit {proc.returncode}: {' | '.join(tail)[:400]}"}
+
+
+def analyze_in_children(variants: list[Variant], argv: list[str], jobs: int, timeout: float) -> dict[str, dict]:
+    """Each variant's analysis row from a child process of its own, ``jobs`` at a time (compiles in parallel:
+    the 1.3b step takes 30-60 s to compile on a GPU machine, and a largest-batch search several compiles).
+
+    The children start their device clients without preallocating (``XLA_PYTHON_CLIENT_PREALLOCATE=false``;
+    the allocator's limit, which XLA and ``--largest-batch 0`` read, is the same). Returns key -> row.
+    """
+    cmd = [sys.executable, str(Path(__file__).resolve()), *strip_jobs(argv)]
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    pending, running, rows = list(variants), {}, {}
+    started: dict[str, float] = {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            v = pending.pop(0)
+            out = tempfile.TemporaryFile(mode="w+")
+            running[v.key] = (subprocess.Popen([*cmd, "--child", v.key], stdout=out, stderr=subprocess.STDOUT,
+                                               text=True, env=env), out)
+            started[v.key] = time.monotonic()
+            print(f"{v.key} ... (child)", flush=True)
+        time.sleep(1.0)
+        for key, (proc, out) in list(running.items()):
+            timed_out = time.monotonic() - started[key] > timeout
+            if proc.poll() is None and not timed_out:
+                continue
+            if timed_out and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.seek(0)
+            lines = out.read().splitlines()
+            out.close()
+            row = next((json.loads(line) for line in reversed(lines) if line.startswith("{")), None)
+            if row is None:
+                why = f"timed out after {timeout:.0f} s" if timed_out else f"exit {proc.returncode}"
+                row = {"error": f"{why}: {' | '.join(lines[-3:])[:400]}"}
+            rows[key] = row
+            del running[key]
+            print(f"{key}:", {k: (round(x, 3) if isinstance(x, float) else x) for k, x in row.items()
+                              if k not in ("top_residuals", "live_at_peak")}, flush=True)
+    return rows
+
+
+def strip_jobs(argv: list[str]) -> list[str]:
+    """``argv`` without ``--jobs N`` / ``--jobs=N`` (a child analyses one variant itself)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--jobs":
+            skip = True
+        elif not a.startswith("--jobs="):
+            out.append(a)
+    return out
 
 
 # ---- command line ----------------------------------------------------------------------------------------
@@ -125,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --analysis-only on a GPU: compile as if the device had 100x its memory, so XLA's "
                         "own rematerialization (which trades speed to fit the device) leaves the step as written: "
                         "what each variant needs, comparable across variants")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="with --analysis-only: analyse this many variants at a time, each in a child process")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--out")
     p.add_argument("--md")
@@ -138,8 +197,6 @@ def largest_batch_limit_gib(args) -> float | None:
     """``--largest-batch``'s limit in GiB: as given, or (0) the device's allocator limit."""
     if args.largest_batch is None:
         return None
-    if not args.analysis_only:
-        raise SystemExit("bench_memory: --largest-batch searches by compiling: give --analysis-only")
     if args.largest_batch > 0:
         return args.largest_batch
     limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
@@ -147,6 +204,23 @@ def largest_batch_limit_gib(args) -> float | None:
         raise SystemExit("bench_memory: --largest-batch 0 takes the device's allocator limit, and this device "
                          f"({jax.default_backend()}) reports none: give the GiB")
     return limit / 2**30
+
+
+def analysis_row(v: Variant, args, att: str, dump_dir: str | None) -> dict:
+    """``v``'s compiled memory analysis (and, with --largest-batch, its largest batch); an error is its row."""
+    row: dict = {}
+    try:
+        row.update(analyze(v, att, args.breakdown))
+        if dump_dir:
+            row["live_at_peak"] = live_at_peak(dump_dir, row["module"])
+        if args.largest_batch is not None and v.at_batch is not None:
+            start = args.batch or gpt_preset_batch(v.case)
+            row.update(largest_batch(v, largest_batch_limit_gib(args), att, start=start,
+                                     known={start: row["total_gib"]}))
+    except Exception as err:  # noqa: BLE001  (one variant's failure is its row; the others still run)
+        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}" if str(err) else repr(err)
+        traceback.print_exc()
+    return row
 
 
 def gpt_preset_batch(case: str) -> int:
@@ -166,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     dump_dir = None
     if args.no_xla_remat and not args.analysis_only:
         raise SystemExit("bench_memory: --no-xla-remat changes the compiled step: give --analysis-only")
+    if args.largest_batch is not None and not args.analysis_only:
+        raise SystemExit("bench_memory: --largest-batch searches by compiling: give --analysis-only")
     if args.analysis_only:  # before jax starts its backend: XLA reads the flags once
+        if args.jobs > 1:  # this process compiles nothing: it leaves the device's memory to its children
+            os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         flags = [] if gpu_plugin_installed() else [CPU_BARRIER_FLAG]
         if args.no_xla_remat:  # XLA:GPU rematerializes down to (device memory - I/O) x this factor / 100
             flags.append(f"--xla_gpu_memory_limit_slop_factor={NO_REMAT_SLOP_FACTOR}")
@@ -175,31 +253,29 @@ def main(argv: list[str] | None = None) -> int:
             flags += [f"--xla_dump_to={dump_dir}", "--xla_dump_hlo_as_text", "--xla_dump_hlo_module_re=step_"]
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
     variants = [v for s in args.sections for v in SECTIONS[s](args) if not args.only or re.search(args.only, v.key)]
-    if args.child:  # one measured variant, in its own process
-        (variant,) = [v for v in variants if v.key == args.child]
-        print(json.dumps(measure(variant, args.steps)), flush=True)
-        return 0
+    if args.jobs < 1 or (args.jobs > 1 and not args.analysis_only):
+        raise SystemExit("bench_memory: --jobs takes a number >= 1, and more than 1 only with --analysis-only "
+                         "(measured variants run one at a time, each with the device to itself)")
     measured = not args.analysis_only  # then the variants run in child processes: this one leaves the device alone
     platform = "measured" if measured else jax.default_backend()
     att = args.attention if args.attention != "auto" else ("standin" if platform == "cpu" else "native")
-    limit_gib = largest_batch_limit_gib(args)
+    if args.child:  # one variant, in its own process
+        (variant,) = [v for v in variants if v.key == args.child]
+        row = measure(variant, args.steps) if measured else analysis_row(variant, args, att, dump_dir)
+        print(json.dumps(row), flush=True)
+        return 0
+    in_children = analyze_in_children(variants, argv, args.jobs, args.timeout) if args.jobs > 1 else {}
     rows = []
     for v in variants:
         row = {"section": v.section, "case": v.case, "variant": v.name}
+        if v.key in in_children:
+            rows.append({**row, **in_children[v.key]})
+            continue
         print(f"{v.key} ...", flush=True)
-        try:
-            if measured:
-                row.update(measure_isolated(v, argv, args.timeout))
-            else:
-                row.update(analyze(v, att, args.breakdown))
-                if dump_dir:
-                    row["live_at_peak"] = live_at_peak(dump_dir, row["module"])
-                if args.largest_batch is not None and v.at_batch is not None:
-                    start = args.batch or gpt_preset_batch(v.case)
-                    row.update(largest_batch(v, limit_gib, att, start=start, known={start: row["total_gib"]}))
-        except Exception as err:  # noqa: BLE001  (one variant's failure is its row; the others still run)
-            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}" if str(err) else repr(err)
-            traceback.print_exc()
+        if measured:
+            row.update(measure_isolated(v, argv, args.timeout))
+        else:
+            row.update(analysis_row(v, args, att, dump_dir))
         print("   ", {k: (round(x, 3) if isinstance(x, float) else x) for k, x in row.items()
                       if k not in ("top_residuals", "live_at_peak")}, flush=True)
         rows.append(row)

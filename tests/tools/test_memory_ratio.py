@@ -104,3 +104,39 @@ def test_largest_batch_search_finds_the_boundary(monkeypatch, per_seq, fixed, li
     assert row["largest_batch"] == want, row
     if want:
         assert row["largest_batch_gib"] <= limit
+
+
+def test_largest_batch_search_reuses_known_totals(monkeypatch):
+    """A total given as known (the analysis at the preset's batch) is not compiled again."""
+    import memory_analysis
+
+    compiled = []
+    monkeypatch.setattr(memory_analysis, "compiled_total_gib", lambda batch: compiled.append(batch) or 2.0 + batch)
+    variant = memory_variants.Variant("gpt", "GPT tiny", "fake", lambda abstract: None, lambda batch: batch)
+    row = memory_analysis.largest_batch(variant, 20.5, "native", start=16, known={16: 18.0})
+    assert row["largest_batch"] == 18 and 16 not in compiled, (row, compiled)
+
+
+def test_jobs_analyse_in_children_as_in_process(tmp_path, monkeypatch):
+    """bench_memory --jobs N: the rows its child processes write are the ones one process computes."""
+    import json
+    import os
+
+    import bench_memory
+
+    # main() sets these for the backend it starts; monkeypatch gives the test process its own values back
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true"))
+
+    common = ["--analysis-only", "--sections", "mlp", "--tiny", "--recipes", "delayed", "--options", "none",
+              "--only", "te delayed|bf16 flax.linen"]
+    rows = {}
+    for jobs in ("1", "2"):
+        out = tmp_path / f"jobs{jobs}.json"
+        assert bench_memory.main([*common, "--jobs", jobs, "--out", str(out)]) == 0
+        rows[jobs] = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows["1"]) == sorted(rows["2"]) == ["bf16 flax.linen", "te delayed"]
+    for name, row in rows["1"].items():
+        for k in ("temp_gib", "argument_gib", "output_gib", "total_gib"):
+            assert rows["2"][name][k] == row[k], (name, k)
+    assert bench_memory.strip_jobs(["--jobs", "3", "--tiny", "--jobs=2", "--md", "x"]) == ["--tiny", "--md", "x"]
