@@ -80,29 +80,16 @@ from timing import write_results  # noqa: E402
 CPU_BARRIER_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
 
 
-def measure_isolated(variant: Variant, argv: list[str], timeout: float) -> dict:
-    """``measure`` in a child process (its own device memory and peak); the row, or the error it ended with."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--child", variant.key]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"exit {proc.returncode}: {' | '.join(tail)[:400]}"}
-
-
-def analyze_in_children(variants: list[Variant], argv: list[str], jobs: int, timeout: float) -> dict[str, dict]:
-    """Each variant's analysis row from a child process of its own, ``jobs`` at a time (compiles in parallel:
-    the 1.3b step takes 30-60 s to compile on a GPU machine, and a largest-batch search several compiles).
-
-    The children start their device clients without preallocating (``XLA_PYTHON_CLIENT_PREALLOCATE=false``;
-    the allocator's limit, which XLA and ``--largest-batch 0`` read, is the same). Returns key -> row.
+def rows_from_children(variants: list[Variant], argv: list[str], jobs: int, timeout: float,
+                       preallocate: bool) -> dict[str, dict]:
+    """Each variant's row from a child process of its own (``--child KEY``), ``jobs`` at a time: the measured
+    runs one at a time, each with the device to itself; the analysis several at once (the 1.3b step takes
+    30-60 s to compile on a GPU machine, and a largest-batch search several compiles), their device clients
+    then without preallocation (``preallocate`` False; the allocator's limit, which XLA and
+    ``--largest-batch 0`` read, is the same). Returns key -> row (a child's failure is an "error" row).
     """
     cmd = [sys.executable, str(Path(__file__).resolve()), *strip_jobs(argv)]
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    env = dict(os.environ) if preallocate else {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     pending, running, rows = list(variants), {}, {}
     started: dict[str, float] = {}
     while pending or running:
@@ -112,7 +99,7 @@ def analyze_in_children(variants: list[Variant], argv: list[str], jobs: int, tim
             running[v.key] = (subprocess.Popen([*cmd, "--child", v.key], stdout=out, stderr=subprocess.STDOUT,
                                                text=True, env=env), out)
             started[v.key] = time.monotonic()
-            print(f"{v.key} ... (child)", flush=True)
+            print(f"{v.key} ...", flush=True)
         time.sleep(1.0)
         for key, (proc, out) in list(running.items()):
             timed_out = time.monotonic() - started[key] > timeout
@@ -130,9 +117,14 @@ def analyze_in_children(variants: list[Variant], argv: list[str], jobs: int, tim
                 row = {"error": f"{why}: {' | '.join(lines[-3:])[:400]}"}
             rows[key] = row
             del running[key]
-            print(f"{key}:", {k: (round(x, 3) if isinstance(x, float) else x) for k, x in row.items()
-                              if k not in ("top_residuals", "live_at_peak")}, flush=True)
+            print(f"{key}:", summary(row), flush=True)
     return rows
+
+
+def summary(row: dict) -> dict:
+    """A row as the progress lines print it: floats rounded, the long breakdowns left out."""
+    return {k: (round(x, 3) if isinstance(x, float) else x) for k, x in row.items()
+            if k not in ("top_residuals", "live_at_peak")}
 
 
 def strip_jobs(argv: list[str]) -> list[str]:
@@ -172,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention", choices=["auto", "native", "standin"], default="auto",
                    help="auto: the stand-in on a CPU, jax's attention on a GPU")
     p.add_argument("--steps", type=int, default=3, help="measured runs: steps before reading the peak")
-    p.add_argument("--timeout", type=float, default=900, help="measured runs: seconds per variant")
+    p.add_argument("--timeout", type=float, default=900,
+                   help="seconds per variant run in a child process (measured, or --jobs > 1)")
     p.add_argument("--only", default="", help="regex over 'section | case | variant'")
     p.add_argument("--breakdown", action="store_true", help="the largest values live at the peak, and residuals")
     p.add_argument("--largest-batch", type=float, metavar="GIB",
@@ -264,21 +257,16 @@ def main(argv: list[str] | None = None) -> int:
         row = measure(variant, args.steps) if measured else analysis_row(variant, args, att, dump_dir)
         print(json.dumps(row), flush=True)
         return 0
-    in_children = analyze_in_children(variants, argv, args.jobs, args.timeout) if args.jobs > 1 else {}
+    in_children = rows_from_children(variants, argv, args.jobs, args.timeout, preallocate=measured) \
+        if measured or args.jobs > 1 else {}
     rows = []
     for v in variants:
         row = {"section": v.section, "case": v.case, "variant": v.name}
-        if v.key in in_children:
-            rows.append({**row, **in_children[v.key]})
-            continue
-        print(f"{v.key} ...", flush=True)
-        if measured:
-            row.update(measure_isolated(v, argv, args.timeout))
-        else:
+        if v.key not in in_children:
+            print(f"{v.key} ...", flush=True)
             row.update(analysis_row(v, args, att, dump_dir))
-        print("   ", {k: (round(x, 3) if isinstance(x, float) else x) for k, x in row.items()
-                      if k not in ("top_residuals", "live_at_peak")}, flush=True)
-        rows.append(row)
+            print("   ", summary(row), flush=True)
+        rows.append({**row, **in_children.get(v.key, {})})
     if args.per_block:
         add_per_block(rows)
     if measured:
