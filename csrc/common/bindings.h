@@ -209,6 +209,17 @@ auto BindDequantizeNvfp4(Binder b) {
       .template Ret<ffi::AnyBuffer>();              // out
 }
 
+// ---- layout ------------------------------------------------------------------
+
+// te_jax_gather_transpose (layout_checks.h)
+template <typename Binder>
+auto BindGatherTranspose(Binder b) {
+  return std::move(b)
+      .template Arg<ffi::AnyBuffer>()               // data
+      .template Arg<ffi::Buffer<ffi::S32>>()        // sources
+      .template Ret<ffi::AnyBuffer>();              // out
+}
+
 // ---- GEMM (docs/gemm_ffi.md) ------------------------------------------------
 
 // te_jax_gemm_fp8

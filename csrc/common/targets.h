@@ -12,7 +12,8 @@
   X(te_jax_dequantize_fp8, DequantizeFp8Tensor)        \
   X(te_jax_dequantize_mxfp8, DequantizeMxfp8)          \
   X(te_jax_dequantize_fp8_block, DequantizeFp8Block)   \
-  X(te_jax_dequantize_nvfp4, DequantizeNvfp4)
+  X(te_jax_dequantize_nvfp4, DequantizeNvfp4)          \
+  X(te_jax_gather_transpose, GatherTranspose)
 
 // The GEMM custom calls (docs/gemm_ffi.md), registered by each platform module
 // like TE_JAX_FFI_TARGETS.

@@ -17,11 +17,13 @@ GEMMs (``te_jax.ops.grouped.gemm``)::
     dgrad    dx = dy (rowwise, linear_grad_output) @ W_g^T (rowwise, per expert)      group_axis 0
     wgrad    dW_g = x_g^T @ dy_g                                                      group_axis 1
 
-For wgrad one gather, computed on the device from ``group_sizes``, lays x and
-dy out in spans aligned to the mode's block (``GROUP_ALIGN``), zero-padded
-(zeros add nothing: exact), and those are quantized columnwise by the
-input and grad_output quantizers with the rowwise copies' state (delayed
-scaling: the same scale; current scaling: the rowwise copy's scale; NVFP4:
+For wgrad x and dy are laid out in spans aligned to the mode's block
+(``GROUP_ALIGN``), zero-padded (zeros add nothing: exact), from positions
+computed on the device from ``group_sizes``. Per-tensor scaling (delayed,
+current) moves the rowwise copies' FP8 bytes into the spans, transposed, in
+one custom call (``te_jax.ops.grouped.spans``: the columnwise copy of a
+per-tensor cast is the rowwise one transposed); the block modes gather x and
+dy and quantize the spans columnwise with the rowwise copies' state (NVFP4:
 the amax of the rows in groups, which is x's own when every row is in one).
 With ``group_align`` (a multiple of ``span_alignment``) x already has that
 layout: x and dy are quantized once with both copies, the row-grouped GEMMs
@@ -64,6 +66,7 @@ from te_jax.core.gemm_quant import name_quantized
 from te_jax.core.unquantized import check_dtypes
 from te_jax.ops.grouped import gemm as gg
 from te_jax.ops.grouped.layout import regroup_rows, span_lengths, valid_group_sizes
+from te_jax.ops.grouped.spans import rows_to_spans_transposed
 from te_jax.ops.sharding import MeshResource, to_varying
 from te_jax.ops.sharding_types import dim_spec, specs_like, untyped_op
 from te_jax.quantize import dequantize
@@ -319,6 +322,21 @@ def _quantize_spans(g: GemmQuant, field: str, t: jax.Array, rowwise):
     return name_quantized(qz.quantize(t, g.st.get(role), rowwise=False, colwise=True, flatten_axis=1, key=key))
 
 
+def _columnwise_spans(g: GemmQuant, field: str, t: jax.Array, rowwise, group_sizes, plan: _GroupedPlan):
+    """wgrad's operand: the columnwise copy of ``t [M, C]``'s group rows in the aligned span layout.
+
+    Under per-tensor scaling the columnwise copy is the rowwise copy transposed (one scale, an elementwise
+    cast), so ``rowwise``'s bytes are moved into the spans and transposed in one pass and ``t`` is not read
+    again. Other modes quantize the spans of ``t`` (``_quantize_spans``).
+    """
+    if isinstance(rowwise, ScaledTensor) and rowwise.has_rowwise and rowwise.scaling_mode.per_tensor:
+        colwise = rows_to_spans_transposed(rowwise.data, group_sizes, plan.spans, plan.align)
+        return name_quantized(dataclasses.replace(rowwise, data=None, scale_inv=None, colwise_data=colwise,
+                                                  colwise_scale_inv=rowwise.scale_inv,
+                                                  shape=(plan.spans, t.shape[1])))
+    return _quantize_spans(g, field, _in_spans(t, group_sizes, plan), rowwise)
+
+
 def quantize_expert_weights(g: GemmQuant, kernel: jax.Array):
     """Each expert's weight quantized on its own (rowwise and columnwise), its state per expert."""
     if not g.has("weight"):
@@ -410,7 +428,7 @@ def _forward(plan: _GroupedPlan, x, kernel, group_sizes, bias, state, key):
     if plan.aligned:
         xs = keep(xq, "colwise")
     else:
-        xs = _quantize_spans(g, "input", _in_spans(x, group_sizes, plan), xq)
+        xs = _columnwise_spans(g, "input", x, xq, group_sizes, plan)
     res = _Residuals(xs, keep(kq, "rowwise"), group_sizes, g.st, g.grads, key)
     return (y, g.new_state()), res
 
@@ -437,7 +455,7 @@ def _bwd(plan: _GroupedPlan, res: _Residuals, cotangents):
     if plan.aligned:
         dys = keep(dyq, "colwise")
     else:
-        dys = _quantize_spans(g, "grad_output", _in_spans(dy, group_sizes, plan), dyq)
+        dys = _columnwise_spans(g, "grad_output", dy, dyq, group_sizes, plan)
     dk = grouped_matmul(res.x_spans, dys, group_sizes, (0, 0), group_axis=1, align=plan.align, out_dtype=plan.k_dtype,
                          fast_accum=fast)
     dbias = None

@@ -173,9 +173,10 @@ def test_each_gemm_uses_the_right_copies():
 
 
 def test_current_scaling_spans_reuse_the_tensors_amax():
-    """Current scaling: the wgrad spans take x's and dy's scales from their rowwise quantization, so one step runs
-    three current-scaling casts (x, the experts' weights in one batched call, dy), not five; the spans' scales are
-    those of the whole tensors even when a row past the groups holds the largest value."""
+    """Current scaling: the wgrad spans are x's and dy's rowwise copies moved and transposed (one
+    te_jax_gather_transpose each), so one step runs three current-scaling casts (x, the experts' weights in one
+    batched call, dy) and no other cast; the spans' scales are those of the whole tensors even when a row past
+    the groups holds the largest value."""
     q = DenseQuantizers.from_recipe(R.Float8CurrentScaling())
     x, w, b, c = _data(seed=5)
     x, c = x.at[M - 1].set(1e3), c.at[M - 1].set(-1e3)  # past the groups (sum 180 < M)
@@ -185,8 +186,9 @@ def test_current_scaling_spans_reuse_the_tensors_amax():
         return jnp.sum(grouped_dense(x, w, gs, quantizers=q)[0].astype(jnp.float32) * c)
 
     hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(x, w).compile().as_text()
-    calls = {t: hlo.count(f'custom_call_target="{t}"') for t in ("te_jax_quantize_fp8_current", "te_jax_quantize_fp8")}
-    assert calls == {"te_jax_quantize_fp8_current": 3, "te_jax_quantize_fp8": 2}, calls
+    calls = {t: hlo.count(f'custom_call_target="{t}"')
+             for t in ("te_jax_quantize_fp8_current", "te_jax_quantize_fp8", "te_jax_gather_transpose")}
+    assert calls == {"te_jax_quantize_fp8_current": 3, "te_jax_quantize_fp8": 0, "te_jax_gather_transpose": 2}, calls
     qx = q.input
     rows = qx.quantize(x, flatten_axis=1)
     spans = qx.quantize_like(x[:180] * 0.5, rows, rowwise=False, colwise=True, flatten_axis=1)
@@ -270,8 +272,8 @@ def test_aligned_layout_matches_the_packed_one(name, sizes):
 
 @pytest.mark.parametrize("name", ["delayed", "current"])
 def test_per_tensor_spans_awkward_values(name):
-    """Per-tensor scaling casts wgrad's spans with the rowwise copies' scales: the same bits as the aligned layout's
-    one cast writing both copies, with negative zeros, zero rows and saturating values."""
+    """Per-tensor scaling builds wgrad's spans from the rowwise copies' bytes (moved, transposed): the same bits as
+    the aligned layout's one cast writing both copies, with negative zeros, zero rows and saturating values."""
     x, w, b, c = _data(seed=11)
     x = x.at[3].set(-0.0).at[5].set(0.0).at[7, :9].set(1e4).at[8, 1].set(-3e4)
     c = c.at[2].set(-0.0).at[4, :5].set(-2e5)

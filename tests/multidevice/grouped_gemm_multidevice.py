@@ -2,7 +2,8 @@
 with XLA_FLAGS=--xla_force_host_platform_device_count=4.
 
 Cases: per-tensor FP8, Float8 block and bfloat16, each with its rows (group_axis 0) and its groups along the
-contraction (group_axis 1). Prints one JSON line per case: whether the sharded call (groups sharded over "ep"
+contraction (group_axis 1); and wgrad's span operand from FP8 rows (``gather_transpose``) with the columns or the
+rows of its data split over "ep". Prints one JSON line per case: whether the sharded call (groups sharded over "ep"
 with their experts, the rest replicated) equals the one-device call bit for bit, the output's sharding, and the
 collectives in the compiled HLO.
 """
@@ -19,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax.ops.grouped import gemm as GG
+from te_jax.ops.grouped.spans import rows_to_spans_transposed
 from te_jax.quantize import CurrentScalingQuantizer, Float8BlockQuantizer
 
 G, M, K, N = 8, 96, 128, 128
@@ -63,6 +65,7 @@ def main() -> None:
         print(json.dumps({"case": f"{name}:spans", "equal": bool(np.array_equal(np.asarray(got), np.asarray(want))),
                           "spec": str(got.sharding.spec), "collectives": _counts(hlo)}), flush=True)
     _bf16_cases(mesh, x, w, bias, sizes, rng)
+    _spans_cases(mesh, x, sizes)
 
 
 def _bf16_cases(mesh, x, w, bias, sizes, rng) -> None:
@@ -85,6 +88,21 @@ def _bf16_cases(mesh, x, w, bias, sizes, rng) -> None:
     hlo = h.lower(xb, dy, sizes).compile().as_text()
     print(json.dumps({"case": "bf16:spans", "equal": bool(np.array_equal(np.asarray(got), np.asarray(want))),
                       "spec": str(got.sharding.spec), "collectives": _counts(hlo)}), flush=True)
+
+
+def _spans_cases(mesh, x, sizes) -> None:
+    """gather_transpose keeps a split of the columns (C, out's rows) and gathers split rows (a span may take its
+    rows from any shard)."""
+    codes = CurrentScalingQuantizer().quantize(x, flatten_axis=1).data
+    f = jax.jit(lambda d, s: rows_to_spans_transposed(d, s, 256, 16))
+    want = f(codes, sizes)
+    for name, spec in (("cols", P(None, "ep")), ("rows", P("ep", None))):
+        d = jax.device_put(codes, NamedSharding(mesh, spec))
+        got = f(d, sizes)
+        hlo = f.lower(d, sizes).compile().as_text()
+        equal = np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+        print(json.dumps({"case": f"spans_t:{name}", "equal": bool(equal), "spec": str(got.sharding.spec),
+                          "collectives": _counts(hlo)}), flush=True)
 
 
 if __name__ == "__main__":

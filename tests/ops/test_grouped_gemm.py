@@ -321,15 +321,20 @@ def test_grouped_positions():
 
 def test_groups_sharded_with_their_experts():
     """On 4 fake devices: B's experts (group_axis 0) or out's groups (group_axis 1) split over "ep" give the
-    one-device result bit for bit; rows are combined by one all-reduce, group slices need none."""
+    one-device result bit for bit; rows are combined by one all-reduce, group slices need none. wgrad's span
+    operand keeps its columns split and gathers split rows."""
     here = pathlib.Path(__file__).resolve().parents[1] / "multidevice"
     proc = run_on_fake_devices([here / "grouped_gemm_multidevice.py"], devices=4, cwd=here)
     cases = {c["case"]: c for c in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
-    assert set(cases) == {"fp8:rows", "fp8:spans", "block:rows", "block:spans", "bf16:rows", "bf16:spans"}, \
-        proc.stderr[-4000:]
+    assert set(cases) == {"fp8:rows", "fp8:spans", "block:rows", "block:spans", "bf16:rows", "bf16:spans",
+                          "spans_t:cols", "spans_t:rows"}, proc.stderr[-4000:]
     for name, case in cases.items():
         assert case["equal"], case
-        if name.endswith("rows"):
+        if name == "spans_t:cols":  # the columns stay split: out's rows, nothing exchanged
+            assert case["spec"] == "P('ep',)" and not any(case["collectives"].values()), case
+        elif name == "spans_t:rows":  # the rows are gathered once
+            assert case["collectives"]["all-gather"] == 1 and case["collectives"]["all-reduce"] == 0, case
+        elif name.endswith("rows"):
             assert case["collectives"]["all-reduce"] == 1 and case["spec"] == "P()", case
         else:
             assert case["collectives"]["all-reduce"] == 0 and case["spec"] == "P('ep', None, None)", case
