@@ -234,7 +234,9 @@ def make_jobs(args: argparse.Namespace, layout: Layout, python: str = sys.execut
                 job_name, BENCH_ESTIMATE_S, 1,
                 [python, str(script), "--out", str(layout.out / f"{job_name}.json"),
                  "--md", str(layout.out / f"{job_name}.md"), *bench_args.get(name, [])],
-                env=new_env | {"PYTHONPATH": str(layout.site(which))}))
+                # the caller's PYTHONPATH after the install folder (TransformerEngine-JAX's /tmp/te_site, say)
+                env=new_env | {"PYTHONPATH": os.pathsep.join(filter(None, [str(layout.site(which)),
+                                                                         os.environ.get("PYTHONPATH")]))}))
     if args.multi_gpu:
         jobs.append(gpu_jobs.Job(
             "mesh", MESH_ESTIMATE_S, 2,

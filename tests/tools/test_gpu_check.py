@@ -59,11 +59,13 @@ def test_bench_args_go_to_their_benchmark_only(tmp_path):
     assert by_name["bench_gemm"].argv[-1].endswith("bench_gemm.md")
 
 
-def test_baseline_alternates_base_and_new_in_separate_install_folders(tmp_path):
+def test_baseline_alternates_base_and_new_in_separate_install_folders(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/tmp/te_site")  # kept after the install folder (TransformerEngine-JAX's)
     jobs, layout = _jobs(["--bench", "quantize", "--baseline-wheel", "old.whl", "--rounds", "2"], tmp_path)
     assert [j.name for j in jobs] == ["bench_quantize_base1", "bench_quantize_new1",
                                       "bench_quantize_base2", "bench_quantize_new2"]
-    assert [j.env["PYTHONPATH"] for j in jobs] == [str(layout.site(w)) for w in ("base", "new", "base", "new")]
+    assert [j.env["PYTHONPATH"] for j in jobs] == [f"{layout.site(w)}:/tmp/te_site" for w in
+                                                   ("base", "new", "base", "new")]
     assert layout.site("base") != layout.site("new")
 
 
