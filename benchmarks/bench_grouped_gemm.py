@@ -37,7 +37,9 @@ block spans): the skewed shape has none, only its layer table.
 
 ``--backward`` also times, per shape and in its own shuffled rounds, the whole grouped layer forward+backward
 (``y``, ``dx`` and ``dW`` of bfloat16 ``x [M, K]`` and ``W [E, K, N]``, one weight for both input sets) for each
-recipe of ``--recipes`` (FP8 state trained ``TRAIN_STEPS`` steps first where the recipe keeps it):
+recipe of ``--recipes`` (FP8 state trained ``TRAIN_STEPS`` steps first where the recipe keeps it; an entry
+``NAME+fast-backward`` is that recipe with ``backward_fast_accumulation=True``, dgrad and wgrad with fast
+accumulation as TransformerEngine-JAX's; default: delayed and current, each plain and with fast-backward):
 
 * ``te_jax <recipe>``: ``te_jax.core.grouped_dense`` on the routed rows, packed (``M = sum(group_sizes)``);
 * ``te_jax <recipe> aligned``: the same on the MoE layer's row layout (``group_align = span_alignment``: each
@@ -51,13 +53,14 @@ recipe of ``--recipes`` (FP8 state trained ``TRAIN_STEPS`` steps first where the
 TFLOP/s of the layer: ``6 * sum(group_sizes) * K * N`` (three GEMMs on the routed rows). ``--tiny`` runs small
 shapes (CPU, seconds).
 
-Usage: python benchmarks/bench_grouped_gemm.py [--tiny] [--only REGEX] [--backward] [--recipes delayed,current]
+Usage: python benchmarks/bench_grouped_gemm.py [--tiny] [--only REGEX] [--backward] [--recipes delayed,current,...]
        [--iters 5] [--trials 5] [--no-ragged] [--out r.json] [--md r.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import math
 import statistics
@@ -95,6 +98,10 @@ V3_SHAPES = [
 TINY_SHAPES = [("tiny gate+up", 4, 2, 256, 128, 256, False), ("tiny down", 4, 2, 256, 128, 128, False),
                ("tiny gate+up skewed", 4, 2, 256, 128, 256, True)]
 TE_RECIPES = ("delayed", "current")  # the per-tensor recipes TransformerEngine-JAX's grouped GEMM anchors
+# A --recipes entry "NAME+fast-backward": the recipe with backward_fast_accumulation=True, te_jax's setting that
+# accumulates as TransformerEngine-JAX's grouped GEMM does (fast, in all three GEMMs).
+FAST_BACKWARD = "fast-backward"
+DEFAULT_LAYER_RECIPES = ",".join([*TE_RECIPES, *(f"{r}+{FAST_BACKWARD}" for r in TE_RECIPES)])
 TE_NAME = "TransformerEngine-JAX"
 TE_NOT_FOUND = (f"{TE_NAME} not found (importlib.util.find_spec('transformer_engine') is None): no {TE_NAME} rows; "
                 "on the GPU machine tools/te_carry.py installs it (benchmarks/README.md)")
@@ -339,6 +346,18 @@ def te_grouped_anchor(recipe_name: str, num_groups: int):
     return step, quantizer_set
 
 
+def layer_recipe(spec: str):
+    """A ``--recipes`` entry: ``(base recipe name, recipe)``; ``NAME+fast-backward`` sets the recipe's
+    ``backward_fast_accumulation``."""
+    name, plus, option = spec.partition("+")
+    recipe = R.load_recipe(name)
+    if plus:
+        if option != FAST_BACKWARD:
+            raise ValueError(f"bench_grouped_gemm: --recipes entry {spec!r}: the one option is +{FAST_BACKWARD}")
+        recipe = dataclasses.replace(recipe, backward_fast_accumulation=True)
+    return name, recipe
+
+
 def _layer_inputs(label: str, experts: int, rows: int, k: int, n: int):
     """Two sets of bfloat16 ``x [rows, K]`` and ``dy [rows, N]``, and one ``W [E, K, N]`` (entries ~ N(0, 1/K))."""
     kx, kw, kd = jax.random.split(jax.random.key(zlib.crc32(label.encode()) % 2**31), 3)
@@ -374,8 +393,10 @@ def layer_calls(label: str, sizes_np: np.ndarray, k: int, n: int, recipes: list[
         calls[name] = (step, [(x, kernel, sizes, state, dy) for x, dy in sets])
         info[name] = {"recipe": recipe, "rows": sets[0][0].shape[0]}
 
+    anchored = set()  # the base recipes with a TransformerEngine-JAX row (one each)
     for recipe in recipes:
-        q = DenseQuantizers.from_recipe(R.load_recipe(recipe))
+        base, loaded = layer_recipe(recipe)
+        q = DenseQuantizers.from_recipe(loaded)
         align = span_alignment(q)
         if align not in aligned:  # the MoE layer's layout, shared by the recipes of one alignment
             room, index = moe.aligned_rows(rows, experts, align), jnp.asarray(aligned_row_index(sizes_np, align))
@@ -385,18 +406,21 @@ def layer_calls(label: str, sizes_np: np.ndarray, k: int, n: int, recipes: list[
         states = {suffix: _trained(step, init_state(q, experts), (sets[0][0], kernel, sizes, sets[0][1]),
                                    apply_fp8_update) for suffix, (step, sets) in steps.items()}
         add(f"te_jax {recipe}", recipe, steps[""][0], states[""], packed)
-        anchor = te_grouped_anchor(recipe, experts) if recipe in TE_RECIPES else None
+        info[f"te_jax {recipe}"]["anchor"] = base
+        anchor = te_grouped_anchor(base, experts) if base in TE_RECIPES and base not in anchored else None
         if anchor is not None:
-            name = f"{TE_NAME} {recipe}"
+            anchored.add(base)
+            name = f"{TE_NAME} {base}"
             try:
                 step = jax.jit(anchor[0])
-                add(name, recipe, step,
+                add(name, base, step,
                     _trained(step, anchor[1], (xs[0], kernel, sizes, dys[0]), lambda old, new: new), packed)
             except Exception as err:  # noqa: BLE001  (benchmark: the te_jax rows still run)
                 print(f"{name}: failed", flush=True)
                 traceback.print_exc(limit=3)
-                failed[name], info[name] = f"{type(err).__name__}: {str(err)[:300]}", {"recipe": recipe, "rows": rows}
+                failed[name], info[name] = f"{type(err).__name__}: {str(err)[:300]}", {"recipe": base, "rows": rows}
         add(f"te_jax {recipe} aligned", recipe, steps[" aligned"][0], states[" aligned"], aligned[align])
+        info[f"te_jax {recipe} aligned"]["anchor"] = base
     return calls, info, failed
 
 
@@ -453,7 +477,9 @@ def fwd_bwd_markdown(results: list[dict]) -> str:
              f"routed rows, as {TE_NAME}'s grouped GEMM requires; 'aligned': te_jax's MoE row layout "
              f"(te_jax.moe.aligned_rows rows); TFLOP/s = 6 * M * K * N / time; FP8 state trained {TRAIN_STEPS} "
              f"steps. {TE_NAME} scales x, dy and W per expert and accumulates fast in all three GEMMs; te_jax's "
-             "per-tensor recipes scale x and dy per tensor, W per expert, and split the backward's accumulation.", "",
+             "per-tensor recipes scale x and dy per tensor, W per expert, and split the backward's accumulation "
+             f"unless '+{FAST_BACKWARD}' (backward_fast_accumulation=True); 'vs {TE_NAME}' compares with its row "
+             "of the same base recipe.", "",
              f"| shape | variant | rows | fwd+bwd ms | TFLOP/s | vs {TE_NAME} |", "|---|---|---|---|---|---|"]
     for r in results:
         if "fwd_bwd_error" in r:
@@ -463,7 +489,7 @@ def fwd_bwd_markdown(results: list[dict]) -> str:
             if "error" in v:
                 lines.append(f"| {r['shape']} | {name} | {v['rows']} | error | - | - |")
                 continue
-            te = variants.get(f"{TE_NAME} {v['recipe']}", {})
+            te = variants.get(f"{TE_NAME} {v.get('anchor', v['recipe'])}", {})
             vs = f"{te['ms'] / v['ms']:.2f}x" if "ms" in te and not name.startswith(TE_NAME) else "-"
             lines.append(f"| {r['shape']} | {name} | {v['rows']} | {v['ms']:.2f} | {v['tflops']:.0f} | {vs} |")
     checks = [(r["shape"], recipe, c) for r in results
@@ -517,9 +543,9 @@ def main(argv=None) -> int:
     p.add_argument("--backward", action="store_true",
                    help="time grouped_dense's forward, dgrad and wgrad GEMMs and the layer forward+backward instead "
                         "(module doc)")
-    p.add_argument("--recipes", default=",".join(TE_RECIPES),
-                   help="comma-separated recipe names of --backward's layer table (TransformerEngine-JAX's rows: "
-                        "delayed and current)")
+    p.add_argument("--recipes", default=DEFAULT_LAYER_RECIPES,
+                   help="comma-separated recipe names of --backward's layer table, each optionally "
+                        f"NAME+{FAST_BACKWARD} (TransformerEngine-JAX's rows: delayed and current)")
     p.add_argument("--out", default=None)
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)

@@ -93,16 +93,19 @@ ffi::Error RunGroupedBf16(const GroupedFp8Call& call, cudaStream_t stream);
 // The instantiated kernels, X(a kind, b kind, out kind, fast_accum). Each is
 // one source file grouped_gemm_sm90_<a>_<b>_<out>_<accum>.cu. The bfloat16
 // ones serve the hot products of bfloat16 models directly: the forward (E4M3 x
-// E4M3, fast), the HYBRID dgrad (E5M2 x E4M3, split) and wgrad (E4M3 x E5M2,
-// split, whose [G, K, N] output would cost a float32 write and a cast); every
+// E4M3, fast), the HYBRID dgrad (E5M2 x E4M3) and wgrad (E4M3 x E5M2, whose
+// [G, K, N] output would cost a float32 write and a cast), each with split
+// accumulation and with fast accumulation (backward_fast_accumulation); every
 // other combination of te_jax's recipes runs the float32 kernel of its dtype
 // pair (split accumulation, which is at least as exact as fast) and the
-// lowering casts the result (te_jax/ops/grouped_cuda.py keeps the same table
+// lowering casts the result (te_jax/ops/grouped/cuda.py keeps the same table
 // in CUDA_FP8_KERNELS).
 #define TE_JAX_GROUPED_FP8_KERNELS(X) \
   X(kE4M3, kE4M3, kBf16, true)        \
   X(kE5M2, kE4M3, kBf16, false)       \
   X(kE4M3, kE5M2, kBf16, false)       \
+  X(kE5M2, kE4M3, kBf16, true)        \
+  X(kE4M3, kE5M2, kBf16, true)        \
   X(kE4M3, kE4M3, kF32, false)        \
   X(kE5M2, kE4M3, kF32, false)        \
   X(kE4M3, kE5M2, kF32, false)
@@ -112,7 +115,7 @@ ffi::Error RunGroupedBf16(const GroupedFp8Call& call, cudaStream_t stream);
 // bfloat16 (hot) or float32, with 1x128 weight blocks to float32, and the
 // wgrad product (kContraction, 1x128 blocks of both) to bfloat16 or float32.
 // Other out dtypes are float32 and a cast (CUDA_BLOCK_KERNELS in
-// te_jax/ops/grouped_cuda.py).
+// te_jax/ops/grouped/cuda.py).
 #define TE_JAX_GROUPED_FP8_BLOCK_KERNELS(X)        \
   X(kE4M3, kE4M3, kBf16, 128, GroupAxis::kRows)    \
   X(kE4M3, kE4M3, kF32, 128, GroupAxis::kRows)     \

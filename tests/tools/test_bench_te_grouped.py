@@ -5,6 +5,7 @@ machine runs the TE rows (benchmarks/README.md, "Mixture of experts")."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -47,8 +48,11 @@ def test_tiny_backward_runs_without_te(tmp_path):
         _, experts, top_k, tokens, k, n, skewed = shape
         fb = r["fwd_bwd"]
         assert sum(r["group_sizes"]) == fb["rows"] == tokens * top_k
+        fast = f"+{bgg.FAST_BACKWARD}"
         assert list(fb["variants"]) == ["te_jax delayed", "te_jax delayed aligned", "te_jax current",
-                                        "te_jax current aligned"]
+                                        "te_jax current aligned", f"te_jax delayed{fast}",
+                                        f"te_jax delayed{fast} aligned", f"te_jax current{fast}",
+                                        f"te_jax current{fast} aligned"]
         assert fb["cross_check"] == {}
         for name, v in fb["variants"].items():
             flops = bgg.fwd_bwd_flops(r["group_sizes"], k, n)
@@ -157,7 +161,8 @@ def test_packed_and_aligned_variants_agree():
     with jax.default_device(jax.devices("cpu")[0]):
         calls, info, failed = bgg.layer_calls("agree", sizes, 64, 32, ["current"])
         assert list(calls) == ["te_jax current", "te_jax current aligned"] and failed == {}
-        assert info["te_jax current aligned"] == {"recipe": "current", "rows": moe.aligned_rows(200, 4, 16)}
+        assert info["te_jax current aligned"] == {"recipe": "current", "rows": moe.aligned_rows(200, 4, 16),
+                                                  "anchor": "current"}
         (fn, sets), (fn_al, sets_al) = calls["te_jax current"], calls["te_jax current aligned"]
         y, dx, dw, _ = fn(*sets[1])
         y_al, dx_al, dw_al, _ = fn_al(*sets_al[1])
@@ -183,3 +188,24 @@ def test_fwd_bwd_markdown_with_te_rows():
                     "| s | te_jax current | 512 | error | - | - |", "| t | (every variant) | - | error | - | - |",
                     "| s | delayed | 1.23e-02 | 2.00e-02 | 5.00e-01 |", "| s | current | error | error | error |"]
     assert "Cross-check" not in bgg.fwd_bwd_markdown([{"shape": "s", "fwd_bwd": {"variants": {}, "cross_check": {}}}])
+
+
+def test_layer_recipe_fast_backward():
+    """``NAME+fast-backward`` is the recipe with backward_fast_accumulation=True (its base names the
+    TransformerEngine-JAX row it is compared with); any other option is refused."""
+    base, plain = bgg.layer_recipe("delayed")
+    assert base == "delayed" and plain.backward_fast_accumulation is False
+    base, fast = bgg.layer_recipe(f"current+{bgg.FAST_BACKWARD}")
+    assert base == "current" and fast.backward_fast_accumulation is True
+    assert dataclasses.replace(fast, backward_fast_accumulation=False) == bgg.layer_recipe("current")[1]
+    with pytest.raises(ValueError, match="the one option is"):
+        bgg.layer_recipe("delayed+slow")
+
+
+def test_fast_backward_rows_compare_with_the_base_recipes_anchor():
+    te, fast = bgg.TE_NAME, f"+{bgg.FAST_BACKWARD}"
+    variants = {f"te_jax delayed{fast}": {"recipe": f"delayed{fast}", "anchor": "delayed", "rows": 512, "ms": 2.5,
+                                         "tflops": 480.0},
+                f"{te} delayed": {"recipe": "delayed", "rows": 512, "ms": 3.0, "tflops": 400.0}}
+    md = bgg.fwd_bwd_markdown([{"shape": "s", "fwd_bwd": {"variants": variants, "cross_check": {}}}])
+    assert f"| s | te_jax delayed{fast} | 512 | 2.50 | 480 | 1.20x |" in md.splitlines()

@@ -37,7 +37,8 @@ _E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 _F32, _BF16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)
 # The CUDA kernels (TE_JAX_GROUPED_FP8_KERNELS in csrc/cuda/grouped_gemm.cuh): (a, b, out, fast_accum).
 CUDA_FP8_KERNELS = frozenset({(_E4M3, _E4M3, _BF16, True), (_E5M2, _E4M3, _BF16, False),
-                              (_E4M3, _E5M2, _BF16, False), (_E4M3, _E4M3, _F32, False),
+                              (_E4M3, _E5M2, _BF16, False), (_E5M2, _E4M3, _BF16, True),
+                              (_E4M3, _E5M2, _BF16, True), (_E4M3, _E4M3, _F32, False),
                               (_E5M2, _E4M3, _F32, False), (_E4M3, _E5M2, _F32, False)})
 # TE_JAX_GROUPED_FP8_BLOCK_KERNELS: (a, b, out, b_block_2d, group_axis); a always 1x128 blocks.
 CUDA_BLOCK_KERNELS = frozenset({(_E4M3, _E4M3, _BF16, True, 0), (_E4M3, _E4M3, _F32, True, 0),
