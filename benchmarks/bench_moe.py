@@ -13,7 +13,8 @@ between, un-permutation with the gates), forward and backward (gradients of the 
 * ``bf16 einsum cap 1.0``: the same router and experts as a bf16 batched einsum over ``E`` equal buffers of
   ``T * k / E`` rows (capacity factor 1.0: rows past an expert's capacity are dropped), the best bf16 peer
   when routing is balanced;
-* each recipe of ``--recipes`` (default: the per-tensor ``delayed`` and ``current`` and the ``block`` one),
+* each recipe of ``--recipes`` (default: the per-tensor ``delayed`` and ``current`` and the ``block`` one; a
+  per-tensor ``NAME+fast-backward`` is that recipe with ``backward_fast_accumulation=True``),
   with FP8 state trained for a few steps first (delayed scaling's amax histories and scales).
 
 and the breakdown of the layer's time, each piece jitted and timed on its own in the same rounds:
@@ -48,7 +49,6 @@ import bench_grouped_gemm
 import bench_profile
 import te_jax
 from te_jax import moe
-from te_jax import recipe as R
 from te_jax.core import DenseQuantizers
 from te_jax.flax import MoE
 from te_jax.core.grouped_dense import grouped_dense, init_state, span_alignment
@@ -203,7 +203,7 @@ def bench_layer(case, args) -> dict:
     calls["bf16 einsum cap 1.0"] = (jax.jit(einsum_step), [(params, x, c) for x, c in zip(x_sets, cot_sets)])
     breakdown_calls = {}
     for name in [None] + [n for n in args.recipes.split(",") if n]:
-        recipe = None if name is None else R.load_recipe(name)
+        recipe = None if name is None else bench_grouped_gemm.layer_recipe(name)[1]  # NAME or NAME+fast-backward
         tag = "bf16" if name is None else name
         if recipe is not None:
             with te_jax.autocast(recipe=recipe):

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_moe_tiny_runs(tmp_path):
     out, md = tmp_path / "moe.json", tmp_path / "moe.md"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--tiny", "--recipes",
-                           "delayed,block", "--profile", "--out", str(out), "--md", str(md)], capture_output=True, text=True, cwd=ROOT / "benchmarks", timeout=1200,
+                           "delayed,block,current+fast-backward", "--profile", "--out", str(out), "--md", str(md)], capture_output=True, text=True, cwd=ROOT / "benchmarks", timeout=1200,
                           env={**os.environ, "JAX_PLATFORMS": "cpu",
                                # the te_jax under test first (on a GPU machine, an installed wheel), then this tree
                                "PYTHONPATH": os.pathsep.join([str(Path(te_jax.__file__).resolve().parents[1]),
@@ -26,7 +26,8 @@ def test_bench_moe_tiny_runs(tmp_path):
     result = json.loads(out.read_text())
     assert {g["shape"] for g in result["gemms"]} == {"tiny gate+up", "tiny down", "tiny gate+up skewed"}
     (layer,) = result["layers"]
-    assert set(layer["variants"]) == {"bf16 ragged_dot", "bf16 einsum cap 1.0", "delayed", "block"}
+    assert set(layer["variants"]) == {"bf16 ragged_dot", "bf16 einsum cap 1.0", "delayed", "block",
+                                      "current+fast-backward"}
     assert set(layer["profiles"]) == set(layer["variants"])  # --profile: one device trace per variant
     assert all(v["ms"] > 0 and v["tflops"] > 0 for v in layer["variants"].values())
     pieces = {name.split(": ")[1] for name in layer["breakdown_ms"]}
