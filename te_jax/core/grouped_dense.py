@@ -69,7 +69,7 @@ from te_jax.ops.grouped.layout import regroup_rows, span_lengths, valid_group_si
 from te_jax.ops.grouped.spans import rows_to_spans_transposed
 from te_jax.ops.sharding import MeshResource, to_varying
 from te_jax.ops.sharding_types import dim_spec, specs_like, untyped_op
-from te_jax.quantize import dequantize
+from te_jax.quantize import CurrentScalingQuantizer, DelayedScalingQuantizer, dequantize
 from te_jax.quantize.protocols import QuantizeLike
 from te_jax.recipe import ROLES
 from te_jax.recipe.autocast import with_plan_mesh
@@ -325,11 +325,13 @@ def _quantize_spans(g: GemmQuant, field: str, t: jax.Array, rowwise):
 def _columnwise_spans(g: GemmQuant, field: str, t: jax.Array, rowwise, group_sizes, plan: _GroupedPlan):
     """wgrad's operand: the columnwise copy of ``t [M, C]``'s group rows in the aligned span layout.
 
-    Under per-tensor scaling the columnwise copy is the rowwise copy transposed (one scale, an elementwise
-    cast), so ``rowwise``'s bytes are moved into the spans and transposed in one pass and ``t`` is not read
-    again. Other modes quantize the spans of ``t`` (``_quantize_spans``).
+    Under te_jax's per-tensor scaling (delayed, current) the columnwise copy is the rowwise copy transposed (one
+    scale, an elementwise cast), so ``rowwise``'s bytes are moved into the spans and transposed in one pass and
+    ``t`` is not read again. Other quantizers (block modes, a CustomRecipe's own) quantize the spans of ``t``
+    (``_quantize_spans``).
     """
-    if isinstance(rowwise, ScaledTensor) and rowwise.has_rowwise and rowwise.scaling_mode.per_tensor:
+    own_cast = isinstance(getattr(g.q, field), (CurrentScalingQuantizer, DelayedScalingQuantizer))
+    if own_cast and isinstance(rowwise, ScaledTensor) and rowwise.has_rowwise and rowwise.scaling_mode.per_tensor:
         colwise = rows_to_spans_transposed(rowwise.data, group_sizes, plan.spans, plan.align)
         return name_quantized(dataclasses.replace(rowwise, data=None, scale_inv=None, colwise_data=colwise,
                                                   colwise_scale_inv=rowwise.scale_inv,

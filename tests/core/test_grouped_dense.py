@@ -280,6 +280,41 @@ def test_per_tensor_spans_awkward_values(name):
     _check_aligned_matches_packed(name, "zeros", x, w, b, c)
 
 
+@dataclasses.dataclass(frozen=True)
+class _HalvedColumns:
+    """A CustomRecipe's own per-tensor quantizer (not one of te_jax's): its columnwise copy casts x / 2, so it is
+    not the rowwise copy transposed."""
+
+    dtype = E4
+
+    def quantize(self, x, state=None, *, rowwise=True, colwise=False, flatten_axis=-1, key=None):
+        if colwise and not rowwise:
+            return CurrentScalingQuantizer(E4).quantize(x / 2, rowwise=False, colwise=True, flatten_axis=flatten_axis)
+        return CurrentScalingQuantizer(E4).quantize(x, rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis)
+
+
+def test_only_te_jax_per_tensor_casts_move_rowwise_bytes():
+    """The packed layout's spans come from the rowwise bytes only for te_jax's own per-tensor quantizers (whose
+    columnwise copy is the rowwise one transposed); another per-tensor quantizer casts its spans itself, and wgrad
+    sees what that cast gives (here x / 2: half the weight gradient)."""
+    x, w, _, c = _data(seed=12)
+    gs = jnp.asarray(SIZES["zeros"], jnp.int32)
+    q = DenseQuantizers(input=_HalvedColumns(), weight=CurrentScalingQuantizer(E4),
+                        grad_output=CurrentScalingQuantizer(E5))
+    plain = DenseQuantizers(input=CurrentScalingQuantizer(E4), weight=CurrentScalingQuantizer(E4),
+                            grad_output=CurrentScalingQuantizer(E5))
+
+    def grads(q):
+        loss = lambda x, w: jnp.sum(grouped_dense(x, w, gs, quantizers=q)[0].astype(jnp.float32) * c)  # noqa: E731
+        f = jax.jit(jax.grad(loss, argnums=(0, 1)))
+        return f(x, w), f.lower(x, w).as_text().count("te_jax_gather_transpose")
+
+    (_, dw_custom), calls_custom = grads(q)
+    (_, dw_plain), calls_plain = grads(plain)
+    assert calls_custom == 1 and calls_plain == 2  # dy's spans still move bytes: its quantizer is te_jax's
+    assert _rel(dw_plain / 2, dw_custom) < 0.05
+
+
 def _check_aligned_matches_packed(name, sizes, x, w, b, c):
     q = DenseQuantizers.from_recipe(RECIPES[name](), ("moe", "wi")) if name else DenseQuantizers()
     align = math.lcm(GD.span_alignment(q), 16)

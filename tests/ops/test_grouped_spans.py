@@ -70,7 +70,8 @@ def test_gather_transpose_under_vmap():
     sources = jax.random.randint(jax.random.key(8), (3, 40), -1, 50, jnp.int32)
     got = jax.jit(jax.vmap(gather_transpose))(data, sources)
     for b in range(3):
-        np.testing.assert_array_equal(_bytes(got[b]), _bytes(gather_transpose(data[b], sources[b], backend="reference")))
+        want = gather_transpose(data[b], sources[b], backend="reference")
+        np.testing.assert_array_equal(_bytes(got[b]), _bytes(want))
 
 
 def test_gather_transpose_checks():
