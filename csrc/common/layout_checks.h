@@ -17,6 +17,26 @@ struct GatherTransposeShape {
   int64_t positions;  // S: entries of sources, columns of out
 };
 
+// The element types gather_transpose moves: whole bytes (not the packed 4-bit
+// types, nor PRED, whose ByteWidth is 1 as well).
+inline bool IsByteElement(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::U8:
+    case ffi::DataType::S8:
+    case ffi::DataType::F8E5M2:
+    case ffi::DataType::F8E4M3FN:
+    case ffi::DataType::F8E4M3:
+    case ffi::DataType::F8E3M4:
+    case ffi::DataType::F8E4M3B11FNUZ:
+    case ffi::DataType::F8E5M2FNUZ:
+    case ffi::DataType::F8E4M3FNUZ:
+    case ffi::DataType::F8E8M0FNU:
+      return true;
+    default:
+      return false;
+  }
+}
+
 // te_jax_gather_transpose: data [B..., M, C] of one-byte elements (FP8 codes),
 // sources int32 [B..., S], out [B..., C, S] of data's element type, where
 // out[b, c, p] = data[b, sources[b, p], c] for 0 <= sources[b, p] < M and 0
@@ -30,8 +50,9 @@ inline ffi::ErrorOr<GatherTransposeShape> CheckGatherTranspose(const ffi::AnyBuf
     return ffi::Unexpected(InvalidArgument("gather_transpose: data must be [B..., M, C], got shape " +
                                            DimsToString(d)));
   }
-  if (ffi::ByteWidth(data.element_type()) != 1) {
-    return ffi::Unexpected(InvalidArgument("gather_transpose: data must have one-byte elements (FP8 codes)"));
+  if (!IsByteElement(data.element_type())) {
+    return ffi::Unexpected(InvalidArgument("gather_transpose: data must have 8-bit elements (an FP8 type, uint8 or "
+                                           "int8)"));
   }
   const size_t lead = d.size() - 2;
   bool same_lead = src.size() == lead + 1;

@@ -2,8 +2,9 @@
 // data[sources[p], c], or 0 where sources[p] names no row. Each block moves a
 // tile of 64 positions x 64 columns through shared memory: 256 threads load
 // its 64 source rows and store its 64 output rows (along the positions), 16
-// bytes a thread, four threads a row; blockIdx.z is the matrix of a batch. Shapes
-// whose rows are not 16-byte multiples take the same tiles a byte at a time.
+// bytes a thread, four threads a row; blockIdx.z is the matrix of a batch.
+// Unless C and S are multiples of 16 and both buffers 16-byte aligned, the
+// same tiles move a byte at a time.
 #include "cuda_common.cuh"
 #include "../common/bindings.h"
 #include "../common/layout_checks.h"
@@ -82,10 +83,9 @@ ffi::Error GatherTranspose(cudaStream_t stream, ffi::AnyBuffer data, ffi::Buffer
   const auto* in = static_cast<const uint8_t*>(data.untyped_data());
   auto* o = static_cast<uint8_t*>(out->untyped_data());
   const int64_t tiles_p = CeilDiv(s.positions, kTile), tiles_c = CeilDiv(s.cols, kTile);
-  if (tiles_c > 65535 || tiles_p > 0x7fffffff || s.batch > 65535) {
-    return InvalidArgument("gather_transpose: too many columns (C > 4194240), positions or matrices (> 65535) for "
-                           "one launch");
-  }
+  if (tiles_c > 65535) return InvalidArgument("gather_transpose: more than 4194240 columns (C) for one launch");
+  if (tiles_p > 0x7fffffff) return InvalidArgument("gather_transpose: more than 2^37 positions (S) for one launch");
+  if (s.batch > 65535) return InvalidArgument("gather_transpose: more than 65535 matrices for one launch");
   const dim3 grid(static_cast<unsigned>(tiles_p), static_cast<unsigned>(tiles_c), static_cast<unsigned>(s.batch));
   const bool vec = s.cols % kChunk == 0 && s.positions % kChunk == 0 && Aligned16(in) && Aligned16(o);
   if (vec) {

@@ -307,8 +307,8 @@ def _in_spans(t: jax.Array, group_sizes, plan: _GroupedPlan) -> jax.Array:
 def _quantize_spans(g: GemmQuant, field: str, t: jax.Array, rowwise):
     """The columnwise copy of the span layout ``t``, with the role's state (not recorded again) and its own key.
 
-    ``rowwise`` is the role's quantized tensor whose rows ``t`` rearranges. A quantizer with ``quantize_like``
-    (current scaling) casts ``t`` with ``rowwise``'s scale: the tensor's amax, as one quantization with both
+    ``rowwise`` is the role's quantized tensor whose rows ``t`` rearranges. A custom quantizer with
+    ``quantize_like`` casts ``t`` with ``rowwise``'s scale: the tensor's amax, as one quantization with both
     copies would use, and no second amax pass. (Rows past the groups count in it, as they do for the rowwise
     copy.)
     """
@@ -327,10 +327,10 @@ def _columnwise_spans(g: GemmQuant, field: str, t: jax.Array, rowwise, group_siz
 
     Under te_jax's per-tensor scaling (delayed, current) the columnwise copy is the rowwise copy transposed (one
     scale, an elementwise cast), so ``rowwise``'s bytes are moved into the spans and transposed in one pass and
-    ``t`` is not read again. Other quantizers (block modes, a CustomRecipe's own) quantize the spans of ``t``
-    (``_quantize_spans``).
+    ``t`` is not read again. Other quantizers (block modes, a CustomRecipe's own, a subclass of te_jax's, which
+    may cast otherwise) quantize the spans of ``t`` (``_quantize_spans``).
     """
-    own_cast = isinstance(getattr(g.q, field), (CurrentScalingQuantizer, DelayedScalingQuantizer))
+    own_cast = type(getattr(g.q, field)) in (CurrentScalingQuantizer, DelayedScalingQuantizer)
     if own_cast and isinstance(rowwise, ScaledTensor) and rowwise.has_rowwise and rowwise.scaling_mode.per_tensor:
         colwise = rows_to_spans_transposed(rowwise.data, group_sizes, plan.spans, plan.align)
         return name_quantized(dataclasses.replace(rowwise, data=None, scale_inv=None, colwise_data=colwise,

@@ -293,6 +293,14 @@ class _HalvedColumns:
         return CurrentScalingQuantizer(E4).quantize(x, rowwise=rowwise, colwise=colwise, flatten_axis=flatten_axis)
 
 
+@dataclasses.dataclass(frozen=True)
+class _HalvingSubclass(CurrentScalingQuantizer):
+    """te_jax's current scaling, subclassed: what it casts with another copy's scale (wgrad's spans) is x / 2."""
+
+    def quantize_like(self, x, like, **kwargs):
+        return super().quantize_like(x / 2, like, **kwargs)
+
+
 def test_only_te_jax_per_tensor_casts_move_rowwise_bytes():
     """The packed layout's spans come from the rowwise bytes only for te_jax's own per-tensor quantizers (whose
     columnwise copy is the rowwise one transposed); another per-tensor quantizer casts its spans itself, and wgrad
@@ -313,6 +321,9 @@ def test_only_te_jax_per_tensor_casts_move_rowwise_bytes():
     (_, dw_plain), calls_plain = grads(plain)
     assert calls_custom == 1 and calls_plain == 2  # dy's spans still move bytes: its quantizer is te_jax's
     assert _rel(dw_plain / 2, dw_custom) < 0.05
+    # A subclass of te_jax's quantizer may cast otherwise: it casts its spans itself too.
+    (_, dw_sub), calls_sub = grads(dataclasses.replace(q, input=_HalvingSubclass(E4)))
+    assert calls_sub == 1 and _rel(dw_plain / 2, dw_sub) < 0.05
 
 
 def _check_aligned_matches_packed(name, sizes, x, w, b, c):

@@ -3,7 +3,7 @@ with XLA_FLAGS=--xla_force_host_platform_device_count=4.
 
 Cases: per-tensor FP8, Float8 block and bfloat16, each with its rows (group_axis 0) and its groups along the
 contraction (group_axis 1); and wgrad's span operand from FP8 rows (``gather_transpose``) with the columns or the
-rows of its data split over "ep". Prints one JSON line per case: whether the sharded call (groups sharded over "ep"
+rows of its data split over "ep", on an Auto and on an Explicit mesh. Prints one JSON line per case: whether the sharded call (groups sharded over "ep"
 with their experts, the rest replicated) equals the one-device call bit for bit, the output's sharding, and the
 collectives in the compiled HLO.
 """
@@ -16,7 +16,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from te_jax.ops.grouped import gemm as GG
@@ -96,10 +96,13 @@ def _spans_cases(mesh, x, sizes) -> None:
     codes = CurrentScalingQuantizer().quantize(x, flatten_axis=1).data
     f = jax.jit(lambda d, s: rows_to_spans_transposed(d, s, 256, 16))
     want = f(codes, sizes)
-    for name, spec in (("cols", P(None, "ep")), ("rows", P("ep", None))):
-        d = jax.device_put(codes, NamedSharding(mesh, spec))
-        got = f(d, sizes)
-        hlo = f.lower(d, sizes).compile().as_text()
+    explicit = jax.make_mesh((4,), ("ep",), axis_types=(AxisType.Explicit,))
+    for name, on, spec in (("cols", mesh, P(None, "ep")), ("rows", mesh, P("ep", None)),
+                           ("explicit_cols", explicit, P(None, "ep")), ("explicit_rows", explicit, P("ep", None))):
+        d = jax.device_put(codes, NamedSharding(on, spec))
+        with jax.set_mesh(on):
+            got = f(d, sizes)
+            hlo = f.lower(d, sizes).compile().as_text()
         equal = np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
         print(json.dumps({"case": f"spans_t:{name}", "equal": bool(equal), "spec": str(got.sharding.spec),
                           "collectives": _counts(hlo)}), flush=True)

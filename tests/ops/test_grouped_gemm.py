@@ -327,12 +327,13 @@ def test_groups_sharded_with_their_experts():
     proc = run_on_fake_devices([here / "grouped_gemm_multidevice.py"], devices=4, cwd=here)
     cases = {c["case"]: c for c in map(json.loads, (l for l in proc.stdout.splitlines() if l.startswith("{")))}
     assert set(cases) == {"fp8:rows", "fp8:spans", "block:rows", "block:spans", "bf16:rows", "bf16:spans",
-                          "spans_t:cols", "spans_t:rows"}, proc.stderr[-4000:]
+                          "spans_t:cols", "spans_t:rows", "spans_t:explicit_cols", "spans_t:explicit_rows"}, \
+        proc.stderr[-4000:]
     for name, case in cases.items():
         assert case["equal"], case
-        if name == "spans_t:cols":  # the columns stay split: out's rows, nothing exchanged
-            assert case["spec"] == "P('ep',)" and not any(case["collectives"].values()), case
-        elif name == "spans_t:rows":  # the rows are gathered once
+        if name.endswith("cols"):  # the columns stay split (Auto and Explicit meshes): out's rows, nothing exchanged
+            assert case["spec"] == "P('ep', None)" and not any(case["collectives"].values()), case
+        elif name.startswith("spans_t"):  # the rows are gathered once
             assert case["collectives"]["all-gather"] == 1 and case["collectives"]["all-reduce"] == 0, case
         elif name.endswith("rows"):
             assert case["collectives"]["all-reduce"] == 1 and case["spec"] == "P()", case

@@ -49,6 +49,9 @@ def test_every_per_tensor_combination_has_a_cuda_kernel(a_dt, b_dt):
             run_fast = dict(run.attrs)["fast_accum"]
             assert (jnp.dtype(a_dt), jnp.dtype(b_dt), run.out_dtype, run_fast) in grouped_cuda.CUDA_FP8_KERNELS
             assert run.out_dtype in (jnp.dtype(out), jnp.dtype(jnp.float32)) and run_fast in (fast, False)
+            # fast accumulation runs wherever a fast kernel of the pair and out dtype exists
+            assert run_fast == (fast and (jnp.dtype(a_dt), jnp.dtype(b_dt), jnp.dtype(out), True)
+                                in grouped_cuda.CUDA_FP8_KERNELS)
 
 
 def test_block_cuda_kernels():

@@ -64,21 +64,40 @@ def test_gather_transpose_any_sources(positions):
     np.testing.assert_array_equal(_bytes(ref), want)
 
 
-def test_gather_transpose_under_vmap():
-    """vmap gives the call a leading batch axis; each matrix takes its own sources."""
-    data = _codes((3, 50, 32), E5, seed=7)
-    sources = jax.random.randint(jax.random.key(8), (3, 40), -1, 50, jnp.int32)
+@pytest.mark.parametrize("shape,positions", [((3, 50, 32), 40), ((3, 51, 48), 64)])  # byte path; 16-byte path
+def test_gather_transpose_under_vmap(shape, positions):
+    """vmap gives the call a leading batch axis (the CUDA grid's z); each matrix takes its own sources."""
+    data = _codes(shape, E5, seed=7)
+    sources = jax.random.randint(jax.random.key(8), (shape[0], positions), -1, shape[1], jnp.int32)
     got = jax.jit(jax.vmap(gather_transpose))(data, sources)
-    for b in range(3):
+    for b in range(shape[0]):
         want = gather_transpose(data[b], sources[b], backend="reference")
         np.testing.assert_array_equal(_bytes(got[b]), _bytes(want))
 
 
+def test_no_positions():
+    data = _codes((12, 32), E4)
+    for backend in ("ffi", "reference"):
+        got = gather_transpose(data, jnp.zeros((0,), jnp.int32), backend=backend)
+        assert got.shape == (32, 0) and got.dtype == E4
+
+
+@pytest.mark.parametrize("sizes", [[30, -5, 25, 3], [50, 10], [-3, -1], [2**31 - 1, 5]])
+def test_negative_and_oversized_group_sizes(sizes):
+    """Group sizes below zero count as zero, and groups past the rows are cut, as regroup_rows cuts them."""
+    data = _codes((40, 32), E4, seed=3)
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = regroup_rows(jnp.asarray(_bytes(data)), gs, 96, 1, 16).T
+    for backend in ("ffi", "reference"):
+        got = jax.jit(lambda d, g: rows_to_spans_transposed(d, g, 96, 16, backend=backend))(data, gs)
+        np.testing.assert_array_equal(_bytes(got), np.asarray(want), err_msg=backend)
+
+
 def test_gather_transpose_checks():
-    with pytest.raises(TypeError, match="one-byte elements"):
-        gather_transpose(jnp.zeros((4, 4), jnp.bfloat16), jnp.zeros((2,), jnp.int32))
+    for dtype in (jnp.bfloat16, jnp.int4, jnp.bool_):  # not whole bytes: packed 4-bit types and bool too
+        with pytest.raises(TypeError, match="^te_jax: gather_transpose: data must have 8-bit elements"):
+            gather_transpose(jnp.zeros((4, 4), dtype), jnp.zeros((2,), jnp.int32))
     with pytest.raises(TypeError, match="int32"):
-        gather_transpose(jnp.zeros((4, 4), E4), jnp.zeros((2,), jnp.int64 if jax.config.jax_enable_x64 else
-                                                             jnp.int16))
-    with pytest.raises(TypeError, match="matrix"):
+        gather_transpose(jnp.zeros((4, 4), E4), jnp.zeros((2,), jnp.int16))
+    with pytest.raises(ValueError, match="matrix"):
         gather_transpose(jnp.zeros((4,), E4), jnp.zeros((2,), jnp.int32))

@@ -209,3 +209,13 @@ def test_fast_backward_rows_compare_with_the_base_recipes_anchor():
                 f"{te} delayed": {"recipe": "delayed", "rows": 512, "ms": 3.0, "tflops": 400.0}}
     md = bgg.fwd_bwd_markdown([{"shape": "s", "fwd_bwd": {"variants": variants, "cross_check": {}}}])
     assert f"| s | te_jax delayed{fast} | 512 | 2.50 | 480 | 1.20x |" in md.splitlines()
+
+
+def test_plain_recipes_come_first():
+    """Whatever the order asked, each plain recipe's rows come before its +fast-backward ones, so that a
+    TransformerEngine-JAX row (built right after the plain te_jax row) is cross-checked with it."""
+    fast = f"current+{bgg.FAST_BACKWARD}"
+    with jax.default_device(jax.devices("cpu")[0]):
+        calls, info, failed = bgg.layer_calls("order", bgg.group_sizes(2, 64, False), 32, 32, [fast, "current"])
+    assert list(calls) == ["te_jax current", "te_jax current aligned", f"te_jax {fast}", f"te_jax {fast} aligned"]
+    assert info[f"te_jax {fast}"]["anchor"] == "current" and failed == {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 from jax import lax
 
 import te_jax.ops.ffi  # noqa: F401  (registers the FFI targets)
@@ -29,14 +30,22 @@ from te_jax.ops.grouped.layout import regroup_sources
 __all__ = ["gather_transpose", "rows_to_spans_transposed"]
 
 _TARGET = "te_jax_gather_transpose"
+# The element types moved: whole bytes (the packed 4-bit types and bool have itemsize 1 as well).
+_BYTE_DTYPES = frozenset(jnp.dtype(t) for t in (
+    jnp.uint8, jnp.int8, *filter(None, (getattr(ml_dtypes, name, None) for name in (
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3", "float8_e3m4", "float8_e4m3b11fnuz", "float8_e5m2fnuz",
+        "float8_e4m3fnuz", "float8_e8m0fnu")))))
 
 
 def _check(data, sources) -> None:
-    if data.ndim != 2 or jnp.dtype(data.dtype).itemsize != 1:
-        raise TypeError(f"te_jax.gather_transpose: data must be a matrix [M, C] of one-byte elements (FP8 codes), "
-                        f"got {data.dtype}{list(data.shape)}")
+    if data.ndim != 2:
+        raise ValueError(f"te_jax: gather_transpose: data must be a matrix [M, C], got shape {list(data.shape)}")
+    dtype = jnp.dtype(data.dtype)
+    if dtype not in _BYTE_DTYPES:
+        raise TypeError(f"te_jax: gather_transpose: data must have 8-bit elements (float8_e4m3fn, float8_e5m2, "
+                        f"uint8, int8), got {dtype}")
     if sources.ndim != 1 or jnp.dtype(sources.dtype) != jnp.int32:
-        raise TypeError(f"te_jax.gather_transpose: sources must be int32 [S], got {sources.dtype}"
+        raise TypeError(f"te_jax: gather_transpose: sources must be int32 [S], got {sources.dtype}"
                         f"{list(sources.shape)}; pass sources.astype(jnp.int32)")
 
 
@@ -60,7 +69,7 @@ def gather_transpose(data: jax.Array, sources: jax.Array, *, backend: str | None
     """``out [C, S]`` with ``out[:, p] = data[sources[p]]``, zeros where ``sources[p]`` is outside ``[0, M)``.
 
     Args:
-      data: ``[M, C]`` of one-byte elements (float8_e4m3fn, float8_e5m2, uint8, int8).
+      data: ``[M, C]`` of 8-bit elements (float8_e4m3fn, float8_e5m2, uint8, int8).
       sources: int32 ``[S]``: the row of ``data`` each output column takes (any other value: a zero column).
       backend: "ffi" (the custom call) or "reference" (pure JAX); None: ``te_jax.ops.backend``'s current one.
 
