@@ -284,8 +284,9 @@ def rel_l2_torch(torch, x, ref, chunk_rows: int = 4096) -> float:
 def dry_run(args) -> int:
     """Prints the shapes and layouts; checks te_jax's side on tiny operands (CPU) against float64."""
     import jax
+    from timing import selected
 
-    for s in selected(shapes(), args.only):
+    for s in selected(shapes(), args.only, label=lambda shape: shape.label):
         pub = f", H800 {s.published:.0f} TFLOP/s" if s.published else ""
         print(f"{s.label}: M={s.m} N={s.n} K={s.k} groups={len(s.groups) or '-'} "
               f"{s.flops / 1e12:.2f} TFLOP ({s.source}{pub})")
@@ -309,12 +310,6 @@ def dry_run(args) -> int:
             print("    " + line)
     print(f"dry run: {failures} failure(s)")
     return 1 if failures else 0
-
-
-def selected(items: list[Shape], only: str) -> list[Shape]:
-    import re
-
-    return [s for s in items if not only or re.search(only, s.label)]
 
 
 # ---- DeepGEMM on the GPU machine -----------------------------------------------------------------------------
@@ -651,7 +646,9 @@ def run(args) -> int:
         raise SystemExit(f"bench_deepgemm: DeepGEMM's FP32-scale kernels are SM90's; this is "
                          f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))})")
     check_sync_hook(jax)
-    items = selected(shapes(), args.only)
+    from timing import selected
+
+    items = selected(shapes(), args.only, label=lambda shape: shape.label)
     dg = load_deepgemm(args)
     align = dg.get_mk_alignment_for_contiguous_layout()
     bad = [s.label for s in items if any(g % align for g in s.groups)]

@@ -14,7 +14,7 @@ the state's ends the run before anything is compiled.
 How it is timed: every step is compiled first (XLA's memory analysis of each gives the "temp" and "total"
 columns; a step that cannot fit the device is reported and left out), then each variant runs ``--warmup`` steps
 (so the delayed-scaling state is trained), then ``--trials`` rounds time ``--iters`` back-to-back steps of every
-variant, in an order shuffled anew each round (``timing.round_orders``). The state is chained: each step's
+variant, in an order shuffled anew each round (``timing.time_interleaved``). The state is chained: each step's
 returned state is the next step's input, whichever variant runs next. Each step takes one of a few pre-generated
 random batches in turn. A variant's time is the median over its rounds; "time vs none" divides it by the ``none``
 variant's. The device's measured peak is not given: in one process it is the largest over every variant run so
@@ -46,10 +46,10 @@ from examples.gpt import parallel  # noqa: E402
 from examples.gpt import train as train_lib  # noqa: E402
 from examples.gpt.config import REMAT_CHOICES, RunConfig, make_recipe  # noqa: E402
 from examples.gpt.memory import StepTooLarge, check_fits, step_description  # noqa: E402
-from examples.gpt.model import GPT  # noqa: E402
-from examples.gpt.steps import autocast_for, make_train_step  # noqa: E402
+from examples.gpt.steps import make_train_step  # noqa: E402
 from memory_analysis import memory_row  # noqa: E402
-from timing import add_repeat_args, round_orders, write_results  # noqa: E402
+from memory_variants import gpt_built  # noqa: E402
+from timing import add_repeat_args, time_interleaved, write_results  # noqa: E402
 
 VARIANTS = ("none", "recompute_norm_act", *(f"remat:{p}" for p in REMAT_CHOICES if p != "none"))
 DEFAULT_VARIANTS = "none,recompute_norm_act,remat:fp8,remat:fp8-pre-activation,remat:nothing"
@@ -77,22 +77,9 @@ def variant_config(base: RunConfig, name: str) -> RunConfig:
     return cfg
 
 
-def variant_model(cfg: RunConfig) -> GPT:
-    """The GPT of ``cfg`` as ``train.build_run`` builds it."""
-    shape = parallel.parse_mesh(cfg.mesh)
-    return GPT(dataclasses.replace(cfg.model_config(), logical_axes=shape["tp"] > 1 or shape["ep"] > 1))
-
-
 def abstract_variables(cfg: RunConfig) -> Any:
     """The shapes of the variables (parameters and FP8 state) ``train.build_run`` initializes for ``cfg``."""
-    cfg = cfg.resolved()
-    shape = parallel.parse_mesh(cfg.mesh)
-    recipe = make_recipe(cfg.recipe, cfg.model_config().layers)
-    key = jax.random.key(cfg.seed)
-    with autocast_for(recipe, parallel.mesh_resource(shape), False, parallel.make_mesh(shape)):
-        variables = jax.eval_shape(variant_model(cfg).init, {"params": key, "quantize": key},
-                                   jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), jnp.int32))
-    return parallel.param_specs(dict(variables), shape)[0]
+    return gpt_built(cfg, abstract_only=True).args[0].params
 
 
 def first_difference(reference: Any, candidate: Any) -> str | None:
@@ -129,7 +116,7 @@ def make_step(run: train_lib.Run, cfg: RunConfig) -> Callable:
     The state keeps ``run``'s ``apply_fn`` (a static field of its tree) in and out, so every variant's step takes
     and returns the same tree; the variant's own model is swapped in inside the step.
     """
-    model = variant_model(cfg)
+    model = train_lib.gpt_model(cfg)
     shape = parallel.parse_mesh(cfg.mesh)
     quant_key = jax.random.split(jax.random.key(cfg.seed))[1]  # build_run's
     inner = make_train_step(model, run.recipe, parallel.mesh_resource(shape), quant_key, mesh=run.mesh)
@@ -149,32 +136,20 @@ def make_step(run: train_lib.Run, cfg: RunConfig) -> Callable:
 
 def time_chained(steps: dict[str, Callable], state: Any, batches: list, warmup: int, iters: int,
                  trials: int) -> tuple[dict[str, list[float]], Any]:
-    """Seconds per step of each variant per round, and the final state.
+    """``timing.time_interleaved`` of the steps on one chained state: every call takes the state the previous call
+    returned (the steps donate it), whichever variant ran it. Returns the seconds per step of each variant per
+    round, and the final state."""
+    chained = [state]
 
-    Like ``timing.time_interleaved``, but every call takes the state the previous call returned (the steps
-    donate it), whichever variant ran it: each variant warms up ``warmup`` steps, then each of ``trials``
-    rounds times ``iters`` back-to-back steps of every variant in a seeded shuffled order.
-    """
-    calls = 0
+    def call(step):
+        def run(batch):
+            chained[0], metrics = step(chained[0], batch)
+            return chained[0], metrics
+        return run
 
-    def run(name: str, n: int) -> None:
-        nonlocal state, calls
-        out = None
-        for _ in range(n):
-            state, metrics = steps[name](state, batches[calls % len(batches)])
-            calls += 1
-            out = (state, metrics)
-        jax.block_until_ready(out)
-
-    for name in steps:
-        run(name, warmup)
-    per_step: dict[str, list[float]] = {name: [] for name in steps}
-    for order in round_orders(list(steps), trials):
-        for name in order:
-            start = time.perf_counter()
-            run(name, iters)
-            per_step[name].append((time.perf_counter() - start) / iters)
-    return per_step, state
+    sets = [(batch,) for batch in batches]
+    per_step = time_interleaved({name: (call(step), sets) for name, step in steps.items()}, warmup, iters, trials)
+    return per_step, chained[0]
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------------

@@ -262,7 +262,7 @@ def gpt_built(cfg, abstract_only: bool) -> Built:
     from examples.gpt import parallel
     from examples.gpt import train as train_lib
     from examples.gpt.config import make_recipe
-    from examples.gpt.model import GPT, aux_loss
+    from examples.gpt.model import aux_loss
     from examples.gpt.steps import autocast_for, cross_entropy, make_optimizer, make_train_step
     from te_jax.train import TrainState
 
@@ -273,7 +273,7 @@ def gpt_built(cfg, abstract_only: bool) -> Built:
     key = jax.random.key(cfg.seed)
     tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len + 1), jnp.int32)
     if abstract_only:  # build_run's state, as shapes
-        model = GPT(cfg.model_config())
+        model = train_lib.gpt_model(cfg)
         with autocast_for(recipe, mesh_resource, False, mesh):
             variables = jax.eval_shape(model.init, {"params": key, "quantize": key},
                                        jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len), jnp.int32))

@@ -132,9 +132,9 @@ def bandwidth_parser(description: str, out_default: str) -> argparse.ArgumentPar
     return p
 
 
-def selected(cases, only: str):
-    """The cases (tuples whose first item is the label) whose label matches the regex ``only`` (all if empty)."""
-    return [c for c in cases if not only or re.search(only, c[0])]
+def selected(cases, only: str, label: Callable = lambda case: case[0]):
+    """The cases whose ``label(case)`` (default: a tuple's first item) matches the regex ``only`` (all if empty)."""
+    return [c for c in cases if not only or re.search(only, label(c))]
 
 
 def write_results(out: str | None, md_path: str | None, result: dict, md: str, indent: int = 1) -> None:

@@ -150,6 +150,12 @@ class Run:
     jit_step: Callable[[bool | te_inspect.Sample], Callable]
 
 
+def gpt_model(cfg: RunConfig) -> GPT:
+    """The GPT of ``cfg``, with logical axes when its mesh shards tensors or experts."""
+    shape = parallel.parse_mesh(cfg.mesh)
+    return GPT(dataclasses.replace(cfg.model_config(), logical_axes=shape["tp"] > 1 or shape["ep"] > 1))
+
+
 def build_run(cfg: RunConfig) -> Run:
     """The model, its sharded initial state and the jitted steps of ``cfg`` (resolved)."""
     shape = cfg.check()
@@ -159,7 +165,7 @@ def build_run(cfg: RunConfig) -> Run:
     mesh = parallel.make_mesh(shape)
     mesh_resource = parallel.mesh_resource(shape)
     batch_sharding = NamedSharding(mesh, P(parallel.BATCH))
-    model = GPT(dataclasses.replace(cfg.model_config(), logical_axes=shape["tp"] > 1 or shape["ep"] > 1))
+    model = gpt_model(cfg)
     init_key, quant_key = jax.random.split(jax.random.key(cfg.seed))
     dummy = jnp.zeros((cfg.batch, cfg.seq_len), jnp.int32)
     warn_if_unquantized(cfg, model, recipe, dummy)
