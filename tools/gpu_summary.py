@@ -1,6 +1,6 @@
 """Merges the GPU check's results into summary.json and summary.md (used by tools/gpu_check.py).
 
-Reads from the output folder: jobs.log (one JSON line per job), junit.xml (the tests),
+Reads from the output folder: jobs.log (one JSON line per job), tests.jsonl (the tests' progress log),
 bench_*.json / bench_*.md (each benchmark run), train_*.json (each training run) and
 multi_gpu.log (JSON lines of the mesh check).
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import xml.etree.ElementTree as ET
 
 # peak_memory_gib: the device's peak bytes in use over the run; step_memory_gib: XLA's analysis of the compiled
 # train step (arguments + temporaries + outputs - donated), both from examples/gpt/train.py's --json.
@@ -17,25 +16,49 @@ TRAIN_COLUMNS = ["run", "recipe", "preset", "steps", "final_train_loss", "final_
                  "peak_memory_gib", "step_memory_gib"]
 
 
-def test_counts(junit: pathlib.Path) -> dict:
-    """Counts of a pytest junit file, with the names of at most 50 failed tests."""
-    if not junit.exists():
+def test_counts(progress_log: pathlib.Path) -> dict:
+    """Counts of the tests' progress log (tests/conftest.py's ``--progress-log``), complete or cut short.
+
+    Returns:
+        ``ran`` False when there is no log; else the counts of collected, passed, failed (errors in set-up or
+        teardown included) and skipped tests, ``complete`` (every collected test reported), the failures (at most
+        50, each with its crash line), the 10 slowest tests and the seconds spent per test folder.
+    """
+    if not progress_log.exists():
         return {"ran": False}
-    suite = ET.parse(junit).getroot()
-    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-    failed = [
-        f"{case.get('classname')}::{case.get('name')}"
-        for case in suite.iter("testcase")
-        if case.find("failure") is not None or case.find("error") is not None
-    ]
-    return {
-        "ran": True,
-        "tests": int(suite.get("tests", 0)),
-        "failures": int(suite.get("failures", 0)),
-        "errors": int(suite.get("errors", 0)),
-        "skipped": int(suite.get("skipped", 0)),
-        "failed": failed[:50],
-    }
+    lines = json_lines(progress_log)
+    collected = max((line["collected"] for line in lines if "collected" in line), default=0)
+    reports = [line for line in lines if "test" in line]
+    outcome: dict[str, str] = {}
+    for r in reports:  # a test's worst report: a teardown failure after a passed call is a failure
+        if outcome.get(r["test"]) != "failed":
+            outcome[r["test"]] = r["outcome"]
+    failed = [{"test": r["test"], "when": r["when"], "message": r["message"]} for r in reports
+              if r["outcome"] == "failed"]
+    folders: dict[str, float] = {}
+    for r in reports:
+        folder = r["test"].split("::")[0].rsplit("/", 1)[0]
+        folders[folder] = folders.get(folder, 0.0) + r["seconds"]
+    counts = {k: sum(v == k for v in outcome.values()) for k in ("passed", "failed", "skipped")}
+    return {"ran": True, "collected": collected, "reported": len(outcome), **counts,
+            "complete": len(outcome) >= collected > 0,
+            "failures": failed[:50],
+            "slowest": sorted(({"test": r["test"], "seconds": r["seconds"]} for r in reports),
+                              key=lambda r: -r["seconds"])[:10],
+            "seconds_per_folder": dict(sorted(folders.items(), key=lambda kv: -kv[1]))}
+
+
+def test_lines(t: dict) -> list[str]:
+    """The summary's markdown lines for ``test_counts``'s result."""
+    done = "" if t["complete"] else f" (cut short: {t['reported']} of {t['collected']} reported)"
+    md = [f"tests: {t['collected']} collected, {t['passed']} passed, {t['failed']} failed, "
+          f"{t['skipped']} skipped{done}"]
+    md += [f"- FAILED {f['test']} ({f['when']}): {f['message'].splitlines()[0][:300]}" for f in t["failures"]]
+    if t["seconds_per_folder"]:
+        md.append("- worker-seconds per folder: " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                                               t["seconds_per_folder"].items()))
+        md.append("- slowest: " + ", ".join(f"{r['test']} {r['seconds']:.0f} s" for r in t["slowest"]))
+    return md
 
 
 def json_lines(path: pathlib.Path) -> list[dict]:
@@ -76,7 +99,7 @@ def summarize(out: pathlib.Path, header: list[str], extra: dict[str, tuple[objec
     """
     summary = {
         "jobs": json_lines(out / "jobs.log"),
-        "tests": test_counts(out / "junit.xml"),
+        "tests": test_counts(out / "tests.jsonl"),
         "benchmarks": {},
         "training": training_rows(out),
         "multi_gpu": json_lines(out / "multi_gpu.log"),
@@ -86,8 +109,7 @@ def summarize(out: pathlib.Path, header: list[str], extra: dict[str, tuple[objec
         md += ["## jobs", ""] + table(summary["jobs"], ["job", "gpus", "rc", "seconds", "why"]) + [""]
     t = summary["tests"]
     if t["ran"]:
-        md.append(f"tests: {t['tests']} run, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped")
-        md += [f"- FAILED {name}" for name in t["failed"]]
+        md += test_lines(t)
     for path in sorted(out.glob("bench_*.json")):
         summary["benchmarks"][path.stem] = json.loads(path.read_text())
         bench_md = path.with_suffix(".md")

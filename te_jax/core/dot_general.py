@@ -12,8 +12,10 @@ rhs, "linear_grad_output" = the output's gradient)::
 
 Routes. With no quantizer quantizing anything ``dot_general`` *is*
 ``lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)``
-(the same call, so the same bits) and ``einsum`` contracts exactly as
-``jnp.einsum`` does (the same dot_general, operand order and transpose).
+(the same call, so the same bits) and ``einsum`` *is*
+``jnp.einsum(equation, lhs, rhs, precision, preferred_element_type)``
+(the same call: jnp.einsum's contraction path, operand order and named
+scope, so the same program and bits on every backend, eagerly too).
 Quantized:
 
 * no batch axes: ``te_jax.dense`` with ``contracting_dims``: any number and
@@ -33,8 +35,12 @@ Quantized:
   quantized on its own; the inputs share one scale (one "linear_input"
   state), and a delayed-scaling weight keeps one amax history per batch
   element: its "linear_weight" state has a leading ``B = prod(batch sizes)``
-  axis (``quantizers.init_state(num_groups=B)``). The grouped kernels take
-  whole blocks only: a block recipe needs K and N multiples of its block.
+  axis (``quantizers.init_state(num_groups=B)``). Under per-tensor scaling
+  K and N are zero padded to multiples of 16, the tile of the CUDA grouped
+  kernels, on every platform (exact: zeros add nothing to a product and
+  change no amax), so any K and N run on CPU and GPU alike. The grouped
+  kernels take whole blocks only: a block recipe needs K and N multiples of
+  its block.
 
 What the kernels cannot serve raises at trace time, naming the limit: a
 product with no contracting axis (an outer product: nothing for a GEMM to
@@ -62,13 +68,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_jax.core.bundles import DenseQuantizers, as_quantizers, check_high_precision
+from te_jax.core.bundles import DenseQuantizers, as_quantizers, check_high_precision, scaling_mode_of
 from te_jax.core.dense import dense
 from te_jax.core.gemm_quant import high_precision_state
 from te_jax.core.grouped_dense import grouped_dense, span_alignment
 from te_jax.core.stats import Sample, as_sample
+from te_jax.ops.grouped.layout import GROUP_ALIGN
 from te_jax.ops.sharding import MeshResource
 from te_jax.ops.sharding_types import product_type, reshape, retype
+from te_jax.spec.modes import ScalingMode
 
 __all__ = ["dot_general", "einsum", "parse_einsum"]
 
@@ -183,6 +191,12 @@ def _batched(lhs, rhs, lc, rc, lb, rb, q: DenseQuantizers, state, key, mesh_reso
     k = math.prod(lhs.shape[i] for i in lc)
     x = reshape(jnp.transpose(lhs, lb + lf + lc), (b * m, k))
     w = reshape(jnp.transpose(rhs, rb + rc + rf), (b, k, n))
+    tile = _kernel_tile(q)
+    dk, dn = -k % tile, -n % tile
+    if dk:
+        x = jnp.pad(x, ((0, 0), (0, dk)))
+    if dk or dn:
+        w = jnp.pad(w, ((0, 0), (0, dk), (0, dn)))
     align = span_alignment(q)
     group_align = align if align > 1 and m % align == 0 else 1
     try:
@@ -192,7 +206,18 @@ def _batched(lhs, rhs, lc, rc, lb, rb, q: DenseQuantizers, state, key, mesh_reso
         raise ValueError(str(err).replace(
             "te_jax: grouped_dense", f"te_jax: {_WHERE} (batch axes run on the grouped GEMM, te_jax.grouped_dense "
             f"over {b} groups of {m} rows)", 1)) from None
+    if dn:
+        y = y[:, :n]
     return retype(reshape(y, batch_shape + lf_shape + rf_shape), product_type(lhs, lb + lf, rhs, rf)), new_state
+
+
+def _kernel_tile(q: DenseQuantizers) -> int:
+    """What the batched route zero pads K and N to a multiple of: the CUDA grouped kernels' per-tensor FP8 tile
+    (16) when a quantizer scales per tensor, else 1 (block modes need whole blocks of their own, checked by
+    ``grouped_dense`` on every platform)."""
+    found = (scaling_mode_of(getattr(q, f)) for f in ("input", "weight", "grad_output"))
+    per_tensor = any(mode is not None and mode.per_tensor for mode in found)
+    return GROUP_ALIGN[ScalingMode.FP8_TENSOR] if per_tensor else 1
 
 
 # ---- einsum ------------------------------------------------------------------------------------------------
@@ -207,8 +232,6 @@ class EinsumPlan(NamedTuple):
     rhs_sum: tuple[int, ...]
     dimension_numbers: tuple  # ((lc, rc), (lb, rb)) of the summed operands
     transpose: tuple[int, ...] | None  # from lax's (batch, lhs free, rhs free) order to the output, None: identity
-    swapped_dimension_numbers: tuple  # the same with rhs first
-    swapped_transpose: tuple[int, ...] | None  # from (batch, rhs free, lhs free) to the output
 
 
 def _einsum_error(equation: str, why: str) -> ValueError:
@@ -292,8 +315,7 @@ def parse_einsum(equation: str, lhs_shape: tuple[int, ...], rhs_shape: tuple[int
 
     return EinsumPlan(tuple(lhs_s.index(c) for c in drop_l), tuple(rhs_s.index(c) for c in drop_r),
                       tuple(kept_l.index(c) for c in uniq_l), tuple(kept_r.index(c) for c in uniq_r),
-                      ((lc, rc), (lb, rb)), perm("".join(batch) + lf + rf),
-                      ((rc, lc), (rb, lb)), perm("".join(batch) + rf + lf))
+                      ((lc, rc), (lb, rb)), perm("".join(batch) + lf + rf))
 
 
 def _sum_axes(x: jax.Array, axes: tuple[int, ...], dtype) -> jax.Array:
@@ -321,28 +343,28 @@ def einsum(
     """A two-operand ``jnp.einsum(equation, lhs, rhs)`` on ``dot_general`` (rhs: the weight).
 
     ``parse_einsum`` turns the equation into dimension numbers plus the
-    output transpose. Unquantized it computes what ``jnp.einsum`` computes,
-    bit for bit (the same reductions, dot_general and transpose); quantized,
-    lhs stays the input and rhs the weight. The keyword arguments are
-    ``dot_general``'s.
+    output transpose (and raises te_jax's errors on every route).
+    Unquantized it *is* ``jnp.einsum(equation, lhs, rhs, precision=...,
+    preferred_element_type=...)``: the same call builds the same program, so
+    the same bits on every backend (the same sums and product rebuilt here
+    are other programs, eagerly one per op, which a GPU may fuse, order and
+    round otherwise). Quantized, lhs stays the input and rhs the weight. The
+    keyword arguments are ``dot_general``'s.
 
     Returns:
       ``(y, new_state)``.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     plan = parse_einsum(equation, lhs.shape, rhs.shape)
+    if not as_quantizers(quantizers).any:
+        y = jnp.einsum(equation, lhs, rhs, precision=precision, preferred_element_type=preferred_element_type)
+        return y, high_precision_state(state, as_sample(inspect))
     out = jnp.result_type(lhs, rhs) if preferred_element_type is None else jnp.dtype(preferred_element_type)
     lhs = _sum_axes(lax.squeeze(lhs, plan.lhs_squeeze), plan.lhs_sum, out)
     rhs = _sum_axes(lax.squeeze(rhs, plan.rhs_squeeze), plan.rhs_sum, out)
-    kw = dict(precision=precision, preferred_element_type=out, quantizers=quantizers, state=state, key=key,
-              mesh_resource=mesh_resource, inspect=inspect)
-    if plan.transpose is not None and not as_quantizers(quantizers).any:
-        # jnp.einsum's order when lhs-first needs a transpose: rhs first (then transposed), for the same bits.
-        y, new_state = dot_general(rhs, lhs, plan.swapped_dimension_numbers, **kw)
-        perm = plan.swapped_transpose
-    else:
-        y, new_state = dot_general(lhs, rhs, plan.dimension_numbers, **kw)
-        perm = plan.transpose
-    if perm is not None:
-        y = lax.transpose(y, perm)
+    y, new_state = dot_general(lhs, rhs, plan.dimension_numbers, precision=precision, preferred_element_type=out,
+                               quantizers=quantizers, state=state, key=key, mesh_resource=mesh_resource,
+                               inspect=inspect)
+    if plan.transpose is not None:
+        y = lax.transpose(y, plan.transpose)
     return y.astype(out), new_state

@@ -84,15 +84,27 @@ EINSUMS = [
 
 @pytest.mark.parametrize("case", range(len(EINSUMS)))
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_unquantized_einsum_is_jnp_einsum(case, dtype):
+def test_unquantized_einsum_is_jnp_einsum(case, dtype, monkeypatch):
+    """Unquantized, te_jax.core.einsum is the jnp.einsum call itself: the same program, eagerly too (so the same
+    bits on a GPU, where two programs that only compute the same product, such as a sum then a product run
+    eagerly one by one against one jitted program of both, may fuse, order and round otherwise)."""
     eq, a, b = EINSUMS[case]
+    what = f"einsum {eq!r} {jnp.dtype(dtype).name} {a} x {b}"
     lhs, rhs = _rand(case, a, dtype), _rand(50 + case, b, dtype)
+    calls, jnp_einsum = [], jnp.einsum
+    with monkeypatch.context() as patch:
+        patch.setattr(jnp, "einsum", lambda *args, **kw: calls.append((args, kw)) or jnp_einsum(*args, **kw))
+        einsum(eq, lhs, rhs, precision=lax.Precision.HIGHEST)
+    assert len(calls) == 1 and calls[0][0][0] == eq, f"{what}: te_jax made {len(calls)} jnp.einsum calls, not one"
+    assert all(np.array_equal(got, want) for got, want in zip(calls[0][0][1:], (lhs, rhs))), f"{what}: operands"
+    assert calls[0][1] == dict(precision=lax.Precision.HIGHEST, preferred_element_type=None), f"{what}: {calls[0][1]}"
     want = jax.jit(lambda x, w: jnp.einsum(eq, x, w))(lhs, rhs)
     got, state = jax.jit(lambda x, w: einsum(eq, x, w))(lhs, rhs)
-    assert_same_bits(got, want, eq)
+    assert_same_bits(got, want, f"{what} under jit, te_jax vs jnp.einsum")
     assert state is None
     want = jnp.einsum(eq, lhs, rhs, preferred_element_type=jnp.float32)
-    assert_same_bits(einsum(eq, lhs, rhs, preferred_element_type=jnp.float32)[0], want, eq)
+    assert_same_bits(einsum(eq, lhs, rhs, preferred_element_type=jnp.float32)[0], want,
+                     f"{what} eager, preferred_element_type=float32, te_jax vs jnp.einsum")
 
 
 @pytest.mark.parametrize("eq, a, b, message", [

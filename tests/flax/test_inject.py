@@ -102,29 +102,87 @@ def test_every_recipe_injected_within_fp8_bounds(recipe):
     y_hp, grads_hp = _grads(model, variables, X, None)
     # E4M3 operands give ~5% error per GEMM on random data, E5M2 ~10%, NVFP4 ~15%; a wrong copy or role ~100%.
     tol = 0.3 if recipe == "nvfp4" else 0.08
-    assert _rel(y, y_hp) < tol, _rel(y, y_hp)
-    flat_hp = dict(jax.tree_util.tree_flatten_with_path(grads_hp["params"])[0])
-    for path, g in jax.tree_util.tree_flatten_with_path(grads["params"])[0]:
-        if path[-2:] == (jax.tree_util.DictKey("key"), jax.tree_util.DictKey("bias")):
-            continue  # 0 in exact arithmetic (softmax ignores a key bias): rounding noise either way
-        assert _rel(g, flat_hp[path]) < 2 * tol + 0.1, (path, _rel(g, flat_hp[path]))
+    assert _rel(y, y_hp) < tol, f"y: relative error {_rel(y, y_hp):.4f} >= {tol} (recipe {recipe})"
+    bound = 2 * tol + 0.1
+    for layer, (got, want) in _layer_grads(grads["params"], grads_hp["params"]).items():
+        err = _rel(got, want)
+        assert err < bound, f"gradient of {layer} (kernel and bias): relative error {err:.4f} >= {bound}"
+
+
+def _layer_grads(grads, grads_hp) -> dict:
+    """``{layer path: (gradient, high-precision gradient)}``, each layer's parameters flattened into one vector.
+
+    A layer is judged as a whole: flax adds the bias outside the injected product, so te_jax computes no part of
+    a bias gradient, the output gradient summed over the tokens (the output gradient the layer's kernel
+    gradient, te_jax's wgrad, takes too). On its own such a small sum is too noisy a measure of the FP8 error:
+    the key bias's is 0 in exact arithmetic (softmax ignores it), and the query bias's (32 elements, behind
+    attention's softmax backward) measured 0.22-0.30 under current scaling when the parameters moved by 2^-11
+    (a GPU's TF32 and accumulation-order rounding), around the 0.26 bound every kernel gradient meets with
+    margin (at most 0.14; a whole layer's at most 0.14, NVFP4's 0.44 against 0.7).
+    """
+    flat_hp = dict(jax.tree_util.tree_flatten_with_path(grads_hp)[0])
+    layers: dict = {}
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        layer = jax.tree_util.keystr(path[:-1])
+        layers.setdefault(layer, []).append((g, flat_hp[path]))
+    return {layer: tuple(jnp.concatenate([jnp.ravel(pair[i]) for pair in pairs]) for i in (0, 1))
+            for layer, pairs in layers.items()}
 
 
 def test_dense_general_batch_dims_run_on_the_grouped_gemm():
-    model = nn.DenseGeneral(24, axis=-1, batch_dims=(0,), dot_general_cls=tf.DotGeneral)
+    model = nn.DenseGeneral(24, axis=-1, batch_dims=(0,), dot_general_cls=tf.DotGeneral)  # N = 24: padded to 32
     x = _rand(3, (3, 16, 32))
     v = model.init(jax.random.key(0), x)
     y_hp = nn.DenseGeneral(24, axis=-1, batch_dims=(0,)).apply(v, x)
     with te_jax.autocast(recipe=R.Float8CurrentScaling()):
-        assert _rel(jax.jit(model.apply)(v, x), y_hp) < 0.08
+        err = _rel(jax.jit(model.apply)(v, x), y_hp)
+    assert err < 0.08, f"y: relative error {err:.4f} >= 0.08"
     recipe = R.DelayedScaling(amax_history_len=4)
     with te_jax.autocast(recipe=recipe):
         vd = jax.jit(model.init)(jax.random.key(0), x)
         weight = vd[OWG]["DotGeneral_0"]["linear_weight"]
-        assert weight["amax_history"].shape == (3, 4)  # one history per batch element of the kernel
+        assert weight["amax_history"].shape == (3, 4), weight["amax_history"].shape  # one per batch element
         _, grads = _grads(model, vd, x, recipe)
     hist = overwrite.to_delayed(grads[OWG]["DotGeneral_0"]["linear_weight"]).amax_history
-    np.testing.assert_array_equal(hist[:, -1], jnp.max(jnp.abs(vd["params"]["kernel"]), axis=(1, 2)))
+    np.testing.assert_array_equal(hist[:, -1], jnp.max(jnp.abs(vd["params"]["kernel"]), axis=(1, 2)),
+                                  err_msg="the new weight amax of each batch element (got, want)")
+
+
+def _lowers_for_cuda(fn, *args) -> str:
+    """The StableHLO of ``jax.jit(fn)(*args)`` lowered for CUDA (on any machine): what XLA:GPU would compile.
+
+    The CUDA lowering of te_jax's custom calls runs their CUDA-only checks (the shapes the kernels tile), so a
+    product the GPU would refuse fails here on a CPU too.
+    """
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+class _AfterDense(nn.Module):
+    """An unquantized ``nn.Dense`` (its kernel's gradient needs the next layer's dgrad), then ``layer``."""
+
+    layer: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return self.layer(nn.Dense(x.shape[-1])(x))
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+@pytest.mark.parametrize("layer", ["DenseGeneral_batch", "Einsum_batch"])
+def test_batch_axes_lower_for_cuda_whatever_k_and_n(layer, recipe):
+    """Batch axes run on the grouped GEMM, whose CUDA kernels take K and N in multiples of 16 under per-tensor
+    scaling: te_jax zero pads them (here N = 5; K = 8, N = 6), so the GPU takes what the CPU takes."""
+    if layer == "DenseGeneral_batch":
+        inner, x = nn.DenseGeneral(5, axis=-1, batch_dims=(0,), dot_general_cls=tf.DotGeneral), _rand(1, (3, 6, 16))
+    else:
+        inner, x = tf.Einsum((4, 8, 6), "bhd,hdf->bhf"), _rand(1, (3, 4, 8))
+    model = _AfterDense(inner)
+    with te_jax.autocast(recipe=BUILTIN_RECIPES[recipe]):
+        variables = jax.jit(model.init)(jax.random.key(0), x)
+        step = te_jax.train.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))
+        hlo = _lowers_for_cuda(step, variables)
+    calls = hlo.count("custom_call @te_jax_grouped_gemm_fp8(")
+    assert calls == 3, f"{calls} grouped GEMM calls in the CUDA program, not 3 (forward, dgrad, wgrad)"
 
 
 def test_the_recipe_sees_the_parent_layers_path():
@@ -217,11 +275,13 @@ def test_einsum_is_flax_einsum_and_within_fp8_bounds(case):
     assert_same_bits(tf.Einsum(shape).apply(v, x, eq), theirs.apply(v, x), eq)  # equation at the call
     y_hp = theirs.apply(v, x)
     with te_jax.autocast(recipe=R.Float8CurrentScaling()):
-        assert _rel(jax.jit(ours.apply)(v, x), y_hp) < 0.08
+        err = _rel(jax.jit(ours.apply)(v, x), y_hp)
+    assert err < 0.08, f"{eq}: relative error {err:.4f} >= 0.08"
     with te_jax.autocast(recipe=R.DelayedScaling(amax_history_len=4)):
         vd = jax.jit(ours.init)(jax.random.key(0), x)
         _, new = jax.jit(lambda v, x: ours.apply(v, x, mutable=["fp8_meta"]))(vd, x)
     batch = case == 1  # the letter h: input, kernel and output (a batch axis): one weight history per head
-    assert new["fp8_meta"]["linear_weight"]["amax_history"].shape == ((shape[0], 4) if batch else (4,))
+    got = new["fp8_meta"]["linear_weight"]["amax_history"].shape
+    assert got == ((shape[0], 4) if batch else (4,)), f"{eq}: weight amax history shape {got}"
     with pytest.raises(ValueError, match="exactly two operands"):
         tf.Einsum(shape, "ab,bc,cd->ad").init(jax.random.key(0), x)

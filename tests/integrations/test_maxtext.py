@@ -119,11 +119,21 @@ def test_einsum_op_creates_the_per_expert_state_maxtext_initializes_once():
     """MaxText initializes the experts' einsums with a 1x1 product; the down projection's state must exist then."""
     recipe, experts = RECIPES["delayed"], 4
     tiny = jnp.zeros((1, 1), jnp.bfloat16)
+
+    # The initialization's batched 1x1 product (the "batched" state's) runs on the grouped GEMM, K = N = 1 zero
+    # padded to the CUDA kernels' 16: lowered for CUDA (on any machine: what XLA:GPU compiles), it passes their
+    # checks. (Lowered alone: a jitted init drops it, its result unused; an eager init, as here, runs it.)
+    ones = jnp.ones((experts, 1, 1), jnp.bfloat16)
+    batched = jax.jit(lambda a, b: DotGeneralOp(recipe).init_with_output(jax.random.key(0), a, b,
+                                                                          (((2,), (1,)), ((0,), (0,)))))
+    hlo = batched.trace(ones, ones).lower(lowering_platforms=("cuda",)).as_text()
+    calls = hlo.count("custom_call @te_jax_grouped_gemm_fp8(")
+    assert calls == 1, f"{calls} grouped GEMM calls in the CUDA program of the batched 1x1 product, not 1"
     variables = EinsumOp(recipe, batch_groups=experts).init(jax.random.key(0), "ab,bc->ac", tiny, tiny)
     state = variables[OWG]
-    assert set(state) == {"dot_general", "batched"}
-    assert state["batched"]["te_jax"]["linear_weight"]["amax_history"].shape[0] == experts
-    assert state["dot_general"]["te_jax"]["linear_weight"]["amax_history"].ndim == 1
+    assert set(state) == {"dot_general", "batched"}, set(state)
+    shapes = {k: state[k]["te_jax"]["linear_weight"]["amax_history"].shape for k in state}
+    assert shapes["batched"][0] == experts and len(shapes["dot_general"]) == 1, f"weight amax histories {shapes}"
     eq, x, w = "BSEH,EHM -> BSEM", _rand(5, (2, 8, experts, 128)), _rand(6, (experts, 128, 128))
     w = w * jnp.arange(1, experts + 1, dtype=w.dtype)[:, None, None]  # a different amax per expert
 
@@ -132,7 +142,8 @@ def test_einsum_op_creates_the_per_expert_state_maxtext_initializes_once():
 
     new = jax.grad(loss)(variables)[OWG]["batched"]["te_jax"]["linear_weight"]["amax_history"]
     want = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2))
-    np.testing.assert_array_equal(np.asarray(jnp.max(new, axis=-1)), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(jnp.max(new, axis=-1)), np.asarray(want),
+                                  err_msg="each expert's new weight amax (got, want)")
     with pytest.raises(ValueError, match="te_jax: .*has no _overwrite_with_gradient state"):  # none prepared
         bare = EinsumOp(recipe).init(jax.random.key(0), "ab,bc->ac", tiny, tiny)
         EinsumOp(recipe).apply(bare, eq, x, w)

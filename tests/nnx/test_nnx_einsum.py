@@ -5,6 +5,7 @@ batch axes with one weight history per batch element; flax's checks as te_jax er
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -117,18 +118,33 @@ def test_delayed_state_steps_exactly_as_te_jax_nnx_linear():
 def test_batch_axes_keep_one_weight_history_per_batch_element():
     x = normal(6, (3, 32, 16))
     with te_jax.autocast(recipe=DELAYED):
-        ours = te_nnx.Einsum("ecd,edf->ecf", (3, 16, 8), rngs=nnx.Rngs(0))
+        ours = te_nnx.Einsum("ecd,edf->ecf", (3, 16, 8), rngs=nnx.Rngs(0))  # N = 8: padded to 16 (the CUDA tile)
     assert ours.batch_size == 3
     weight = pure(nnx.state(ours, te_nnx.FP8Meta))["fp8_meta"]["linear_weight"]
-    assert weight["amax_history"].shape == (3, 4) and weight["scale"].shape == (3, 1)
+    shapes = weight["amax_history"].shape, weight["scale"].shape
+    assert shapes == ((3, 4), (3, 1)), f"weight amax history and scale shapes {shapes}"
+
+    def loss(model):
+        return jnp.mean(model(x) ** 2)
 
     @nnx.jit
     def step(model):
         with te_jax.autocast(recipe=DELAYED):
-            return te_nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+            return te_nnx.value_and_grad(loss)(model)
 
+    # The step lowered for CUDA (on any machine: what XLA:GPU compiles) passes the grouped GEMM's CUDA checks.
+    graph, state = nnx.split(ours)
+
+    def functional_step(state):
+        with te_jax.autocast(recipe=DELAYED):
+            return te_nnx.value_and_grad(loss)(nnx.merge(graph, state))
+
+    hlo = jax.jit(functional_step).trace(state).lower(lowering_platforms=("cuda",)).as_text()
+    calls = hlo.count("custom_call @te_jax_grouped_gemm_fp8(")
+    assert calls >= 2, f"{calls} grouped GEMM calls in the CUDA program (forward and wgrad expected)"
     step(ours)
     weight = pure(nnx.state(ours, te_nnx.FP8Meta))["fp8_meta"]["linear_weight"]
-    np.testing.assert_array_equal(weight["amax_history"][:, -1], jnp.max(jnp.abs(ours.kernel[...]), axis=(1, 2)))
+    np.testing.assert_array_equal(weight["amax_history"][:, -1], jnp.max(jnp.abs(ours.kernel[...]), axis=(1, 2)),
+                                  err_msg="the new weight amax of each batch element (got, want)")
     with te_jax.autocast(recipe=DELAYED), pytest.raises(ValueError, match=r"Einsum: .*no batch axis.*batch axes of 3"):
         ours(x.reshape(3 * 32, 16), "cd,edf->ecf")  # a call-time equation without the batch axis

@@ -97,18 +97,49 @@ def test_resume_continues_bit_identically(twenty_steps, corpus, tmp_path, capsys
                                             **SMALL), corpus)
 
 
-def test_a_step_too_large_for_the_machine_stops_before_training_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+class _DeviceView:
+    """The first device as examples/gpt/memory.py's check sees it: a platform and a memory limit (1 MB)."""
+
+    def __init__(self, platform: str):
+        self.platform, self.device_kind = platform, "Test GPU" if platform == "gpu" else "cpu"
+
+    def memory_stats(self) -> dict | None:
+        return {"bytes_limit": 1 << 20} if self.platform == "gpu" else None  # a CPU device gives no figures
+
+
+class _JaxSeeing:
+    """``jax`` for memory.py, whose ``local_devices()`` is ``devices``; everything else is jax's own."""
+
+    def __init__(self, devices):
+        self._devices = devices
+
+    def local_devices(self):
+        return self._devices
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_a_step_too_large_for_the_machine_stops_before_training_and_leaves_no_folder(platform, tmp_path, capsys,
+                                                                                       monkeypatch):
     """The 125m preset on a CPU needed a 103 GB allocation and left an empty --ckpt-dir: now the compiled step's
-    memory analysis is checked first (here against 1 MB of "available" RAM, so the tiny preset stands in), the
-    run ends with exit status 2 and a message that says what to do, and no checkpoint folder is made."""
+    memory analysis is checked first, the run ends with exit status 2 and a message that says what to do, and no
+    checkpoint folder is made. Both of the check's branches run on any machine: the memory module sees one
+    device of ``platform`` with 1 MB (the host's available RAM for a CPU, the allocator's limit for a GPU), so
+    the tiny preset stands in for a step too large."""
     from examples.gpt import memory
 
+    monkeypatch.setattr(memory, "jax", _JaxSeeing([_DeviceView(platform)]))
     monkeypatch.setattr(memory, "_host_available_bytes", lambda: 1 << 20)
     ckpt = tmp_path / "ckpt"
     err = _usage_error(["--steps", "2", "--batch", "4", "--seq-len", "64", "--eval-batches", "1", "--data-bytes",
                         str(1 << 20), "--no-progress", "--ckpt-dir", str(ckpt)], capsys)
     assert "the tiny preset's train step (--batch 4, --seq-len 64) needs" in err, err
-    assert "XLA's memory analysis" in err and "0.0 GB of RAM available" in err and "--preset tiny" in err, err
+    assert "XLA's memory analysis" in err and "--preset tiny" in err, err
+    available = "0.0 GB of RAM available" if platform == "cpu" else "each Test GPU has 0.0 GB"
+    assert available in err, (f"{platform}: the message does not say what the {platform} has ({available!r}): "
+                              f"{err}")
     assert not ckpt.exists()
     said = memory.out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 103 GB"), "the step")
     assert isinstance(said, memory.StepTooLarge) and "ran out of memory" in str(said)

@@ -30,13 +30,15 @@ def _jobs(argv: list[str], tmp_path: pathlib.Path):
     return gpu_check.make_jobs(args, layout, python="py"), layout
 
 
-def test_device_command_runs_tests_then_benchmarks_from_outside_the_source_tree(tmp_path):
+def test_device_command_runs_tests_then_benchmarks_from_outside_the_source_tree(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # the GPU suite itself runs with one (the install folder)
     jobs, layout = _jobs(["--tests", "--bench", "layers,quantize"], tmp_path)
     assert [j.name for j in jobs] == ["tests", "bench_layers", "bench_quantize"]
     tests = jobs[0]
     assert tests.cwd == str(gpu_check.ROOT / "tests")
     assert tests.argv[:3] == ["py", "-m", "pytest"]
-    assert tests.argv[-3:] == ["-n", "8", "."]
+    assert tests.argv[-3:] == ["-n", str(gpu_check.TEST_WORKERS), "."]
+    assert f"--progress-log={layout.out / 'tests.jsonl'}" in tests.argv
     for job in jobs:
         assert job.env["PYTHONPATH"] == str(layout.site("new"))
         assert job.gpus_needed == 1
@@ -286,3 +288,38 @@ def test_extra_wheels_join_the_jobs_site(tmp_path, capsys):
     assert gpu_check.main(["--bench", "layers", "--extra-wheel", str(wheel), "--out", str(tmp_path / "o"),
                            "--dry-run"]) == 0
     assert f"with {wheel}" in capsys.readouterr().out
+
+
+def test_progress_log_says_what_failed_and_why_even_when_the_run_is_cut_short(tmp_path):
+    """tests/conftest.py's --progress-log, read by gpu_summary: every outcome as it happens, the crash line of each
+    failure, and a run that never reached pytest's final report (here: one test never reported) is marked so."""
+    import subprocess  # noqa: PLC0415
+
+    (tmp_path / "conftest.py").write_text((gpu_check.ROOT / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_cases.py").write_text(
+        "import pytest\n"
+        "def test_ok(): pass\n"
+        "def test_bad(): assert 1 + 1 == 3, 'the sum is off by one'\n"
+        "def test_skipped(): pytest.skip('not here')\n"
+        "@pytest.fixture\n"
+        "def broken(): raise RuntimeError('set-up broke')\n"
+        "def test_setup_error(broken): pass\n")
+    log = tmp_path / "out" / "tests.jsonl"
+    log.parent.mkdir()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           f"--progress-log={log}", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path,
+                          check=False, env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    gpu_summary = sys.modules["gpu_summary"]
+    t = gpu_summary.test_counts(log)
+    assert (t["collected"], t["passed"], t["failed"], t["skipped"], t["complete"]) == (4, 1, 2, 1, True)
+    by_test = {f["test"].split("::")[1]: f for f in t["failures"]}
+    assert "the sum is off by one" in by_test["test_bad"]["message"]
+    assert by_test["test_setup_error"]["when"] == "setup" and "set-up broke" in by_test["test_setup_error"]["message"]
+    lines = [line for line in log.read_text().splitlines() if "test_ok" not in line]
+    log.write_text("\n".join(lines) + "\n")  # as if killed before test_ok reported
+    t = gpu_summary.test_counts(log)
+    assert not t["complete"] and t["reported"] == 3
+    md = "\n".join(gpu_summary.test_lines(t))
+    assert "cut short: 3 of 4 reported" in md and "the sum is off by one" in md
+    assert gpu_summary.test_counts(tmp_path / "none.jsonl") == {"ran": False}

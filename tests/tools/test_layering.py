@@ -308,6 +308,14 @@ print(json.dumps(sorted(sys.modules)))
 INTEGRATION_LIBRARY = {"qwix": "qwix", "maxtext": "MaxText"}
 
 
+def test_no_test_folder_shadows_an_optional_library():
+    """tests/ is on sys.path (tests/conftest.py), so a folder there named like a library imports as an empty
+    namespace package where the library is absent: pytest.importorskip would not skip."""
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    folders = {p.name.lower() for p in tests.iterdir() if p.is_dir()}
+    assert not folders & {name.lower() for name in INTEGRATION_LIBRARY.values()}, sorted(folders)
+
+
 @pytest.mark.parametrize("floor", list(FLOORS))
 def test_a_floor_loads_only_its_floor_and_lower(floor):
     import te_jax  # noqa: PLC0415
