@@ -36,8 +36,8 @@ Quantized:
   state), and a delayed-scaling weight keeps one amax history per batch
   element: its "linear_weight" state has a leading ``B = prod(batch sizes)``
   axis (``quantizers.init_state(num_groups=B)``). Under per-tensor scaling
-  K and N are zero padded to multiples of 16, the tile of the CUDA grouped
-  kernels, on every platform (exact: zeros add nothing to a product and
+  grouped_dense zero pads K and N to multiples of 16, the tile of the CUDA
+  grouped kernels, on every platform (exact: zeros add nothing to a product and
   change no amax), so any K and N run on CPU and GPU alike. The grouped
   kernels take whole blocks only: a block recipe needs K and N multiples of
   its block.
@@ -68,15 +68,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from te_jax.core.bundles import DenseQuantizers, as_quantizers, check_high_precision, scaling_mode_of
+from te_jax.core.bundles import DenseQuantizers, as_quantizers, check_high_precision
 from te_jax.core.dense import dense
 from te_jax.core.gemm_quant import high_precision_state
 from te_jax.core.grouped_dense import grouped_dense, span_alignment
 from te_jax.core.stats import Sample, as_sample
-from te_jax.ops.grouped.layout import GROUP_ALIGN
 from te_jax.ops.sharding import MeshResource
 from te_jax.ops.sharding_types import product_type, reshape, retype
-from te_jax.spec.modes import ScalingMode
 
 __all__ = ["dot_general", "einsum", "parse_einsum"]
 
@@ -191,12 +189,6 @@ def _batched(lhs, rhs, lc, rc, lb, rb, q: DenseQuantizers, state, key, mesh_reso
     k = math.prod(lhs.shape[i] for i in lc)
     x = reshape(jnp.transpose(lhs, lb + lf + lc), (b * m, k))
     w = reshape(jnp.transpose(rhs, rb + rc + rf), (b, k, n))
-    tile = _kernel_tile(q)
-    dk, dn = -k % tile, -n % tile
-    if dk:
-        x = jnp.pad(x, ((0, 0), (0, dk)))
-    if dk or dn:
-        w = jnp.pad(w, ((0, 0), (0, dk), (0, dn)))
     align = span_alignment(q)
     group_align = align if align > 1 and m % align == 0 else 1
     try:
@@ -206,18 +198,7 @@ def _batched(lhs, rhs, lc, rc, lb, rb, q: DenseQuantizers, state, key, mesh_reso
         raise ValueError(str(err).replace(
             "te_jax: grouped_dense", f"te_jax: {_WHERE} (batch axes run on the grouped GEMM, te_jax.grouped_dense "
             f"over {b} groups of {m} rows)", 1)) from None
-    if dn:
-        y = y[:, :n]
     return retype(reshape(y, batch_shape + lf_shape + rf_shape), product_type(lhs, lb + lf, rhs, rf)), new_state
-
-
-def _kernel_tile(q: DenseQuantizers) -> int:
-    """What the batched route zero pads K and N to a multiple of: the CUDA grouped kernels' per-tensor FP8 tile
-    (16) when a quantizer scales per tensor, else 1 (block modes need whole blocks of their own, checked by
-    ``grouped_dense`` on every platform)."""
-    found = (scaling_mode_of(getattr(q, f)) for f in ("input", "weight", "grad_output"))
-    per_tensor = any(mode is not None and mode.per_tensor for mode in found)
-    return GROUP_ALIGN[ScalingMode.FP8_TENSOR] if per_tensor else 1
 
 
 # ---- einsum ------------------------------------------------------------------------------------------------

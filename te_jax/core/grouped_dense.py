@@ -28,7 +28,9 @@ the amax of the rows in groups, which is x's own when every row is in one).
 With ``group_align`` (a multiple of ``span_alignment``) x already has that
 layout: x and dy are quantized once with both copies, the row-grouped GEMMs
 run on whole spans (zero padding rows) and wgrad takes the columnwise copies
-as they are. The weight of each expert is quantized on its own
+as they are. Under per-tensor scaling K and N are zero padded to multiples
+of 16 on every platform (``te_jax.core.grouped_tiles``: the CUDA kernels'
+tile; exact). The weight of each expert is quantized on its own
 (``jax.vmap`` of the weight quantizer), so per-tensor recipes scale each
 expert separately.
 
@@ -63,6 +65,7 @@ from te_jax.core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, cotang
                           mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state, vary_of)
 from te_jax.core.bundles import FORWARD_FIELDS, ROLE_OF, check_key, check_state, scaling_mode_of
 from te_jax.core.gemm_quant import name_quantized
+from te_jax.core.grouped_tiles import check_block_operands, feature_tile, pad_axis
 from te_jax.core.unquantized import check_dtypes
 from te_jax.ops.grouped import gemm as gg
 from te_jax.ops.grouped.layout import regroup_rows, span_lengths, valid_group_sizes
@@ -225,6 +228,8 @@ def grouped_dense(
         align = span_alignment(q)
         spans = -(-(m + num_groups * (align - 1)) // align) * align  # room for every group's aligned span
     check_blocks(q, spans, k, n)
+    tile = feature_tile(q)  # K and N zero padded to the CUDA kernels' tile on every platform (exact)
+    x, kernel, bias = pad_axis(x, 1, tile), pad_axis(pad_axis(kernel, 1, tile), 2, tile), pad_axis(bias, 1, tile)
     inner = check_grouped_state(q, state, num_groups)
     if key is None:
         check_key(q, FORWARD_FIELDS, _WHERE)
@@ -233,7 +238,7 @@ def grouped_dense(
                         None, q, align, spans, x.dtype, kernel.dtype, None if bias is None else bias.dtype,
                         group_align > 1)
     y, new_inner = _vjp(plan, x, kernel, group_sizes, bias, inner, raw_key(key))
-    return y, updated_state(state, new_inner, None)
+    return (y if y.shape[1] == n else y[:, :n]), updated_state(state, new_inner, None)
 
 
 def _aligned_high_precision(x, kernel, group_sizes, bias, group_align: int):
@@ -358,9 +363,12 @@ def _expert(t, e: int):
     return jax.tree.map(lambda a: a[e], t)
 
 
-def grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dtype, bias=None, fast_accum=None):
-    """``te_jax.ops.grouped.gemm.grouped_gemm``, or, when either side is unquantized, its float32 equivalent."""
+def grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dtype, bias=None, fast_accum=None,
+                   where: str = _WHERE):
+    """``te_jax.ops.grouped.gemm.grouped_gemm`` (refusing what no platform's kernels all run:
+    ``check_block_operands``), or, when either side is unquantized, its float32 equivalent."""
     if isinstance(a, ScaledTensor) and isinstance(b, ScaledTensor):
+        check_block_operands(a, b, group_axis, contracting, where)
         return gg.grouped_gemm(a, b, group_sizes, contracting, group_axis=group_axis, align=align, bias=bias,
                                out_dtype=out_dtype, fast_accum=fast_accum)
     # A custom recipe left a role in high precision: dequantize the other side, multiply in float32.

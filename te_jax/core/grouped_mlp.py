@@ -29,6 +29,9 @@ cast again. The state contract, the per-expert weight state, the biases'
 gradients (float32 sums per group) and the roles' meanings are those of
 ``te_jax.grouped_dense``, per GEMM (``{"wi": {role: state}, "wo": ...}``).
 Without quantizers it is ``grouped_dense``, the activation, ``grouped_dense``.
+Under per-tensor scaling H, F (each half of a gated W) and H_out are zero
+padded to multiples of 16 on every platform, as ``grouped_dense`` pads K and
+N (``te_jax.core.grouped_tiles``); every activation maps zero to zero.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from te_jax.recipe.autocast import with_plan_mesh
 from te_jax.core.grouped_dense import (aligned_row_layout, bias_grad, check_blocks, check_grouped_inputs,
                                   check_grouped_state, grouped_dense, grouped_matmul, in_groups,
                                   quantize_expert_weights, span_alignment)
+from te_jax.core.grouped_tiles import feature_tile, pad_axis
 from te_jax.ops import norm_act as act_ops
 from te_jax.quantize import fused
 from te_jax.spec import reference_norm_act as ref_norm_act
@@ -129,6 +133,11 @@ def grouped_mlp(
         return y, None if state is None else {g: dict((state or {}).get(g) or {}) for g in GEMMS}
     check_blocks(q.wi, x.shape[0], x.shape[1], width, f"{_WHERE} (wi)")
     check_blocks(q.wo, x.shape[0], f, wo.shape[2], f"{_WHERE} (wo)")
+    h_out, tile = wo.shape[2], feature_tile(q.wi, q.wo)  # H, W (per half), F, H_out zero padded (exact)
+    halves = 2 if activation in act_ops.GATED else 1
+    x, wi = pad_axis(x, 1, tile), pad_axis(pad_axis(wi, 1, tile), 2, tile, halves)
+    wo = pad_axis(pad_axis(wo, 1, tile), 2, tile)
+    wi_bias, wo_bias = pad_axis(wi_bias, 1, tile, halves), pad_axis(wo_bias, 1, tile)
     state = dict(state or {})
     inner = {g: check_grouped_state(qg, state.get(g), num_groups, f"{_WHERE} ({g})") for g, qg in q.by_gemm().items()}
     if key is None:
@@ -140,7 +149,7 @@ def grouped_mlp(
                            None if wi_bias is None else wi_bias.dtype, None if wo_bias is None else wo_bias.dtype)
     y, new_inner = _vjp(plan, x, wi, wi_bias, wo, wo_bias, group_sizes, inner, raw_key(key))
     updates = {g: {**dict(state.get(g) or {}), **new_inner[g]} for g in GEMMS}
-    return y, updated_state(state, updates, None)
+    return (y if y.shape[1] == h_out else y[:, :h_out]), updated_state(state, updates, None)
 
 
 def _check_shapes(x, wi, wo, activation: str) -> tuple[int, int, int]:
@@ -199,7 +208,7 @@ def _forward(plan: _GroupedMLPPlan, x, wi, bi, wo, bo, group_sizes, state, key):
     xq = gi.quantize("input", in_groups(x, member), colwise=True, flatten_axis=1)
     wiq = quantize_expert_weights(gi, wi)
     hid = grouped_matmul(keep(xq, "rowwise"), wiq, row_sizes, (1, 0), group_axis=0, align=plan.align, bias=bi,
-                         out_dtype=plan.dtype, fast_accum=plan.q.wi.fast_accum)
+                         out_dtype=plan.dtype, fast_accum=plan.q.wi.fast_accum, where=_WHERE)
     if bi is not None:
         hid = in_groups(hid, member)  # the padding rows got the bias; the activation must see zeros there
     hid = checkpoint_name(gi.qdq("output", hid, flatten_axis=1), PRE_ACTIVATION)
@@ -210,7 +219,7 @@ def _forward(plan: _GroupedMLPPlan, x, wi, bi, wo, bo, group_sizes, state, key):
         a = fused.activation(hid, plan.activation, out_dtype=plan.dtype)
     woq = quantize_expert_weights(go, wo)
     y = grouped_matmul(keep(a, "rowwise"), woq, row_sizes, (1, 0), group_axis=0, align=plan.align, bias=bo,
-                       out_dtype=plan.dtype, fast_accum=plan.q.wo.fast_accum)
+                       out_dtype=plan.dtype, fast_accum=plan.q.wo.fast_accum, where=_WHERE)
     if bo is not None:
         y = in_groups(y, member)
     y = to_varying(go.qdq("output", y, flatten_axis=1), plan.all_vary)
@@ -227,9 +236,9 @@ def _backward_gemms(plan: _GroupedMLPPlan, g: GemmQuant, grad, weight, inputs, r
     """One GEMM's dgrad ``grad @ W_g^T`` (quantize-dequantized by its grad_input role) and wgrad
     ``inputs_g^T @ grad_g``, from the output gradient ``grad`` (both copies) and the columnwise ``inputs``."""
     dgrad = grouped_matmul(keep(grad, "rowwise"), weight, row_sizes, (1, 1), group_axis=0, align=plan.align,
-                           out_dtype=plan.dtype, fast_accum=fast)
+                           out_dtype=plan.dtype, fast_accum=fast, where=_WHERE)
     wgrad = grouped_matmul(inputs, keep(grad, "colwise"), group_sizes, (0, 0), group_axis=1, align=plan.align,
-                           out_dtype=plan.dtype, fast_accum=fast)
+                           out_dtype=plan.dtype, fast_accum=fast, where=_WHERE)
     return g.qdq("grad_input", dgrad, flatten_axis=1), wgrad
 
 

@@ -7,10 +7,10 @@ Two layers (the contract is ``docs/gemm_ffi.md``):
   ``[..., N, K]`` with A's leading axes: a batched GEMM) with their scales, in
   the custom call's argument order, and return ``out [..., M, N]``. Each
   validates at trace time, zero pads its operands to the shapes every handler
-  takes (``_aligned``: M, N multiples of 16, whole K blocks; a partial last K
-  block needs its own scale column), then runs the ``te_jax_gemm_*`` custom
-  call or, with the "reference" backend, its pure-JAX twin (dequantize,
-  float32 matmul), and cuts the output back to ``[..., M, N]``.
+  takes (``te_jax.ops.gemm_call.aligned``: M, N multiples of 16, whole K
+  blocks; a partial last K block needs its own scale column), then runs the
+  ``te_jax_gemm_*`` custom call or, with the "reference" backend, its pure-JAX
+  twin (dequantize, float32 matmul), and cuts the output back to ``[..., M, N]``.
 * ``gemm(lhs, rhs, contracting_dims, batch_dims)`` multiplies ScaledTensors like
   ``lax.dot_general``, picking the rowwise or columnwise copy of each.
 
@@ -30,9 +30,8 @@ import numpy as np
 from jax import lax
 
 from te_jax.ops.primitive import resolve as resolve_backend
-from te_jax.ops.gemm_call import CUBLAS_WORKSPACE_BYTES, Layout, call, workspace_bytes
+from te_jax.ops.gemm_call import CUBLAS_WORKSPACE_BYTES, Layout, aligned, call, workspace_bytes
 from te_jax.ops.dequantize import dequantize
-from te_jax.ops.quantize import pad_to_blocks
 from te_jax.spec import modes
 from te_jax.spec import numerics as nm
 from te_jax.spec import reference as ref
@@ -104,32 +103,6 @@ def check_flag(name: str, value) -> bool:
     return bool(value)
 
 
-def _aligned(lay: Layout, args: tuple, bias) -> tuple[tuple, jax.Array | None]:
-    """The operands zero padded to the shapes every GEMM handler takes; the same arrays when they have them.
-
-    The handlers take M and N multiples of 16 (cuBLASLt's aligned rows), 2D
-    blocks of whole 128 rows, and K a multiple of the mode's
-    ``gemm_k_multiple`` and of its scale block (block scales of a partial K
-    block are given: ``ceil(K / block)`` columns). Zero codes add nothing
-    along K whatever their (zero byte) scales, and the padded rows of M and N
-    are cut off the output, so the result is that of the operands as given.
-    """
-    k_multiple = math.lcm(modes.by_gemm_target(lay.target).gemm_k_multiple, max(lay.k_block, 1))
-    rows_per_scale_row = {"a": lay.a_rows, "b": lay.b_rows}
-    padded = []
-    for role, x in zip(lay.roles, args):
-        if role in ("a", "b"):
-            x = pad_to_blocks(x, math.lcm(16, rows_per_scale_row[role]), k_multiple // lay.pack)
-        elif role in ("a_s", "b_s"):
-            rows = rows_per_scale_row[role[0]]
-            x = pad_to_blocks(x, math.lcm(16, rows) // rows, k_multiple // lay.k_block)
-        padded.append(x)
-    n = padded[lay.roles.index("b")].shape[-2]
-    if bias is not None and bias.shape[0] != n:
-        bias = jnp.pad(bias, (0, n - bias.shape[0]))
-    return tuple(padded), bias
-
-
 def _empty_product(a, m: int, n: int, bias, out_dtype) -> jax.Array:
     """A product with M, N or K of size 0, as ``lax.dot_general`` gives it: an empty output, or (K = 0) zeros
     plus the bias. No kernel runs (the handlers take no empty operands)."""
@@ -150,7 +123,7 @@ def _run(lay: Layout, args: tuple, dequantize, bias, out_dtype, autotune: bool, 
     m, n = a.shape[-2], b.shape[-2]
     if 0 in (m, n, a.shape[-1]):
         return _empty_product(a, m, n, bias, out_dtype)
-    args, bias = _aligned(lay, args, bias)
+    args, bias = aligned(lay, args, bias)
     if resolve_backend(backend) == "reference":
         da, db = dequantize(*args)
         batch = tuple(range(db.ndim - 2))  # a batched B shares A's leading axes

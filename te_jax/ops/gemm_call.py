@@ -5,7 +5,9 @@
 the workspace result per platform (empty on CPU, sized for the CUDA handlers
 on GPU) and checks cuBLASLt's alignment when lowering for CUDA; the partition
 rule never gathers a sharded operand (a sharded contraction gives float32
-partial products and one psum); the vmap rule makes a vmapped axis a leading
+partial products and one psum) and pads each device's blocks to that
+alignment on every platform (``aligned``: a split may leave 8 of 16 rows on a
+device); the vmap rule makes a vmapped axis a leading
 axis of the custom call (per-tensor scales that vary along it become one
 scale per matrix).
 
@@ -29,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import te_jax.ops.ffi  # noqa: F401  (registers the FFI targets)
 from te_jax.ops.partitioned import CustomCallPrimitive, Partitioned
+from te_jax.ops.quantize import pad_to_blocks
 from te_jax.ops.sharding import AxisClaims, MeshResource, axes_of, check_mesh_axes, mesh_axes
 from te_jax.spec import modes
 
@@ -89,6 +92,32 @@ def _check_cuda_shapes(lay: Layout, a_shape, b_shape) -> None:
                          f"(cuBLASLt's aligned rows), got M={m}, N={n}, K={k}; pad the operands")
 
 
+def aligned(lay: Layout, args: tuple, bias) -> tuple[tuple, jax.Array | None]:
+    """The operands zero padded to the shapes every GEMM handler takes; the same arrays when they have them.
+
+    The handlers take M and N multiples of 16 (cuBLASLt's aligned rows), 2D
+    blocks of whole 128 rows, and K a multiple of the mode's
+    ``gemm_k_multiple`` and of its scale block (block scales of a partial K
+    block are given: ``ceil(K / block)`` columns). Zero codes add nothing
+    along K whatever their (zero byte) scales, and the padded rows of M and N
+    are cut off the output, so the result is that of the operands as given.
+    """
+    k_multiple = math.lcm(modes.by_gemm_target(lay.target).gemm_k_multiple, max(lay.k_block, 1))
+    rows_per_scale_row = {"a": lay.a_rows, "b": lay.b_rows}
+    padded = []
+    for role, x in zip(lay.roles, args):
+        if role in ("a", "b"):
+            x = pad_to_blocks(x, math.lcm(16, rows_per_scale_row[role]), k_multiple // lay.pack)
+        elif role in ("a_s", "b_s"):
+            rows = rows_per_scale_row[role[0]]
+            x = pad_to_blocks(x, math.lcm(16, rows) // rows, k_multiple // lay.k_block)
+        padded.append(x)
+    n = padded[lay.roles.index("b")].shape[-2]
+    if bias is not None and bias.shape[0] != n:
+        bias = jnp.pad(bias, (0, n - bias.shape[0]))
+    return tuple(padded), bias
+
+
 class GemmEmulationWarning(UserWarning):
     """A GEMM lowered for a GPU without its native kernels runs the documented emulation."""
 
@@ -143,6 +172,21 @@ def _ffi_call(lay: Layout, *args):
     if not lay.has_bias:
         args = (*args, jnp.zeros((0,), lay.out_dtype))
     return _gemm_p.bind(*args, lay=lay)
+
+
+def _local_call(lay: Layout, *args):
+    """``_ffi_call`` on one device's blocks (a partition rule's body), zero padded as ``aligned`` pads, the output
+    cut back.
+
+    ``te_jax.ops.gemm`` aligns the whole operands, but a split of M, N or K
+    over mesh axes may leave blocks the CUDA handlers refuse (M = 16 rows over
+    two devices: 8 each). Padded on every platform, so that what a CPU mesh
+    runs a GPU mesh runs too; blocks that are aligned pass as they are.
+    """
+    operands, bias = aligned(lay, args[:len(lay.roles)], args[-1] if lay.has_bias else None)
+    m, n = args[lay.roles.index("a")].shape[-2], args[lay.roles.index("b")].shape[-2]
+    out = _ffi_call(lay, *operands, *(() if bias is None else (bias,)))
+    return out if out.shape[-2:] == (m, n) else out[..., :m, :n]
 
 
 # ---- sharding ----------------------------------------------------------------------
@@ -226,7 +270,7 @@ def _plan(lay: Layout, mesh, arg_shapes, wanted=None):
 def _partition(lay: Layout, mesh, arg_shapes, result_shape):
     arg_shardings, out_sharding, k_axes, scatter_m, scatter_n = _plan(lay, mesh, arg_shapes, result_shape.sharding)
     if not k_axes:
-        return mesh, functools.partial(_ffi_call, lay), out_sharding, arg_shardings
+        return mesh, functools.partial(_local_call, lay), out_sharding, arg_shardings
     partial_lay = dataclasses.replace(lay, out_dtype=jnp.dtype(jnp.float32), has_bias=False)
     summed = tuple(x for x in k_axes if x not in scatter_m + scatter_n)
 
@@ -234,7 +278,7 @@ def _partition(lay: Layout, mesh, arg_shapes, result_shape):
         # float32 partial sums over the local K; reduce-scattered over the axes the output is split by, summed
         # over the rest (one collective each), then bias and cast.
         operands = args[:-1] if lay.has_bias else args
-        out = _ffi_call(partial_lay, *operands)
+        out = _local_call(partial_lay, *operands)
         if scatter_m:
             out = lax.psum_scatter(out, scatter_m, scatter_dimension=out.ndim - 2, tiled=True)
         if scatter_n:
