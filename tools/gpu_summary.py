@@ -26,15 +26,23 @@ def test_counts(progress_log: pathlib.Path) -> dict:
     """
     if not progress_log.exists():
         return {"ran": False}
-    lines = json_lines(progress_log)
+    lines = []
+    for text in progress_log.read_text(errors="replace").splitlines():
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:  # the record a killed run was writing
+            continue
     collected = max((line["collected"] for line in lines if "collected" in line), default=0)
     reports = [line for line in lines if "test" in line]
     outcome: dict[str, str] = {}
     for r in reports:  # a test's worst report: a teardown failure after a passed call is a failure
         if outcome.get(r["test"]) != "failed":
             outcome[r["test"]] = r["outcome"]
-    failed = [{"test": r["test"], "when": r["when"], "message": r["message"]} for r in reports
-              if r["outcome"] == "failed"]
+    failed, listed = [], set()
+    for r in reports:  # a test's first failure (a failed call may fail its teardown too)
+        if r["outcome"] == "failed" and r["test"] not in listed:
+            listed.add(r["test"])
+            failed.append({"test": r["test"], "when": r["when"], "message": r["message"]})
     folders: dict[str, float] = {}
     for r in reports:
         folder = r["test"].split("::")[0].rsplit("/", 1)[0]

@@ -65,7 +65,7 @@ from te_jax.core import (DenseQuantizers, GemmQuant, Plan, as_quantizers, cotang
                           mesh_resource_or_autocast, raw_key, state_cotangent, state_leaves, updated_state, vary_of)
 from te_jax.core.bundles import FORWARD_FIELDS, ROLE_OF, check_key, check_state, scaling_mode_of
 from te_jax.core.gemm_quant import name_quantized
-from te_jax.core.grouped_tiles import check_block_operands, feature_tile, pad_axis
+from te_jax.core.grouped_tiles import feature_tile, pad_axis
 from te_jax.core.unquantized import check_dtypes
 from te_jax.ops.grouped import gemm as gg
 from te_jax.ops.grouped.layout import regroup_rows, span_lengths, valid_group_sizes
@@ -363,12 +363,9 @@ def _expert(t, e: int):
     return jax.tree.map(lambda a: a[e], t)
 
 
-def grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dtype, bias=None, fast_accum=None,
-                   where: str = _WHERE):
-    """``te_jax.ops.grouped.gemm.grouped_gemm`` (refusing what no platform's kernels all run:
-    ``check_block_operands``), or, when either side is unquantized, its float32 equivalent."""
+def grouped_matmul(a, b, group_sizes, contracting, *, group_axis, align, out_dtype, bias=None, fast_accum=None):
+    """``te_jax.ops.grouped.gemm.grouped_gemm``, or, when either side is unquantized, its float32 equivalent."""
     if isinstance(a, ScaledTensor) and isinstance(b, ScaledTensor):
-        check_block_operands(a, b, group_axis, contracting, where)
         return gg.grouped_gemm(a, b, group_sizes, contracting, group_axis=group_axis, align=align, bias=bias,
                                out_dtype=out_dtype, fast_accum=fast_accum)
     # A custom recipe left a role in high precision: dequantize the other side, multiply in float32.

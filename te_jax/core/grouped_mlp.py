@@ -208,7 +208,7 @@ def _forward(plan: _GroupedMLPPlan, x, wi, bi, wo, bo, group_sizes, state, key):
     xq = gi.quantize("input", in_groups(x, member), colwise=True, flatten_axis=1)
     wiq = quantize_expert_weights(gi, wi)
     hid = grouped_matmul(keep(xq, "rowwise"), wiq, row_sizes, (1, 0), group_axis=0, align=plan.align, bias=bi,
-                         out_dtype=plan.dtype, fast_accum=plan.q.wi.fast_accum, where=_WHERE)
+                         out_dtype=plan.dtype, fast_accum=plan.q.wi.fast_accum)
     if bi is not None:
         hid = in_groups(hid, member)  # the padding rows got the bias; the activation must see zeros there
     hid = checkpoint_name(gi.qdq("output", hid, flatten_axis=1), PRE_ACTIVATION)
@@ -219,7 +219,7 @@ def _forward(plan: _GroupedMLPPlan, x, wi, bi, wo, bo, group_sizes, state, key):
         a = fused.activation(hid, plan.activation, out_dtype=plan.dtype)
     woq = quantize_expert_weights(go, wo)
     y = grouped_matmul(keep(a, "rowwise"), woq, row_sizes, (1, 0), group_axis=0, align=plan.align, bias=bo,
-                       out_dtype=plan.dtype, fast_accum=plan.q.wo.fast_accum, where=_WHERE)
+                       out_dtype=plan.dtype, fast_accum=plan.q.wo.fast_accum)
     if bo is not None:
         y = in_groups(y, member)
     y = to_varying(go.qdq("output", y, flatten_axis=1), plan.all_vary)
@@ -236,9 +236,9 @@ def _backward_gemms(plan: _GroupedMLPPlan, g: GemmQuant, grad, weight, inputs, r
     """One GEMM's dgrad ``grad @ W_g^T`` (quantize-dequantized by its grad_input role) and wgrad
     ``inputs_g^T @ grad_g``, from the output gradient ``grad`` (both copies) and the columnwise ``inputs``."""
     dgrad = grouped_matmul(keep(grad, "rowwise"), weight, row_sizes, (1, 1), group_axis=0, align=plan.align,
-                           out_dtype=plan.dtype, fast_accum=fast, where=_WHERE)
+                           out_dtype=plan.dtype, fast_accum=fast)
     wgrad = grouped_matmul(inputs, keep(grad, "colwise"), group_sizes, (0, 0), group_axis=1, align=plan.align,
-                           out_dtype=plan.dtype, fast_accum=fast, where=_WHERE)
+                           out_dtype=plan.dtype, fast_accum=fast)
     return g.qdq("grad_input", dgrad, flatten_axis=1), wgrad
 
 

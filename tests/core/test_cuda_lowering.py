@@ -23,9 +23,10 @@ and what keeps each public entry point clear of them:
   ``span_alignment``. MXFP8 and NVFP4 grouped GEMMs run an emulation on a GPU
   (``GemmEmulationWarning``), on the bfloat16 grouped kernel only where K and
   N are multiples of 8, as is the high-precision bfloat16 path.
-* ``te_jax.ops.grouped.cuda.cuda_kernel``: Float8 block operands E4M3 x E4M3
-  with 1x128 blocks on the left (both wgrad operands), which the grouped ops
-  refuse on every platform (``check_block_operands``); per-tensor FP8 has a
+* ``te_jax.ops.grouped.cuda.cuda_kernel``: Float8 block kernels for E4M3 x
+  E4M3 with 1x128 blocks on the left (both wgrad operands); the other block
+  layouts run the emulation on CUDA with a ``GemmEmulationWarning``
+  (``block_emulation_message``), as on every other GPU; per-tensor FP8 has a
   kernel (or the float32 one, cast) for every dtype pair but E5M2 x E5M2,
   which every platform refuses.
 
@@ -60,8 +61,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::te_jax.quantize.fused.UnfusedCa
 
 E4, E5 = jnp.float8_e4m3fn, jnp.float8_e5m2
 WHOLE_BLOCKS = "the grouped GEMM takes whole blocks only"
-E4M3_ONLY = "the grouped kernels (CUDA) take E4M3 x E4M3 only"
-ONE_BY_128 = "the grouped kernels (CUDA) take 1x128 blocks"
 
 
 def _custom(role):
@@ -75,13 +74,18 @@ def _custom(role):
 RECIPES = {"delayed": R.DelayedScaling(amax_history_len=4), "current": R.Float8CurrentScaling(),
            "block": R.Float8BlockScaling(), "mxfp8": R.MXFP8BlockScaling(), "nvfp4": R.NVFP4BlockScaling(),
            "custom": R.CustomRecipe(_custom)}
-# Float8 block variants the CUDA grouped kernels have no kernel for (te_jax.dense takes them).
-BLOCK_VARIANTS = {"block_hybrid": (R.Float8BlockScaling(fp8_format=R.Format.HYBRID), E4M3_ONLY),
-                  "block_x2": (R.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1), ONE_BY_128),
-                  "block_grad2": (R.Float8BlockScaling(grad_block_scaling_dim=2, w_block_scaling_dim=1), ONE_BY_128)}
+# Float8 block variants the CUDA grouped kernels have no kernel for (te_jax.dense takes them; the grouped ops run
+# the emulation for them on CUDA).
+BLOCK_VARIANTS = {"block_hybrid": R.Float8BlockScaling(fp8_format=R.Format.HYBRID),
+                  "block_x2": R.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=1),
+                  "block_grad2": R.Float8BlockScaling(grad_block_scaling_dim=2, w_block_scaling_dim=1)}
 # The recipes whose cases also run on CPU (finite results): state, E5M2 gradients, FP4 with stochastic rounding;
 # the others' numerics are tested in their op's own file.
 RUN_ON_CPU = ("delayed", "custom", "nvfp4")
+# The variants with 128x128 blocks on activations or gradients: the grouped GEMM takes them for whole blocks of
+# rows only (every platform).
+TWO_D_LEFT = ("block_x2", "block_grad2")
+ROWS_OF_128 = "128x128 blocks need"
 BLOCKED = {"block": 128, "mxfp8": 32, "nvfp4": 16}  # what a grouped op's K and N must be multiples of
 
 
@@ -160,7 +164,7 @@ def test_dense_ops_lower_for_cuda(op, recipe):
 @pytest.mark.parametrize("recipe", list(BLOCK_VARIANTS))
 def test_dense_takes_every_float8_block_variant_on_cuda(recipe):
     """cuBLASLt multiplies E5M2 and 128x128-blocked inputs and gradients, which the grouped kernels do not."""
-    f, w, state = _dense_op("dense", BLOCK_VARIANTS[recipe][0])
+    f, w, state = _dense_op("dense", BLOCK_VARIANTS[recipe])
     hlo = _lowers_alike(_grad(f, 3), _rand(0, (1, 7, H)), w, state)
     assert hlo.count("te_jax_gemm_fp8_block") >= 3
 
@@ -202,17 +206,20 @@ def _features(recipe: str, odd: tuple[int, int]) -> list[tuple[int, int]]:
     return [odd] * (recipe not in BLOCK_VARIANTS) + [(128, 128)] * (recipe in BLOCKED or recipe in BLOCK_VARIANTS)
 
 
-def _expected(recipe: str, dims: tuple[int, ...]) -> str | None:
-    """The refusal a grouped op under ``recipe`` owes on every platform for feature sizes ``dims``, or None."""
+def _expected(recipe: str, dims: tuple[int, ...], rows: int = 0) -> str | None:
+    """The refusal a grouped op under ``recipe`` owes on every platform for feature sizes ``dims`` and ``rows``
+    rows of activations, or None."""
     if recipe in BLOCK_VARIANTS:
-        return WHOLE_BLOCKS if any(d % 128 for d in dims) else BLOCK_VARIANTS[recipe][1]
+        if any(d % 128 for d in dims):
+            return WHOLE_BLOCKS
+        return ROWS_OF_128 if recipe in TWO_D_LEFT and rows % 128 else None
     if recipe in BLOCKED and any(d % BLOCKED[recipe] for d in dims):
         return WHOLE_BLOCKS
     return None
 
 
 def _recipe(name: str):
-    return RECIPES[name] if name in RECIPES else BLOCK_VARIANTS[name][0]
+    return RECIPES[name] if name in RECIPES else BLOCK_VARIANTS[name]
 
 
 def _grouped_dense(recipe, k: int, n: int, dtype=jnp.float32):
@@ -232,7 +239,7 @@ def test_grouped_dense_lowers_for_cuda(recipe, sizes):
     m, gs = ROWS[sizes], jnp.asarray(SIZES[sizes], jnp.int32)
     for k, n in _features(recipe, (24, 40)):
         f, (w, b, state) = _grouped_dense(_recipe(recipe), k, n)
-        refuses = _expected(recipe, (k, n))
+        refuses = _expected(recipe, (k, n), m)
         hlo = _lowers_alike(_grad(lambda x, w, b, s: f(x, w, b, s, gs), 4), _rand(0, (m, k)), w, b, state,
                             refuses=refuses, run=sizes == "gaps" and recipe in RUN_ON_CPU)
         if refuses is None and m:
@@ -285,7 +292,7 @@ def test_grouped_mlp_lowers_for_cuda(recipe):
 
         args = (_rand(0, (G * max(align, 16), h)), _rand(1, (G, h, 2 * f), 0.1), _rand(2, (G, f, h), 0.1),
                 _rand(3, (G, 2 * f), 0.1), _rand(4, (G, h), 0.1), q.init_state(num_groups=G))
-        refuses = _expected(recipe, (h, f))
+        refuses = _expected(recipe, (h, f), args[0].shape[0])
         hlo = _lowers_alike(_grad(mlp, 5), *args, refuses=refuses, run=recipe in RUN_ON_CPU)
         if refuses is None:
             assert "te_jax_grouped_gemm" in hlo
@@ -293,17 +300,16 @@ def test_grouped_mlp_lowers_for_cuda(recipe):
 
 @pytest.mark.parametrize("recipe", [*RECIPES, *BLOCK_VARIANTS])
 def test_ragged_dot_lowers_for_cuda(recipe):
-    """te_jax.ragged_dot zero pads K and N to every mode's tile: only the block variants without a CUDA kernel are
-    refused."""
+    """te_jax.ragged_dot zero pads K and N to every mode's tile: every recipe lowers but the 128x128 activation or
+    gradient blocks at 20 rows, refused on every platform."""
     q = DenseQuantizers.from_recipe(_recipe(recipe))
     state, gs = init_state(q, G), jnp.asarray(SIZES["gaps"], jnp.int32)
 
     def f(x, w, state):
         return te_jax.ragged_dot(x, w, gs, quantizers=q, state=state, key=jax.random.key(5))
 
-    refuses = BLOCK_VARIANTS[recipe][1] if recipe in BLOCK_VARIANTS else None
-    _lowers_alike(_grad(f, 3), _rand(0, (20, 24)), _rand(1, (G, 24, 40), 0.1), state, refuses=refuses,
-                  run=recipe in RUN_ON_CPU)
+    _lowers_alike(_grad(f, 3), _rand(0, (20, 24)), _rand(1, (G, 24, 40), 0.1), state,
+                  refuses=_expected(recipe, (128, 128), 20), run=recipe in RUN_ON_CPU)
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
@@ -321,6 +327,29 @@ def test_einsum_with_batch_axes_lowers_for_cuda(recipe):
         refuses = _expected(recipe, (d, f))
         _lowers_alike(_grad(fn, 3), _rand(0, (3, 4, d)), _rand(1, (4, d, f), 0.1), state, refuses=refuses,
                       run=recipe in RUN_ON_CPU)
+
+
+@pytest.mark.parametrize("recipe", list(BLOCK_VARIANTS))
+def test_float8_block_layouts_without_a_kernel_run_the_emulation_on_cuda(recipe):
+    """HYBRID (E5M2 gradients) and 128x128 activation or gradient blocks: the grouped GEMMs the sm_90 kernels do
+    not cover lower to the emulation on CUDA with a GemmEmulationWarning naming what the kernels take; the others
+    still run the kernels, and the CPU result is that of the grouped ops (finite, in the callers' shapes)."""
+    f, (w, b, state) = _grouped_dense(BLOCK_VARIANTS[recipe], 128, 128)
+    gs, x = jnp.asarray([100, 0, 156], jnp.int32), _rand(0, (256, 128))  # whole 128-row blocks, an empty group
+    step = jax.jit(_grad(lambda x, w, b, s: f(x, w, b, s, gs), 4))
+    with te_jax.train.fp8_state_updates():
+        traced = step.trace(x, w, b, state)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", GemmEmulationWarning)
+        hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
+    said = [str(w.message) for w in seen if issubclass(w.category, GemmEmulationWarning)]
+    assert said and all("Float8 block GEMMs" in m and "emulation" in m for m in said), said
+    kernels = hlo.count("te_jax_grouped_gemm_fp8_block")
+    assert 1 <= kernels < 3, f"{recipe}: {kernels} block kernel calls of the three GEMMs"
+    with te_jax.train.fp8_state_updates():
+        grads = step(x, w, b, state)
+    assert [g.shape for g in grads[:3]] == [x.shape, w.shape, b.shape]
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads[:3])
 
 
 # ---- layers ------------------------------------------------------------------------------------------------
@@ -376,9 +405,10 @@ def test_linen_transformer_layer_lowers_for_cuda(recipe):
 
 # ---- a GEMM split over a mesh ------------------------------------------------------------------------------
 
-SHARDED = {  # name -> (M, K, N, x spec, w spec): each split leaves blocks of 8 on a device of two
+SHARDED = {  # name -> (M, K, N, x spec, w spec): each split leaves blocks of 8 on a device of two (mxfp8 splits
+    # no K of 16: one 32-wide block)
     "rows": (16, 32, 32, ("d", None), (None, None)),
-    "contraction": (16, 32, 32, (None, "d"), ("d", None)),
+    "contraction": (16, 16, 32, (None, "d"), ("d", None)),
     "columns": (32, 32, 16, (None, None), (None, "d")),
 }
 

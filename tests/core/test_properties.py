@@ -101,20 +101,23 @@ class Accumulation:
     Attributes:
       name: what ran the GEMM, for the failure messages.
       operand: the relative rounding of each operand as the multiply reads it (TF32: 2^-10, truncation
-        included; bfloat16 copies: 2^-9); 0 where the products are exact.
+        included; bfloat16 copies: 2^-8); 0 where the products are exact.
       unit: the error of one addend of the sums, relative to ``|x'| @ |w'|``.
       step: the fewest products one tensor-core step sums, each step adding three more roundings (the carried
         accumulator, the step's normalization, a split-K or promotion sum); None: plain float32 sums, K addends.
+      result: the relative rounding of the sum before the output cast (the bfloat16 grouped kernel's bfloat16
+        result: 2^-8), bounded relative to ``|x'| @ |w'|``; 0 for a float32 result.
     """
 
     name: str
     operand: float
     unit: float
     step: int | None
+    result: float = 0.0
 
     def term(self, k: int) -> float:
         """``c(K)``: the accumulation's error relative to ``|x'| @ |w'|``."""
-        return self.unit * (k if self.step is None else k + 3 * -(-k // self.step))
+        return self.unit * (k if self.step is None else k + 3 * -(-k // self.step)) + self.result
 
 
 # XLA:CPU and the CPU twins: float32 products and round-to-nearest float32 sums.
@@ -128,8 +131,10 @@ GPU_TF32 = dataclasses.replace(GPU_F32_SUMS, name="TF32 dot (default precision)"
 # spare, at least 13 significant bits with truncation, an addend aligned to
 # the step's largest term loses < 2^-12 of it. Steps of at least 16 products (wgmma's FP8 K is 32).
 GPU_FP8_SUMS = Accumulation("FP8 tensor-core sums (>= 13 bits)", 0.0, 2.0**-12, 16)
-# The grouped emulation (te_jax.ops.grouped.reference.emulate): the float32 dequantized operands cast to bfloat16.
-GPU_BF16_COPIES = dataclasses.replace(GPU_F32_SUMS, name="bfloat16 emulation", operand=2.0**-9)
+# The grouped emulation (te_jax.ops.grouped.reference.emulate): the float32 dequantized operands cast to bfloat16
+# (exact for MXFP8's E4M3 * 2^e), the product on sm_90 from the bfloat16 grouped kernel, whose result is bfloat16.
+GPU_BF16_EXACT_COPIES = dataclasses.replace(GPU_F32_SUMS, name="bfloat16 emulation (exact copies)", result=2.0**-8)
+GPU_BF16_COPIES = dataclasses.replace(GPU_BF16_EXACT_COPIES, name="bfloat16 emulation", operand=2.0**-8)
 
 
 def _capability() -> float | None:
@@ -150,7 +155,7 @@ def accumulation_of(q, dtype=jnp.float32, grouped: bool = False) -> Accumulation
     family, capability = q.scaling_mode.family, _capability()
     kernels = (ScalingMode.FP8_TENSOR, ScalingMode.FP8_BLOCK)  # the grouped CUTLASS kernels (sm_90)
     if grouped and (family not in kernels or capability not in (None, 9.0)):  # te_jax.ops.grouped.cuda
-        return GPU_F32_SUMS if family is ScalingMode.MXFP8 else GPU_BF16_COPIES  # E4M3 * 2^e: exact in bfloat16
+        return GPU_BF16_EXACT_COPIES if family is ScalingMode.MXFP8 else GPU_BF16_COPIES
     if family in (ScalingMode.MXFP8, ScalingMode.NVFP4) and capability is not None \
             and capability < q.scaling_mode.native_gemm_capability:
         return GPU_F32_SUMS  # sm_90's emulation: exact bfloat16 operands, one bfloat16 GEMM

@@ -317,7 +317,7 @@ def test_progress_log_says_what_failed_and_why_even_when_the_run_is_cut_short(tm
     assert "the sum is off by one" in by_test["test_bad"]["message"]
     assert by_test["test_setup_error"]["when"] == "setup" and "set-up broke" in by_test["test_setup_error"]["message"]
     lines = [line for line in log.read_text().splitlines() if "test_ok" not in line]
-    log.write_text("\n".join(lines) + "\n")  # as if killed before test_ok reported
+    log.write_text("\n".join(lines) + '\n{"test": "test_cases.py::test_o')  # killed before test_ok reported, mid-line
     t = gpu_summary.test_counts(log)
     assert not t["complete"] and t["reported"] == 3
     md = "\n".join(gpu_summary.test_lines(t))

@@ -36,8 +36,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import te_jax.ops.ffi  # noqa: F401  (registers the FFI targets)
 from te_jax.ops.gemm_call import GemmEmulationWarning, _cuda_compute_capability
-from te_jax.ops.grouped.cuda import (bf16_kernel_emulates, check_cuda, cuda_kernel, emulation_message,
-                                     grouped_workspace_bytes)
+from te_jax.ops.grouped.cuda import (bf16_kernel_emulates, block_emulation_message, check_cuda, cuda_kernel,
+                                     emulation_message, grouped_workspace_bytes)
 from te_jax.ops.grouped.layout import GroupedLayout, cut_sizes, span_lengths
 from te_jax.ops.grouped.reference import emulate, emulation_operands
 from te_jax.ops.partitioned import CustomCallPrimitive, Partitioned
@@ -63,7 +63,7 @@ def _lower(platform: str, ctx, *args, lay: GroupedLayout):
     if platform == "cuda":
         capability = _cuda_compute_capability()
         bf16_kernel = bf16_kernel_emulates(lay, capability, a.shape, b.shape)
-        message = emulation_message(lay, capability, bf16_kernel)
+        message = emulation_message(lay, capability, bf16_kernel) or block_emulation_message(lay, a.dtype, b.dtype)
         if message:
             warnings.warn(message, GemmEmulationWarning, stacklevel=2)
             run_emulation = _emulate_with_bf16_kernel if bf16_kernel else emulate

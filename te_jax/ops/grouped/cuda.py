@@ -3,10 +3,13 @@
 Per-tensor FP8 and Float8 block run the CUTLASS sm_90a kernels: where no
 kernel writes the requested out dtype (or fast accumulation) directly, the
 float32 split-accumulation kernel of the dtype pair runs and the lowering
-casts its result (``cuda_kernel``); what no kernel can run is refused at trace
-time with what to change (``check_cuda``, ``cuda_kernel``). MXFP8, NVFP4 and
-every mode on a GPU other than sm_90 run the emulation
-(``te_jax.ops.grouped.reference.emulate``; ``emulation_message``); on sm_90
+casts its result (``cuda_kernel``); shapes the kernels cannot tile are
+refused at trace time with what to change (``check_cuda``; the grouped ops
+pad per-tensor K and N on every platform). MXFP8, NVFP4, the Float8 block
+layouts without a kernel (E5M2 operands, 128x128 activation or gradient
+blocks: ``block_emulation_message``) and every mode on a GPU other than
+sm_90 run the emulation (``te_jax.ops.grouped.reference.emulate``;
+``emulation_message``), with a ``GemmEmulationWarning``; on sm_90
 the emulation of MXFP8 and NVFP4 multiplies with the bfloat16 kernel where its
 shapes fit (``bf16_kernel_emulates``). The
 bfloat16 call (``GroupedLayout.mode`` None) runs one CUTLASS sm_90a kernel per
@@ -25,7 +28,7 @@ from te_jax.spec import modes
 from te_jax.spec.modes import ScalingMode
 
 __all__ = ["CUDA_BF16_KERNELS", "CUDA_BLOCK_KERNELS", "CUDA_FP8_KERNELS", "bf16_kernel_emulates", "check_cuda",
-           "cuda_kernel", "emulation_message", "grouped_workspace_bytes"]
+           "block_emulation_message", "cuda_kernel", "emulation_message", "grouped_workspace_bytes"]
 
 # What the CUDA kernels tile: K and N (group_axis 0), P, Q and Kc (group_axis 1) multiples of these.
 _CUDA_MULTIPLE = {ScalingMode.FP8_TENSOR: 16, ScalingMode.FP8_BLOCK: 128, ScalingMode.MXFP8: 32,
@@ -89,6 +92,32 @@ def emulation_message(lay: GroupedLayout, capability: float | None, bf16_kernel:
             f"is dequantized to bfloat16, then multiplied by {product} (docs/grouped_gemm_cuda.md), without the "
             "FP8 speed-up. Native grouped kernels: per-tensor FP8 and Float8 block on compute capability 9.0. "
             f"{silence}")
+
+
+def block_emulation_message(lay: GroupedLayout, a_dtype, b_dtype) -> str | None:
+    """The warning for a Float8 block layout the sm_90 kernels do not cover, or None.
+
+    The kernels multiply E4M3 x E4M3 with 1x128 blocks on the left operand (on both for wgrad, group_axis 1);
+    E5M2 operands (a HYBRID recipe's gradients) and 128x128 activation or gradient blocks run the emulation
+    instead, with this warning, as every platform but sm_90 runs them.
+    """
+    if lay.mode is not ScalingMode.FP8_BLOCK:
+        return None
+    attrs = dict(lay.attrs)
+    why = []
+    if (jnp.dtype(a_dtype), jnp.dtype(b_dtype)) != (_E4M3, _E4M3):
+        why.append(f"E4M3 x E4M3 operands (got {jnp.dtype(a_dtype).name} x {jnp.dtype(b_dtype).name}: use "
+                   "Float8BlockScaling(fp8_format=Format.E4M3))")
+    if attrs["a_block_2d"] or (lay.group_axis == 1 and attrs["b_block_2d"]):
+        why.append("1x128 blocks on the left operand, on both for wgrad (use Float8BlockScaling("
+                   "x_block_scaling_dim=1, grad_block_scaling_dim=1))")
+    if not why:
+        return None
+    return (f"te_jax: grouped Float8 block GEMMs ({lay.target}, group_axis {lay.group_axis}) on compute capability "
+            f"9.0 have kernels for {' and '.join(why)}; this one runs the documented emulation: each operand is "
+            "dequantized to bfloat16, then multiplied by XLA's bfloat16 ragged dot accumulating in float32 "
+            "(docs/grouped_gemm_cuda.md), without the FP8 speed-up. Silence with "
+            "warnings.filterwarnings('ignore', category=GemmEmulationWarning).")
 
 
 def check_cuda(lay: GroupedLayout, a_shape, b_shape) -> None:
