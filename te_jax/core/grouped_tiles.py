@@ -42,4 +42,3 @@ def pad_axis(a: jax.Array | None, axis: int, multiple: int, halves: int = 1) -> 
     widths = [(0, 0)] * split.ndim
     widths[axis + 1] = (0, extra)
     return jnp.pad(split, widths).reshape(*a.shape[:axis], halves * (size + extra), *a.shape[axis + 1:])
-

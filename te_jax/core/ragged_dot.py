@@ -49,6 +49,7 @@ from te_jax.core.bundles import (BACKWARD_FIELDS, FORWARD_FIELDS, HIGH_PRECISION
                                  rounds_stochastically, scaling_mode_of)
 from te_jax.core.bundles import ROLE_OF
 from te_jax.core.grouped_dense import grouped_dense
+from te_jax.core.grouped_tiles import pad_axis
 from te_jax.ops.grouped.gemm import GROUP_ALIGN
 from te_jax.ops.sharding import MeshResource
 from te_jax.recipe.autocast import current_recipe
@@ -187,7 +188,8 @@ def ragged_dot_with_state(
                            out_sharding=out_sharding)
         return y, None if state is None else dict(state)
     sizes = _cut(group_sizes, m)
-    x, w = _padded(_widened(lhs, rhs, out.dtype), rhs, pad_multiple(q))
+    multiple = pad_multiple(q)
+    x, w = pad_axis(_widened(lhs, rhs, out.dtype), 1, multiple), pad_axis(pad_axis(rhs, 1, multiple), 2, multiple)
     try:
         y, new_state = grouped_dense(x, w, sizes, quantizers=q, state=state, key=key, mesh_resource=mesh_resource)
     except ValueError as err:  # grouped_dense's checks, named as this op (its subclasses pass as they are)
@@ -233,14 +235,3 @@ def pad_multiple(q: DenseQuantizers) -> int:
     alignment of its grouped kernels, a multiple of its block and of the CUDA kernels' K and N tiles)."""
     modes = (scaling_mode_of(getattr(q, f)) for f in ("input", "weight", "grad_output"))
     return math.lcm(1, *(GROUP_ALIGN[mode.family] for mode in modes if mode is not None))
-
-
-def _padded(lhs: jax.Array, rhs: jax.Array, multiple: int) -> tuple[jax.Array, jax.Array]:
-    """``lhs [m, k]`` and ``rhs [g, k, n]`` with K and N zero-padded to ``multiple`` (unchanged when they are)."""
-    k, n = rhs.shape[1], rhs.shape[2]
-    dk, dn = -k % multiple, -n % multiple
-    if dk:
-        lhs = jnp.pad(lhs, ((0, 0), (0, dk)))
-    if dk or dn:
-        rhs = jnp.pad(rhs, ((0, 0), (0, dk), (0, dn)))
-    return lhs, rhs
