@@ -162,11 +162,16 @@ def accumulation_of(q, dtype=jnp.float32, grouped: bool = False) -> Accumulation
     return GPU_FP8_SUMS
 
 
-def gemm_bound(x, w, ex, ew, acc: Accumulation) -> np.ndarray:
-    """docs/numerics.md's GEMM bound (before the output cast) of ``x [M, K] @ w [K, N]`` run as ``acc`` says."""
+def gemm_bound(x, w, ex, ew, acc: Accumulation, bias=None) -> np.ndarray:
+    """docs/numerics.md's GEMM bound (before the output cast) of ``x [M, K] @ w [K, N]`` run as ``acc`` says, plus
+    ``bias [N]`` when given: XLA:GPU may add it in the GEMM's accumulator (cuBLAS's C operand), so the sums'
+    roundings apply to K + 1 addends and to ``|bias|`` as well."""
     x, w = np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(w, np.float64))
     ex, ew = ex + acc.operand * (x + ex), ew + acc.operand * (w + ew)  # the operands as the multiply reads them
-    return ex @ w + x @ ew + ex @ ew + acc.term(x.shape[1]) * ((x + ex) @ (w + ew))
+    k, sums = x.shape[1], (x + ex) @ (w + ew)
+    if bias is not None:
+        k, sums = k + 1, sums + np.abs(np.asarray(bias, np.float64))
+    return ex @ w + x @ ew + ex @ ew + acc.term(k) * sums
 
 
 def assert_within(got, want, bound, out_dtype, what: str) -> None:
@@ -371,10 +376,10 @@ def mlp_exact_and_bound(q: MLPQuantizers, ln, w1, b1, w2, b2, activation: str):
     float32 rounding counts too; w1 ``[H, N1]``). Each GEMM's ``Accumulation`` follows its quantizers."""
     hid = ln @ w1 + b1
     e_h = gemm_bound(ln, w1, _ln_operand_bound(q.wi.input, ln), operand_bound(q.wi.weight, w1, True),
-                     accumulation_of(q.wi.input))
+                     accumulation_of(q.wi.input), b1)
     a, moved = activated(hid, e_h, activation)
     e_a = moved + operand_bound(q.wo.input, np.abs(a) + moved)
-    return a @ w2 + b2, gemm_bound(a, w2, e_a, operand_bound(q.wo.weight, w2, True), accumulation_of(q.wo.input))
+    return a @ w2 + b2, gemm_bound(a, w2, e_a, operand_bound(q.wo.weight, w2, True), accumulation_of(q.wo.input), b2)
 
 
 @settings(max_examples=8, **SETTINGS)
@@ -512,11 +517,11 @@ def layer_exact_and_bound(kind: str, q: DenseQuantizers, x: np.ndarray, p: dict,
     """The float64 layer of parameters ``p`` (flax's names) on ``x`` and the bound of its computed value."""
     if kind == "dense":
         ex, ew = _dense_bounds(q, x, p["kernel"])
-        return x @ p["kernel"] + p["bias"], gemm_bound(x, p["kernel"], ex, ew, accumulation_of(q.input))
+        return x @ p["kernel"] + p["bias"], gemm_bound(x, p["kernel"], ex, ew, accumulation_of(q.input), p["bias"])
     ln = _layernorm(x, p["scale"], p["ln_bias"])
     if kind == "layernorm_dense":
         bound = gemm_bound(ln, p["kernel"], _ln_operand_bound(q.input, ln), operand_bound(q.weight, p["kernel"], True),
-                           accumulation_of(q.input))
+                           accumulation_of(q.input), p["bias"])
         return ln @ p["kernel"] + p["bias"], bound
     mq = MLPQuantizers(wi=q, wo=q)
     return mlp_exact_and_bound(mq, ln, p["wi_kernel"].reshape(x.shape[1], -1), p["wi_bias"].reshape(-1),

@@ -28,6 +28,7 @@ for _path in (ROOT, ROOT / "benchmarks"):
 
 import memory_variants  # noqa: E402
 from examples.gpt.config import RunConfig  # noqa: E402
+from examples.gpt.presets import PRESETS  # noqa: E402
 
 # The tiny preset (2 blocks, H=128, F=512) at 2048 tokens: activations outweigh the parameters and their
 # optimizer state, which are the same in every variant.
@@ -67,16 +68,30 @@ def test_te_jax_without_autocast_needs_no_more_than_flax_linen(te_bf16, flax_lin
                                          f"{base_arguments} (the same parameters and optimizer state)")
 
 
+def fp8_saving_bytes() -> int:
+    """Bytes an FP8 step saves at least over the bf16 step by keeping its GEMM inputs for the backward in FP8
+    (1 byte an element) instead of bfloat16 (2): in each block the inputs of the q/k/v and output projections
+    and of the MLP's first GEMM (``[tokens, hidden]`` each) and of its second (``[tokens, mlp_hidden]``)."""
+    model = PRESETS[SHAPE["preset"]].model
+    tokens = SHAPE["batch"] * SHAPE["seq_len"]
+    return tokens * (3 * model.hidden + model.mlp_hidden) * model.layers
+
+
 @pytest.mark.parametrize("recipe", RECIPES[1:])
 def test_each_recipe_needs_less_than_flax_linen_and_te_jax_bf16(recipe, flax_linen, te_bf16):
     """The issue's target (at most 0.85x flax.linen's bf16 step), and FP8 copies kept instead of the bf16
-    inputs, never both: at most 0.75x te_jax's own bf16 step (0.63x when this test was written). CPU figures."""
+    inputs, never both: at least ``fp8_saving_bytes`` less than te_jax's own bf16 step (a step that kept both
+    would need more than the bf16 step). A ratio to the bf16 step is no bound: how far XLA shrinks the rest of
+    the step's temporaries changes between jax releases (0.63x under jax 0.10.2, 0.82x under 0.11.2). CPU
+    figures."""
     temp, arguments = step_memory(recipe)
     assert 0 < temp <= 0.85 * flax_linen[0], (f"te_jax's {recipe} train step needs {temp / 2**20:.2f} MiB of "
                                               f"temporaries, {temp / flax_linen[0]:.2f}x flax.linen's bf16 step's "
                                               f"({flax_linen[0] / 2**20:.2f} MiB; at most 0.85x)")
-    assert temp <= 0.75 * te_bf16[0], (f"te_jax's {recipe} train step needs {temp / 2**20:.2f} MiB of "
-                                       f"temporaries, {temp / te_bf16[0]:.2f}x its bf16 step's (at most 0.75x)")
+    saving = fp8_saving_bytes()
+    assert temp <= te_bf16[0] - saving, (f"te_jax's {recipe} train step needs {temp / 2**20:.2f} MiB of "
+                                         f"temporaries, its bf16 step {te_bf16[0] / 2**20:.2f} MiB: FP8 inputs "
+                                         f"kept instead of bf16 ones save at least {saving / 2**20:.2f} MiB")
     # The train state: the same parameters and optimizer state, plus a delayed recipe's FP8 state (a few
     # float32 scalars and amax histories per GEMM).
     assert arguments <= flax_linen[1] * 1.05, (f"te_jax's {recipe} train state is {arguments} bytes, "
