@@ -250,6 +250,7 @@ def main(argv=None) -> int:
         if args.sequential:
             variant.run(args.rounds * args.steps_per_round, record=True)
             results.append(variant.summary())
+            print(f"{name}: {results[-1]}", flush=True)  # what a run cut short keeps
             variant.free()
             jax.clear_caches()
         else:
