@@ -47,10 +47,15 @@ product with no contracting axis (an outer product: nothing for a GEMM to
 contract), non-float operands or output type, statistics
 (``inspect``) together with batch axes (the grouped GEMM records none).
 
-``preferred_element_type`` is the output dtype. When it is wider than the
-operands (float32 from bfloat16) the operands are widened first (exactly:
-the quantizers see the same values) and the GEMM writes float32 as lax
-would; a narrower one casts the output.
+A weight with no free axis (a vector: the dot product of two vectors, a
+matrix-vector product) gets one output column for the GEMM, dropped after
+it, so the output has lax's shape.
+
+``preferred_element_type`` is the output dtype (without it, lax's: float16
+x bfloat16 gives bfloat16, where ``jnp.result_type`` says float32). When it
+is wider than the operands (float32 from bfloat16) the operands are widened
+first (exactly: the quantizers see the same values) and the GEMM writes
+float32 as lax would; a narrower one casts the output.
 
 State, keys, statistics and the mesh axes are those of ``te_jax.dense``.
 """
@@ -108,9 +113,11 @@ def _dimension_numbers(lhs, rhs, dimension_numbers) -> tuple[tuple[int, ...], ..
     return lc, rc, lb, rb
 
 
-def _output_dtype(lhs, rhs, preferred_element_type) -> tuple[Any, Any]:
-    """``(compute dtype of the operands, output dtype)`` of a quantized product."""
-    natural = jnp.result_type(lhs.dtype, rhs.dtype)
+def _output_dtype(lhs, rhs, dimension_numbers, preferred_element_type) -> tuple[Any, Any]:
+    """``(compute dtype of the operands, output dtype)`` of a quantized product. Without a preferred type the
+    output has ``lax.dot_general``'s dtype, which is not always ``jnp.result_type``'s (float16 x bfloat16 gives
+    bfloat16, not float32)."""
+    natural = jax.eval_shape(lambda a, b: lax.dot_general(a, b, dimension_numbers), lhs, rhs).dtype
     if preferred_element_type is None:
         return natural, natural
     out = jnp.dtype(preferred_element_type)
@@ -166,8 +173,13 @@ def dot_general(
         raise ValueError(f"te_jax: {_WHERE}: dimension_numbers {dimension_numbers} contract no axis (an outer "
                          "product); te_jax's quantized GEMMs need at least one contracting axis: compute this "
                          "product outside te_jax.autocast, or give its layer a recipe role of None")
-    compute, out = _output_dtype(lhs, rhs, preferred_element_type)
+    compute, out = _output_dtype(lhs, rhs, dimension_numbers, preferred_element_type)
     lhs, rhs = lhs.astype(compute), rhs.astype(compute)
+    # A weight with no free axis (a vector, as in a dot product of two vectors) gets one output column, which
+    # the GEMMs need, dropped again after the product.
+    vector = rhs.ndim == len(rc) + len(rb)
+    if vector:
+        rhs = rhs[..., None]
     if not lb:
         y, new_state = dense(lhs, rhs, contracting_dims=(lc, rc), quantizers=q, state=state, key=key,
                              mesh_resource=mesh_resource, precision=precision, inspect=sample or False)
@@ -176,7 +188,7 @@ def dot_general(
             raise ValueError(f"te_jax: {_WHERE}: statistics (inspect) are not recorded for products with batch axes "
                              f"{lb}/{rb} (they run on the grouped GEMM); turn inspect off for this layer")
         y, new_state = _batched(lhs, rhs, lc, rc, lb, rb, q, state, key, mesh_resource)
-    return y.astype(out), new_state
+    return (y[..., 0] if vector else y).astype(out), new_state
 
 
 def _batched(lhs, rhs, lc, rc, lb, rb, q: DenseQuantizers, state, key, mesh_resource):

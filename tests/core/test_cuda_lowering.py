@@ -329,6 +329,24 @@ def test_einsum_with_batch_axes_lowers_for_cuda(recipe):
                       run=recipe in RUN_ON_CPU)
 
 
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_products_with_a_weight_vector_lower_for_cuda(recipe):
+    """A weight with no free axis (dot_general gives it one output column): a dot product of two vectors and a
+    matrix-vector product on the dense GEMM, a batch of them on the grouped GEMM (whole blocks refused)."""
+    from te_jax.core.dot_general import dot_general  # noqa: PLC0415
+
+    q = DenseQuantizers.from_recipe(RECIPES[recipe])
+    cases = (((128,), (128,), (((0,), (0,)), ((), ())), None), ((16, 128), (128,), (((1,), (0,)), ((), ())), None),
+             ((3, 16, 128), (3, 128), (((2,), (1,)), ((0,), (0,))), _expected(recipe, (128, 1))))
+    for a, b, dn, refuses in cases:
+        state = q.init_state(num_groups=a[0]) if dn[1][0] else q.init_state()
+
+        def fn(x, w, state, dn=dn):
+            return dot_general(x, w, dn, quantizers=q, state=state, key=jax.random.key(5))[0]
+
+        _lowers_alike(_grad(fn, 2), _rand(0, a), _rand(1, b, 0.1), state, refuses=refuses, run=recipe in RUN_ON_CPU)
+
+
 @pytest.mark.parametrize("recipe", list(BLOCK_VARIANTS))
 def test_float8_block_layouts_without_a_kernel_run_the_emulation_on_cuda(recipe):
     """HYBRID (E5M2 gradients) and 128x128 activation or gradient blocks: the grouped GEMMs the sm_90 kernels do

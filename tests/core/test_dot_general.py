@@ -152,6 +152,49 @@ def test_quantized_dot_general_within_fp8_bounds(case):
     assert _rel(gx, gx_hp) < 0.26 and _rel(gw, gw_hp) < 0.26
 
 
+# A weight with no free axis: dot products of vectors, matrix-vector products, a batch of them.
+VECTORS = [
+    ((32,), (32,), (((0,), (0,)), ((), ()))),
+    ((16, 32), (32,), (((1,), (0,)), ((), ()))),
+    ((3, 16, 32), (3, 32), (((2,), (1,)), ((0,), (0,)))),
+]
+
+
+@pytest.mark.parametrize("case", range(len(VECTORS)))
+def test_weight_vectors_give_lax_shapes_within_fp8_bounds(case):
+    """lax.dot_general's shape and dtype (a scalar for two vectors); each output within the E4M3 operands' bound
+    ``(2 * 2^-4 + 2^-8) |x| @ |w|`` (plus float32 sums), the input gradient likewise with E5M2 output gradients."""
+    a, b, dn = VECTORS[case]
+    lhs, rhs = _rand(case, a), _rand(30 + case, b)
+
+    def fn(x, w):
+        return dot_general(x, w, dn, quantizers=CURRENT)[0]
+
+    y = jax.jit(fn)(lhs, rhs)
+    want = lax.dot_general(lhs, rhs, dn)
+    assert y.shape == want.shape and y.dtype == want.dtype
+    scale = lax.dot_general(jnp.abs(lhs), jnp.abs(rhs), dn, precision=lax.Precision.HIGHEST)
+    assert np.all(np.abs(y - want) <= (2 * 2.0**-4 + 2.0**-8) * scale + 1e-5), (y, want)
+    gx, gw = jax.jit(jax.grad(lambda x, w: jnp.sum(fn(x, w)), (0, 1)))(lhs, rhs)  # dy = 1: exact in E5M2
+    hx, hw = jax.grad(lambda x, w: jnp.sum(lax.dot_general(x, w, dn)), (0, 1))(lhs, rhs)
+    assert gx.shape == hx.shape and gw.shape == hw.shape
+    # dy = 1 times the E4M3 copy of the other operand (for the weight's gradient summed over the input's rows)
+    assert np.all(np.abs(gx - hx) <= 2.0**-4 * np.abs(hx) + 1e-6)
+    abs_rows = jax.grad(lambda w: jnp.sum(lax.dot_general(jnp.abs(lhs), w, dn)))(rhs)
+    assert np.all(np.abs(gw - hw) <= 2.0**-4 * abs_rows + 1e-5)
+
+
+def test_mixed_operand_dtypes_give_lax_dtype():
+    """float16 x bfloat16 writes bfloat16 as lax.dot_general does (jnp.result_type would say float32)."""
+    x, w = _rand(1, (16, 32), jnp.float16), _rand(2, (32, 24), jnp.bfloat16)
+    dn = (((1,), (0,)), ((), ()))
+    for lhs, rhs in ((x, w), (w.T, x.T), (x, w.astype(jnp.float32))):
+        got, _ = dot_general(lhs, rhs, dn, quantizers=CURRENT)
+        want = lax.dot_general(lhs, rhs, dn)
+        assert got.dtype == want.dtype, (lhs.dtype, rhs.dtype, got.dtype, want.dtype)
+        assert _rel(got, want) < 0.08
+
+
 def test_quantized_without_batch_axes_is_te_jax_dense():
     x, w = _rand(1, (4, 8, 6)), _rand(2, (6, 8, 24))
     dn = (((2, 1), (0, 1)), ((), ()))
