@@ -8,7 +8,9 @@ of gradients, so apply the model with ``rngs={"quantize": key}`` and a new key
 every step).
 
 A layer's block is read from its module path (``role.path``): the first path
-component named like ``TransformerLayer_3``, ``layers_3`` or ``block_3``.
+component named like ``TransformerLayer_3``, ``layers_3`` or ``block_3``
+(Linen's names), or a number after a component named like ``layers`` or
+``blocks`` (an NNX model's list of blocks: ``("blocks", "3", ...)``).
 Layers outside numbered blocks (embedding projections, the output head) stay
 in bf16 too. Blocks inside ``nn.scan`` share one path, so unroll them to use
 this recipe.
@@ -28,15 +30,20 @@ import re
 
 from te_jax.recipe import NVFP4BlockScaling
 
-BLOCK_PATTERN = re.compile(r"^(?:.*layers?|.*blocks?|.*TransformerLayer)_(\d+)$", re.IGNORECASE)
+BLOCKS = r"(?:.*layers?|.*blocks?|.*TransformerLayers?)"
+BLOCK_PATTERN = re.compile(rf"^{BLOCKS}_(\d+)$", re.IGNORECASE)  # Linen: "layers_3"
+BLOCK_LIST = re.compile(rf"^{BLOCKS}$", re.IGNORECASE)  # NNX: "blocks", then "3"
 
 
 def block_index(path):
     """The index of the transformer block a module path lies in, or None."""
-    for name in path:
+    path = [str(name) for name in path]
+    for i, name in enumerate(path):
         match = BLOCK_PATTERN.match(name)
         if match:
             return int(match.group(1))
+        if BLOCK_LIST.match(name) and i + 1 < len(path) and path[i + 1].isdigit():
+            return int(path[i + 1])
     return None
 
 

@@ -79,7 +79,23 @@ def to_rows(stats: Mapping, **extra: Any) -> list[Row]:
                 walk(node[name], path + (str(name),))
 
     walk(stats, ())
+    if not rows and isinstance(stats, Mapping) and _leaf_names(stats):
+        raise ValueError("te_jax: inspect.to_rows: the tree holds no statistics (amax, ... per role), only "
+                         f"{sorted(_leaf_names(stats))[:6]}: it reads the 'fp8_stats' collection of a model run "
+                         "with inspect=True (grads['fp8_stats']), or nnx.state(model, te_jax.nnx.FP8Stats); FP8 "
+                         "state (FP8Meta, the 'fp8_meta' collection) has no statistics")
     return rows
+
+
+def _leaf_names(node: Any) -> set[str]:
+    """The names of a nested mapping's leaves that hold a value."""
+    names: set[str] = set()
+    for name, child in node.items():
+        if isinstance(child, Mapping):
+            names |= _leaf_names(child)
+        elif child is not None:
+            names.add(str(name))
+    return names
 
 
 def mean_over(rows: Iterable[Row], by: Sequence[str] = KEY) -> list[Row]:

@@ -152,6 +152,9 @@ def test_builtin_recipes_need_no_names():
         y = model(normal(4, (2, 8, 32)))  # every layer has its state already
     assert np.isfinite(np.asarray(y)).all()
     assert set(meta(model)) == {"blocks", "attn", "head"}
+    # FP8 state is not statistics: a clear error, not an empty table
+    with pytest.raises(ValueError, match=r"to_rows: the tree holds no statistics .*nnx.FP8Stats"):
+        te_jax.inspect.to_rows(nnx.state(model, te_nnx.FP8Meta))
 
 
 def test_inspector_rows_of_an_nnx_model_are_named_by_layer_path():
@@ -178,6 +181,7 @@ def test_inspector_rows_of_an_nnx_model_are_named_by_layer_path():
     np.testing.assert_allclose(first["amax"], float(jnp.max(jnp.abs(norm_out))), rtol=1e-6)
     assert te_jax.inspect.to_rows(nnx.to_pure_dict(nnx.state(model, te_nnx.FP8Stats))) == \
         te_jax.inspect.to_rows(nnx.state(model, te_nnx.FP8Stats))
+    assert te_jax.inspect.to_rows(nnx.state(model, te_nnx.FP8Meta)) == []  # current scaling: no state, no rows
 
 
 def test_inspector_rows_of_stacked_layers_carry_the_index():

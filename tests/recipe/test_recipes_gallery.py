@@ -77,6 +77,20 @@ def test_nvfp4_first_last_bf16_decides_by_block():
             module.make_qfactory(bad)
 
 
+def test_nvfp4_first_last_bf16_reads_an_nnx_models_block_list():
+    """An NNX model's blocks in a list have paths ("blocks", "1", ...): the number after the list's name is the
+    block (before, no block was found and every layer stayed bf16 silently)."""
+    q = _module("nvfp4_first_last_bf16").make_qfactory(4)
+    for container in ("blocks", "layers", "decoder_layers", "TransformerLayers"):
+        got = [q(R.Role("linear_input", (container, str(b), "mlp", "dot_general"))) for b in range(4)]
+        assert [isinstance(g, NVFP4Quantizer) for g in got] == [False, True, True, False], container
+    assert q(R.Role("linear_input", ("model", "blocks", "2", "attn", "query"))) is not None
+    assert q(R.Role("linear_input", ("blocks", "mlp"))) is None  # no number: outside numbered blocks
+    assert q(R.Role("linear_input", ("heads", "2", "proj"))) is None  # not a block list
+    with pytest.raises(ValueError, match=r"layer at blocks/9/mlp lies in block 9"):
+        q(R.Role("linear_input", ("blocks", "9", "mlp")))
+
+
 def test_load_recipe_takes_the_depth_from_the_caller_and_has_no_default():
     rec = R.load_recipe("nvfp4_first_last_bf16", num_layers=18)
     role = lambda block: R.Role("linear_input", (f"TransformerLayer_{block}", "mlp", "wi"))  # noqa: E731
