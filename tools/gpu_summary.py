@@ -26,12 +26,7 @@ def test_counts(progress_log: pathlib.Path) -> dict:
     """
     if not progress_log.exists():
         return {"ran": False}
-    lines = []
-    for text in progress_log.read_text(errors="replace").splitlines():
-        try:
-            lines.append(json.loads(text))
-        except json.JSONDecodeError:  # the record a killed run was writing
-            continue
+    lines = json_lines(progress_log)
     collected = max((line["collected"] for line in lines if "collected" in line), default=0)
     reports = [line for line in lines if "test" in line]
     outcome: dict[str, str] = {}
@@ -70,10 +65,18 @@ def test_lines(t: dict) -> list[str]:
 
 
 def json_lines(path: pathlib.Path) -> list[dict]:
-    """The JSON objects of a file's lines that start with "{" ([] when the file does not exist)."""
+    """The JSON objects of a file's lines that start with "{" ([] when the file does not exist), less the record a
+    killed process was writing (a line that does not parse)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    objects = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            try:
+                objects.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return objects
 
 
 def table(rows: list[dict], columns: list[str]) -> list[str]:

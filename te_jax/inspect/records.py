@@ -79,9 +79,10 @@ def to_rows(stats: Mapping, **extra: Any) -> list[Row]:
                 walk(node[name], path + (str(name),))
 
     walk(stats, ())
-    if not rows and isinstance(stats, Mapping) and _leaf_names(stats):
+    found = _leaf_names(stats) if not rows and isinstance(stats, Mapping) else set()
+    if found:
         raise ValueError("te_jax: inspect.to_rows: the tree holds no statistics (amax, ... per role), only "
-                         f"{sorted(_leaf_names(stats))[:6]}: it reads the 'fp8_stats' collection of a model run "
+                         f"{sorted(found)[:6]}: it reads the 'fp8_stats' collection of a model run "
                          "with inspect=True (grads['fp8_stats']), or nnx.state(model, te_jax.nnx.FP8Stats); FP8 "
                          "state (FP8Meta, the 'fp8_meta' collection) has no statistics")
     return rows
